@@ -1,0 +1,55 @@
+"""The PGJOBS settings dict, every key optional, with its defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from functools import cache
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+
+@dataclass(frozen=True)
+class Settings:
+    DEFAULT_QUEUE: str = "default"
+    DEFAULT_PRIORITY: int = 0
+    MAX_ATTEMPTS: int = 5
+    #: Seconds a claim holds a job before another worker may take it back.
+    LEASE: float = 30.0
+    #: Backoff before retry n: a random delay in [0, min(BACKOFF_MAX, BACKOFF_BASE * 2**(n-1))].
+    BACKOFF_BASE: float = 2.0
+    BACKOFF_MAX: float = 3600.0
+    #: Largest accepted payload, in bytes of JSON.
+    MAX_PAYLOAD_BYTES: int = 1_000_000
+    #: How many attempts' errors a job keeps in its history.
+    ERRORS_KEPT: int = 5
+    #: Wake idle workers with NOTIFY after an enqueue commits.
+    NOTIFY: bool = True
+    #: How long succeeded and cancelled jobs stay before they are pruned.
+    RETENTION: timedelta = timedelta(hours=1)
+    #: Rows deleted per prune statement.
+    PRUNE_BATCH: int = 1000
+
+
+DEFAULTS = Settings()
+_NAMES = {field.name for field in fields(Settings)}
+
+
+@cache
+def get_settings() -> Settings:
+    """The current settings: PGJOBS over the defaults."""
+    overrides: dict[str, Any] = getattr(django_settings, "PGJOBS", {})
+    return Settings(**{key: value for key, value in overrides.items() if key in _NAMES})
+
+
+def unknown_keys() -> list[str]:
+    return sorted(set(getattr(django_settings, "PGJOBS", {})) - _NAMES)
+
+
+@receiver(setting_changed)
+def _reload(*, setting: str, **kwargs: Any) -> None:
+    if setting == "PGJOBS":
+        get_settings.cache_clear()

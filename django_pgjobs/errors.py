@@ -1,0 +1,35 @@
+"""Exceptions users raise from handlers, and the ones enqueue raises on bad input."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+
+class PermanentError(Exception):
+    """Raise from a handler to fail the job at once, with no further attempts."""
+
+
+class Retry(Exception):  # noqa: N818  (a signal to the worker, not an error)
+    """Raise from a handler to run the job again later without counting it as an error.
+
+    ``delay`` is seconds or a ``timedelta``.
+    """
+
+    def __init__(self, delay: float | timedelta = 0) -> None:
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+        if not seconds >= 0:  # also refuses NaN
+            raise ValueError(f"Retry(delay=...) must be zero or more seconds, got {delay!r}.")
+        super().__init__(f"retry in {seconds:g}s")
+        self.delay = seconds
+
+
+class EnqueueError(ValueError):
+    """Bad input to enqueue; raised before anything is written."""
+
+
+class UnknownTask(EnqueueError, LookupError):  # noqa: N818
+    """The task name is not in the registry."""
+
+
+class PayloadMismatch(TypeError):
+    """The payload's keys do not fit the handler's signature (a permanent error)."""

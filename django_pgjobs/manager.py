@@ -1,0 +1,511 @@
+"""Every query that changes a job: enqueue, claim, complete, fail, release, heartbeat, reap, replay, prune.
+
+Each transition is one short statement guarded so it changes only what it should, and returns
+what it changed. Times are the database's (``statement_timestamp()``), never the app's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from django.db import connections, models, router, transaction
+from django.db.models.functions import Now
+
+from django_pgjobs import registry, validation
+from django_pgjobs.conf import get_settings
+from django_pgjobs.ids import uuid7
+from django_pgjobs.status import LIVE, Status
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Job
+    from django_pgjobs.registry import Task
+
+#: The claim's ORDER BY within one queue, and the claim index's columns after `queue`.
+#: One constant for both, so the claim stays an index range scan with no sort.
+CLAIM_ORDER = ("-priority", "run_at", "id")
+
+# Text written on the failure path must never make that write fail (a NUL byte in an error
+# message once left jobs stuck in other queues), so it is cleaned and bounded first.
+MESSAGE_LIMIT = 2000
+TRACEBACK_LIMIT = 4000
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failed attempt leaves in the job's error history."""
+
+    type: str
+    message: str
+    traceback: str = ""
+
+    def as_json(self) -> str:
+        return json.dumps(
+            {
+                "type": clean_text(self.type, 200),
+                "message": clean_text(self.message, MESSAGE_LIMIT),
+                "traceback": clean_text(self.traceback, TRACEBACK_LIMIT, keep="tail"),
+            }
+        )
+
+    @property
+    def summary(self) -> str:
+        return clean_text(f"{self.type}: {self.message}" if self.message else self.type, MESSAGE_LIMIT)
+
+
+def clean_text(text: str, limit: int, keep: str = "head") -> str:
+    """Text PostgreSQL will accept: no NUL bytes, no lone surrogates, at most `limit` characters."""
+    text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) <= limit:
+        return text
+    return "…" + text[-(limit - 1) :] if keep == "tail" else text[: limit - 1] + "…"
+
+
+# Appends one entry to the bounded error history; %(error)s is the entry's JSON, the
+# attempt, time and worker come from the row and the database clock.
+_APPEND_ERROR = """
+    jsonb_path_query_array(
+        j.errors || jsonb_build_array(
+            jsonb_build_object('attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker)
+            || %(error)s::jsonb
+        ),
+        %(keep)s::jsonpath
+    )
+"""
+
+# The columns of one enqueued job, as parallel arrays: one statement inserts one job or many.
+_INSERT = """
+    INSERT INTO pgjobs_job AS j (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+    SELECT i.id, i.queue, i.task, i.payload::jsonb, i.priority,
+           COALESCE(i.run_at, statement_timestamp() + make_interval(secs => COALESCE(i.delay, 0))),
+           i.max_attempts, i.unique_key
+    FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::text[], %s::int2[], %s::timestamptz[],
+                %s::float8[], %s::int4[], %s::text[])
+         AS i(id, queue, task, payload, priority, run_at, delay, max_attempts, unique_key)
+    ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') DO NOTHING
+    RETURNING j.id, j.run_at, j.created_at
+"""
+
+
+class JobQuerySet(models.QuerySet["Job"]):
+    # Filters: they never write.
+
+    def ready(self) -> JobQuerySet:
+        return self.filter(status=Status.READY)
+
+    def due(self) -> JobQuerySet:
+        return self.filter(status=Status.READY, run_at__lte=Now())
+
+    def running(self) -> JobQuerySet:
+        return self.filter(status=Status.RUNNING)
+
+    def expired(self) -> JobQuerySet:
+        return self.filter(status=Status.RUNNING, leased_until__lt=Now())
+
+    def dead(self) -> JobQuerySet:
+        return self.filter(status=Status.FAILED)
+
+    # Transitions over a selection of jobs; each returns how many jobs it changed.
+
+    def replay(self, *, queue: str | None = None) -> int:
+        """Failed or cancelled → ready, due now, with a fresh attempt budget. Skips other statuses,
+        and jobs whose unique_key a live job holds."""
+        changes: dict[str, Any] = {}
+        if queue is not None:
+            changes["queue"] = validation.check_queue(queue)
+        held_keys = self.model._default_manager.filter(
+            status__in=LIVE, unique_key__isnull=False
+        ).values("unique_key")
+        return (
+            self.filter(status__in=[Status.FAILED, Status.CANCELLED])
+            .exclude(unique_key__in=held_keys)
+            .update(
+                status=Status.READY,
+                attempts=0,
+                run_at=Now(),
+                finished_at=None,
+                leased_until=None,
+                **changes,
+            )
+        )
+
+    def cancel(self) -> int:
+        """Ready → cancelled. Running jobs are not interrupted (they are not selected)."""
+        return self.filter(status=Status.READY).update(status=Status.CANCELLED, finished_at=Now())
+
+    def run_now(self) -> int:
+        """Make ready jobs scheduled for later due now."""
+        return self.filter(status=Status.READY, run_at__gt=Now()).update(run_at=Now())
+
+    def prune(
+        self, *, older_than: timedelta | None = None, max_batches: int | None = None
+    ) -> int:
+        """Delete succeeded and cancelled jobs finished longer ago than `older_than`
+        (default PGJOBS["RETENTION"]), PRUNE_BATCH rows per statement; returns how many."""
+        settings = get_settings()
+        cutoff = Now() - (settings.RETENTION if older_than is None else older_than)
+        finished = self.filter(
+            status__in=[Status.SUCCEEDED, Status.CANCELLED], finished_at__lt=cutoff
+        )
+        total, batches = 0, 0
+        while max_batches is None or batches < max_batches:
+            # Bounded batches keep each transaction short and the locks few.
+            batch = finished.values("pk")[: settings.PRUNE_BATCH]
+            deleted, _ = self.model._default_manager.using(self.db).filter(pk__in=batch).delete()
+            total, batches = total + deleted, batches + 1
+            if deleted < settings.PRUNE_BATCH:
+                break
+        return total
+
+
+class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[misc]
+    """Job.objects: the seam through which every job changes state."""
+
+    # ---- enqueue -----------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        task: Task | str,
+        payload: dict[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique_key: str | None = None,
+    ) -> Job:
+        """Write one job in the caller's transaction (one INSERT on the caller's connection).
+
+        With a `unique_key` that a ready or running job already holds, nothing is written and
+        that job is returned instead.
+        """
+        row = self._row(task, payload, queue, priority, run_at, delay, max_attempts, unique_key)
+        jobs = self._insert([row])
+        if jobs:
+            return jobs[0]
+        return self.get(unique_key=unique_key, status__in=LIVE)
+
+    def bulk_enqueue(
+        self,
+        task: Task | str,
+        payloads: Iterable[dict[str, Any] | None],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        batch_size: int = 5000,
+    ) -> list[Job]:
+        """Write many jobs of one task, `batch_size` per statement. Every payload is checked
+        before anything is written."""
+        rows = [
+            self._row(task, payload, queue, priority, run_at, delay, max_attempts, None)
+            for payload in payloads
+        ]
+        jobs: list[Job] = []
+        for start in range(0, len(rows), batch_size):
+            jobs.extend(self._insert(rows[start : start + batch_size]))
+        return jobs
+
+    def _row(
+        self,
+        task_or_name: Task | str,
+        payload: dict[str, Any] | None,
+        queue: str | None,
+        priority: int | None,
+        run_at: datetime | None,
+        delay: float | timedelta | None,
+        max_attempts: int | None,
+        unique_key: str | None,
+    ) -> tuple[Any, ...]:
+        settings = get_settings()
+        task = registry.resolve(task_or_name)
+        if run_at is not None and delay is not None:
+            raise validation.EnqueueError("Pass run_at or delay, not both.")
+        return (
+            uuid7(),
+            validation.check_queue(queue or task.queue or settings.DEFAULT_QUEUE),
+            task.name,
+            validation.payload_json(payload, settings.MAX_PAYLOAD_BYTES),
+            validation.check_priority(
+                _first(priority, task.priority, settings.DEFAULT_PRIORITY)
+            ),
+            None if run_at is None else validation.check_run_at(run_at),
+            None if delay is None else validation.check_delay(delay),
+            validation.check_max_attempts(
+                _first(max_attempts, task.max_attempts, settings.MAX_ATTEMPTS)
+            ),
+            None if unique_key is None else validation.check_unique_key(unique_key),
+        )
+
+    def _insert(self, rows: list[tuple[Any, ...]]) -> list[Job]:
+        db = self._write_db()
+        with connections[db].cursor() as cursor:
+            cursor.execute(_INSERT, [list(column) for column in zip(*rows, strict=True)])
+            inserted = {row[0]: row[1:] for row in cursor.fetchall()}
+        jobs = []
+        for job_id, queue, task, payload, priority, _run_at, _delay, max_attempts, key in rows:
+            if job_id not in inserted:
+                continue  # unique_key already held by a live job
+            run_at, created_at = inserted[job_id]
+            job = self.model(
+                id=job_id, queue=queue, task=task, payload=json.loads(payload), priority=priority,
+                run_at=run_at, max_attempts=max_attempts, unique_key=key, status=Status.READY,
+                attempts=0, errors=[], last_error="", created_at=created_at,
+            )  # fmt: skip
+            job._state.adding, job._state.db = False, db
+            jobs.append(job)
+        return jobs
+
+    # ---- claim and finish ------------------------------------------------------------------
+
+    def claim(
+        self, queues: Sequence[str], *, worker: str, limit: int = 1, lease: float | None = None
+    ) -> list[Job]:
+        """Take up to `limit` due jobs from `queues`, highest priority first, then oldest run_at.
+
+        One statement: an UPDATE over a ``SELECT … FOR UPDATE SKIP LOCKED`` subquery, so
+        concurrent workers never claim the same job and never wait for each other. Each job
+        comes back running, leased to `worker` for `lease` seconds, with `attempts` counting
+        this one. Run the jobs after this returns (the claim has committed, unless the caller
+        wrapped it in its own transaction).
+        """
+        if not queues or limit < 1:
+            return []
+        db = self._write_db()
+        lease = get_settings().LEASE if lease is None else lease
+        select_sql, select_params = _claim_select(db, len(queues), limit)
+        params = [*([worker, lease]), *(_bind_queues(select_params, queues))]
+        columns = _columns(self.model)
+        sql = f"""
+            UPDATE pgjobs_job AS j
+            SET status = 'running', attempts = j.attempts + 1, worker = %s,
+                leased_until = statement_timestamp() + make_interval(secs => %s)
+            WHERE j.id IN ({select_sql})
+            RETURNING {", ".join("j." + c for c in columns)}
+        """
+        with connections[db].cursor() as cursor:
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+        jobs = [_from_row(self.model, db, columns, row) for row in rows]
+        jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
+        return jobs
+
+    def complete(self, job: Job) -> bool:
+        """Record success. False means the lease ran out and another worker owns the job now."""
+        return job.pk in self.complete_many([job])
+
+    def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
+        """Record success for many jobs of one worker in one statement; returns the ids it still
+        owned (the others were reaped and possibly claimed again: their outcome is not ours)."""
+        return self._guarded(
+            jobs,
+            "status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL",
+        )
+
+    def release(self, jobs: Sequence[Job]) -> set[UUID]:
+        """Running → ready without spending an attempt (a worker shutting down)."""
+        return self._guarded(
+            jobs, "status = 'ready', attempts = j.attempts - 1, leased_until = NULL"
+        )
+
+    def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
+        """Extend the lease of a worker's running jobs by `lease` seconds from now; returns the
+        ids still owned. Touches only unindexed columns, so the update can be HOT."""
+        lease = get_settings().LEASE if lease is None else lease
+        return self._guarded(
+            jobs, "leased_until = statement_timestamp() + make_interval(secs => %s)", [lease]
+        )
+
+    def retry_later(self, job: Job, delay: float) -> bool:
+        """The handler asked to run again in `delay` seconds: ready again, attempt not counted."""
+        return job.pk in self._guarded(
+            [job],
+            "status = 'ready', attempts = j.attempts - 1, leased_until = NULL, "
+            "run_at = statement_timestamp() + make_interval(secs => %s)",
+            [delay],
+        )
+
+    def fail(self, job: Job, failure: Failure, *, permanent: bool, delay: float) -> str | None:
+        """Record a failed attempt: back to ready in `delay` seconds while attempts remain and the
+        error is not permanent, else failed (the dead letter). Returns the new status, or None
+        when this worker no longer owned the job."""
+        settings = get_settings()
+        sql = f"""
+            UPDATE pgjobs_job AS j SET
+                status = CASE WHEN %(dead)s THEN 'failed' ELSE 'ready' END,
+                finished_at = CASE WHEN %(dead)s THEN statement_timestamp() END,
+                run_at = CASE WHEN %(dead)s THEN j.run_at
+                              ELSE statement_timestamp() + make_interval(secs => %(delay)s) END,
+                leased_until = NULL,
+                last_error = %(summary)s,
+                errors = {_APPEND_ERROR}
+            WHERE j.id = %(id)s AND j.status = 'running' AND j.worker = %(worker)s
+              AND j.attempts = %(attempts)s
+            RETURNING j.status
+        """
+        dead = "(%(permanent)s OR j.attempts >= j.max_attempts)"
+        params = {
+            "permanent": permanent,
+            "delay": delay,
+            "summary": failure.summary,
+            "error": failure.as_json(),
+            "keep": _keep_last(settings.ERRORS_KEPT),
+            "id": job.pk,
+            "worker": job.worker,
+            "attempts": job.attempts,
+        }
+        with connections[self._write_db()].cursor() as cursor:
+            cursor.execute(sql.replace("%(dead)s", dead), params)
+            row = cursor.fetchone()
+        return row[0] if row else None
+
+    def reap(self, *, limit: int = 1000) -> tuple[int, int]:
+        """Take back running jobs whose lease expired: to ready (after a backoff), or to failed
+        when no attempts remain, recording "lease expired" as the attempt's error. Safe to run
+        from every worker at once (SKIP LOCKED). Returns (returned to ready, failed)."""
+        settings = get_settings()
+        sql = f"""
+            WITH expired AS (
+                SELECT id FROM pgjobs_job
+                WHERE status = 'running' AND leased_until < statement_timestamp()
+                LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+            )
+            UPDATE pgjobs_job AS j SET
+                status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
+                finished_at = CASE WHEN j.attempts >= j.max_attempts THEN statement_timestamp() END,
+                run_at = statement_timestamp() + make_interval(
+                    secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
+                leased_until = NULL,
+                last_error = 'WorkerLost: lease expired while held by ' || j.worker,
+                errors = {_APPEND_ERROR}
+            FROM expired
+            WHERE j.id = expired.id AND j.status = 'running'
+              AND j.leased_until < statement_timestamp()
+            RETURNING j.status
+        """
+        error = Failure(
+            "WorkerLost",
+            "lease expired: the worker holding the job died, hung or lost its connection",
+        )
+        params = {
+            "limit": limit,
+            "cap": settings.BACKOFF_MAX,
+            "base": settings.BACKOFF_BASE,
+            "error": error.as_json(),
+            "keep": _keep_last(settings.ERRORS_KEPT),
+        }
+        with connections[self._write_db()].cursor() as cursor:
+            cursor.execute(sql, params)
+            statuses = [status for (status,) in cursor.fetchall()]
+        failed = statuses.count(Status.FAILED)
+        return len(statuses) - failed, failed
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _guarded(
+        self, jobs: Sequence[Job], assignments: str, params: Sequence[Any] = ()
+    ) -> set[UUID]:
+        """Apply `assignments` to those of `jobs` this worker still owns, in one statement.
+
+        The guard is the claim itself — (id, running, worker, attempts) — so a worker whose
+        lease expired cannot overwrite the attempt that replaced it.
+        """
+        if not jobs:
+            return set()
+        workers = {job.worker for job in jobs}
+        if len(workers) != 1:
+            raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, workers))}")
+        sql = f"""
+            UPDATE pgjobs_job AS j SET {assignments}
+            FROM unnest(%s::uuid[], %s::int4[]) AS mine(id, attempts)
+            WHERE j.id = mine.id AND j.attempts = mine.attempts
+              AND j.status = 'running' AND j.worker = %s
+            RETURNING j.id
+        """
+        with connections[self._write_db()].cursor() as cursor:
+            cursor.execute(
+                sql,
+                [*params, [job.pk for job in jobs], [job.attempts for job in jobs], workers.pop()],
+            )
+            return {job_id for (job_id,) in cursor.fetchall()}
+
+    def _write_db(self) -> str:
+        return self._db or router.db_for_write(self.model)
+
+
+def _first(*values: Any) -> Any:
+    return next(value for value in values if value is not None)
+
+
+def _keep_last(count: int) -> str:
+    return f"$[last - {max(count, 1) - 1} to last]"
+
+
+@lru_cache(maxsize=512)
+def _claim_select(db: str, queue_count: int, limit: int) -> tuple[str, tuple[Any, ...]]:
+    """The SELECT of due job ids that the claim locks, compiled by the ORM once per shape.
+
+    One subquery per queue, each ordered like the claim index so it is an index range scan that
+    stops after `limit` rows; with several queues, the few rows they return are merged by the
+    same order. Queue names stay bound parameters (placeholders for them are returned as
+    _QUEUE and filled in by _bind_queues).
+    """
+    from django_pgjobs.models import Job
+
+    def per_queue(columns: Sequence[str]) -> tuple[str, tuple[Any, ...]]:
+        queryset = (
+            Job.objects.using(db)
+            .filter(status=Status.READY, queue=_QUEUE, run_at__lte=Now())
+            .order_by(*CLAIM_ORDER)
+            .select_for_update(skip_locked=True)
+            .values_list(*columns)[:limit]
+        )
+        # The compiler refuses FOR UPDATE outside a transaction; the claim runs as one
+        # statement, which is its own transaction.
+        with transaction.atomic(using=db):
+            sql, params = queryset.query.get_compiler(using=db).as_sql()
+        return sql, tuple(params)
+
+    if queue_count == 1:
+        return per_queue(["id"])
+    part_sql, part_params = per_queue(["id", "priority", "run_at"])
+    names = [f"q{n}" for n in range(queue_count)]
+    ctes = ", ".join(f"{name} AS ({part_sql})" for name in names)
+    union = " UNION ALL ".join(f"SELECT * FROM {name}" for name in names)
+    sql = (
+        f"WITH {ctes} SELECT id FROM ({union}) AS due(id, priority, run_at) "
+        f"ORDER BY priority DESC, run_at, id LIMIT {int(limit)}"
+    )
+    return sql, part_params * queue_count
+
+
+# Stands for a queue name in the cached claim SQL's parameters (never a valid queue name).
+_QUEUE = "<queue placeholder>"
+
+
+def _bind_queues(params: tuple[Any, ...], queues: Sequence[str]) -> list[Any]:
+    names = iter(queues)
+    return [next(names) if param == _QUEUE else param for param in params]
+
+
+@lru_cache(maxsize=8)
+def _columns(model: type[Job]) -> tuple[str, ...]:
+    return tuple(field.column for field in model._meta.concrete_fields)
+
+
+def _from_row(model: type[Job], db: str, columns: Sequence[str], row: Sequence[Any]) -> Job:
+    connection = connections[db]
+    values = []
+    for field, value in zip(model._meta.concrete_fields, row, strict=True):
+        if hasattr(field, "from_db_value"):
+            value = field.from_db_value(value, None, connection)
+        values.append(value)
+    return model.from_db(db, [f.attname for f in model._meta.concrete_fields], values)

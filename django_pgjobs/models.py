@@ -1,0 +1,97 @@
+"""The Job table: one row per job, its statuses, constraints and indexes."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils.translation import gettext_lazy as _
+
+from django_pgjobs.ids import uuid7
+from django_pgjobs.manager import CLAIM_ORDER, JobManager
+from django_pgjobs.status import FINISHED, LIVE, Status
+from django_pgjobs.validation import MAX_PRIORITY, MIN_PRIORITY
+
+class Job(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
+    queue = models.CharField(max_length=100)
+    task = models.CharField(max_length=200)
+    payload = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=10, choices=Status.choices, db_default=Status.READY)
+    priority = models.SmallIntegerField(default=0, db_default=0)
+    run_at = models.DateTimeField(db_default=Now())
+    attempts = models.IntegerField(default=0, db_default=0)
+    max_attempts = models.IntegerField()
+    leased_until = models.DateTimeField(null=True, blank=True)
+    worker = models.CharField(max_length=200, null=True, blank=True)
+    last_error = models.TextField(blank=True, default="", db_default="")
+    errors = models.JSONField(default=list, db_default=[], blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    finished_at = models.DateTimeField(null=True, blank=True)
+    unique_key = models.CharField(max_length=200, null=True, blank=True)
+
+    objects: ClassVar[JobManager] = JobManager()
+
+    class Meta:
+        verbose_name = _("job")
+        verbose_name_plural = _("jobs")
+        permissions = [
+            ("replay_job", _("Can replay failed or cancelled jobs")),
+            ("cancel_job", _("Can cancel ready jobs")),
+        ]
+        indexes = [
+            models.Index(
+                fields=["queue", *CLAIM_ORDER],
+                name="pgjobs_job_claim_idx",
+                condition=Q(status=Status.READY),
+            ),
+            # The reaper's index. Keyed on `worker`, not `leased_until`: a heartbeat then
+            # touches no indexed column and can be a HOT update.
+            models.Index(
+                fields=["worker"],
+                name="pgjobs_job_running_idx",
+                condition=Q(status=Status.RUNNING),
+            ),
+            # Dead letters, newest first, without scanning the finished history.
+            models.Index(
+                fields=["-id"],
+                name="pgjobs_job_dead_idx",
+                condition=Q(status=Status.FAILED),
+            ),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(status__in=Status.values), name="pgjobs_job_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(priority__gte=MIN_PRIORITY, priority__lte=MAX_PRIORITY),
+                name="pgjobs_job_priority_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(attempts__gte=0) & Q(max_attempts__gte=1),
+                name="pgjobs_job_attempts_valid",
+            ),
+            models.CheckConstraint(
+                condition=~Q(status=Status.RUNNING) | Q(leased_until__isnull=False),
+                name="pgjobs_job_running_has_lease",
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=FINISHED, finished_at__isnull=False)
+                | Q(status__in=LIVE, finished_at__isnull=True),
+                name="pgjobs_job_finished_iff_finished_at",
+            ),
+            models.UniqueConstraint(
+                fields=["unique_key"],
+                condition=Q(status__in=LIVE),
+                name="pgjobs_job_unique_key_live",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task} [{self.short_id}] {self.status}"
+
+    @property
+    def short_id(self) -> str:
+        return self.id.hex[-12:]

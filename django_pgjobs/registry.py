@@ -1,0 +1,190 @@
+"""The task registry: @task, Task objects and lookup by name. Only registered tasks ever run."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, overload
+
+from django_pgjobs.errors import EnqueueError, UnknownTask
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Job
+
+Backoff = Callable[[int], float]
+"""Seconds to wait before the next try, given the number of attempts made so far."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """A registered handler and its defaults. Call it to run the function directly."""
+
+    func: Callable[..., Any]
+    name: str
+    queue: str | None = None
+    priority: int | None = None
+    max_attempts: int | None = None
+    backoff: Backoff | None = None
+    lease: float | None = None
+    permanent_errors: tuple[type[BaseException], ...] = ()
+    #: Payload keys shown as "[redacted]" in the admin and in logs.
+    redact: frozenset[str] = field(default_factory=frozenset)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.func(*args, **kwargs)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.func)
+
+    def enqueue(self, **kwargs: Any) -> Job:
+        """Enqueue one job with these keyword arguments as its payload."""
+        return TaskCall(self).enqueue(**kwargs)
+
+    def using(
+        self,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique_key: str | None = None,
+    ) -> TaskCall:
+        """Options for the next enqueue: ``my_task.using(delay=60).enqueue(user_id=1)``."""
+        return TaskCall(
+            self,
+            {
+                "queue": queue,
+                "priority": priority,
+                "run_at": run_at,
+                "delay": delay,
+                "max_attempts": max_attempts,
+                "unique_key": unique_key,
+            },
+        )
+
+    def redacted(self, payload: Any) -> Any:
+        """The payload as it may be shown to people: the task's `redact` keys masked."""
+        if not self.redact or not isinstance(payload, Mapping):
+            return payload
+        return {k: "[redacted]" if k in self.redact else v for k, v in payload.items()}
+
+
+@dataclass(frozen=True)
+class TaskCall:
+    task: Task
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def enqueue(self, **kwargs: Any) -> Job:
+        from django_pgjobs.models import Job
+
+        return Job.objects.enqueue(self.task, kwargs, **self.options)
+
+
+_registry: dict[str, Task] = {}
+
+
+@overload
+def task(func: Callable[..., Any], /) -> Task: ...
+@overload
+def task(
+    *,
+    name: str | None = None,
+    queue: str | None = None,
+    priority: int | None = None,
+    max_attempts: int | None = None,
+    backoff: Backoff | None = None,
+    lease: float | None = None,
+    permanent_errors: Collection[type[BaseException]] = (),
+    redact: Collection[str] = (),
+) -> Callable[[Callable[..., Any]], Task]: ...
+def task(
+    func: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    queue: str | None = None,
+    priority: int | None = None,
+    max_attempts: int | None = None,
+    backoff: Backoff | None = None,
+    lease: float | None = None,
+    permanent_errors: Collection[type[BaseException]] = (),
+    redact: Collection[str] = (),
+) -> Task | Callable[[Callable[..., Any]], Task]:
+    """Register a function as a task, by default under its dotted path ``module.function``.
+
+    Use bare (``@task``) or with options (``@task(queue="emails", max_attempts=10)``).
+    """
+
+    def register(func: Callable[..., Any]) -> Task:
+        if queue is not None:
+            from django_pgjobs.validation import check_queue
+
+            check_queue(queue)
+        if lease is not None and not lease > 0:
+            raise ValueError(f"@task(lease=...) must be a positive number of seconds, got {lease!r}.")
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError(f"@task(max_attempts=...) must be 1 or more, got {max_attempts!r}.")
+        registered = Task(
+            func=func,
+            name=name or f"{func.__module__}.{func.__qualname__}",
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            backoff=backoff,
+            lease=lease,
+            permanent_errors=tuple(permanent_errors),
+            redact=frozenset(redact),
+        )
+        existing = _registry.get(registered.name)
+        if existing is not None and existing.func is not func and not _same_function(existing, func):
+            raise ValueError(
+                f"Two tasks are registered as {registered.name!r}: "
+                f"{existing.func!r} and {func!r}. Give one a different name=."
+            )
+        _registry[registered.name] = registered
+        return registered
+
+    return register(func) if func is not None else register
+
+
+def _same_function(existing: Task, func: Callable[..., Any]) -> bool:
+    # A module imported twice (e.g. reloaded by the autoreloader) re-registers the same function.
+    return (existing.func.__module__, existing.func.__qualname__) == (
+        func.__module__,
+        func.__qualname__,
+    )
+
+
+def get_task(name: str) -> Task:
+    """The registered task called `name`; UnknownTask if there is none. Never imports anything."""
+    try:
+        return _registry[name]
+    except KeyError:
+        raise UnknownTask(
+            f"No task is registered as {name!r}. Decorate the function with @task in an "
+            f"installed app's tasks module (registered tasks: {_known()})."
+        ) from None
+
+
+def resolve(task_or_name: Task | str) -> Task:
+    if isinstance(task_or_name, Task):
+        return get_task(task_or_name.name)
+    if isinstance(task_or_name, str):
+        return get_task(task_or_name)
+    raise EnqueueError(
+        f"task must be a registered task name or a @task function, got {type(task_or_name).__name__}."
+    )
+
+
+def all_tasks() -> dict[str, Task]:
+    return dict(_registry)
+
+
+def _known() -> str:
+    names = sorted(_registry)
+    shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+    return shown or "none"

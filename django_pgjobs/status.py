@@ -1,0 +1,26 @@
+"""The job state machine.
+
+    ready ──claim──▶ running ──complete──▶ succeeded
+      ▲  │             │ │
+      │  │             │ └──fail (attempts left) / retry_later / release / reap──▶ ready
+      │  │             └────fail (permanent or out of attempts) / reap (out of attempts)──▶ failed
+      │  └──cancel──▶ cancelled
+      └──replay── failed | cancelled
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+
+class Status(models.TextChoices):
+    READY = "ready", _("ready")
+    RUNNING = "running", _("running")
+    SUCCEEDED = "succeeded", _("succeeded")
+    FAILED = "failed", _("failed")
+    CANCELLED = "cancelled", _("cancelled")
+
+
+FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+LIVE = (Status.READY, Status.RUNNING)

@@ -1,0 +1,125 @@
+"""Checks on what enqueue is given, each raising a specific EnqueueError before anything is written."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import datetime, timedelta
+from typing import Any
+
+from django_pgjobs.errors import EnqueueError
+
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}")
+
+
+def check_queue(queue: Any) -> str:
+    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+        raise EnqueueError(
+            f"queue={queue!r} is not a valid queue name: use 1 to 100 letters, digits, '_', '.', "
+            "':' or '-', starting with a letter or digit."
+        )
+    return queue
+
+
+def check_priority(priority: Any) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise EnqueueError(f"priority={priority!r} must be an integer.")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise EnqueueError(
+            f"priority={priority} is out of range: use {MIN_PRIORITY}..{MAX_PRIORITY} "
+            "(higher runs first)."
+        )
+    return priority
+
+
+def check_max_attempts(max_attempts: Any) -> int:
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise EnqueueError(f"max_attempts={max_attempts!r} must be an integer of 1 or more.")
+    return max_attempts
+
+
+def check_run_at(run_at: Any) -> datetime:
+    if not isinstance(run_at, datetime):
+        raise EnqueueError(f"run_at={run_at!r} must be a timezone-aware datetime.")
+    if run_at.tzinfo is None or run_at.utcoffset() is None:
+        raise EnqueueError(
+            f"run_at={run_at!r} is a naive datetime; pass an aware one "
+            "(django.utils.timezone.now() + ..., or datetime(..., tzinfo=...))."
+        )
+    return run_at
+
+
+def check_delay(delay: Any) -> float:
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise EnqueueError(f"delay={delay!r} must be seconds (a number) or a timedelta.")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise EnqueueError(f"delay={delay!r} must be a finite, non-negative number of seconds.")
+    return float(seconds)
+
+
+def check_unique_key(unique_key: Any) -> str:
+    if not isinstance(unique_key, str) or not 1 <= len(unique_key) <= 200:
+        raise EnqueueError(f"unique_key={unique_key!r} must be a string of 1 to 200 characters.")
+    _check_text(unique_key, "unique_key")
+    return unique_key
+
+
+def payload_json(payload: Any, max_bytes: int) -> str:
+    """The payload as JSON text, after checking that it survives a round trip through jsonb."""
+    if payload is None:
+        payload = {}
+    if not isinstance(payload, dict):
+        raise EnqueueError(
+            f"payload must be a JSON object (a dict of keyword arguments), got {type(payload).__name__}."
+        )
+    _check_value(payload, "payload")
+    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    size = len(text.encode())
+    if size > max_bytes:
+        raise EnqueueError(
+            f"payload is {size:,} bytes of JSON, over the limit of {max_bytes:,} "
+            "(PGJOBS['MAX_PAYLOAD_BYTES']). Store large data elsewhere and pass its id."
+        )
+    return text
+
+
+def _check_value(value: Any, path: str) -> None:
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise EnqueueError(f"{path} is {value!r}, which JSON cannot represent.")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise EnqueueError(
+                    f"{path} has the key {key!r} ({type(key).__name__}); JSON object keys "
+                    "must be strings."
+                )
+            _check_text(key, f"{path} key {key!r}")
+            _check_value(item, f"{path}[{key!r}]")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_value(item, f"{path}[{index}]")
+    else:
+        raise EnqueueError(
+            f"{path} is a {type(value).__name__}, which does not survive JSON: pass "
+            "str, int, float, bool, None, list or dict (e.g. an ISO string for a datetime, "
+            "a list for a tuple or set, a primary key for a model instance)."
+        )
+
+
+def _check_text(text: str, path: str) -> None:
+    if "\x00" in text:
+        raise EnqueueError(f"{path} contains a NUL character (\\u0000), which jsonb cannot store.")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise EnqueueError(
+            f"{path} contains a lone surrogate, which is not valid Unicode text."
+        ) from None

@@ -1,0 +1,43 @@
+"""Shared fixtures: a second database connection and waiting with a deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+
+
+def connection_kwargs() -> dict[str, Any]:
+    """psycopg connect() arguments for the database the tests use (the test database)."""
+    settings = connection.settings_dict
+    kwargs = {
+        "dbname": settings["NAME"],
+        "user": settings["USER"] or None,
+        "password": settings["PASSWORD"] or None,
+        "host": settings["HOST"] or None,
+        "port": settings["PORT"] or None,
+    }
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
+@pytest.fixture
+def other_connection(transactional_db: None) -> Iterator[psycopg.Connection[Any]]:
+    """A second, independent session on the test database (autocommit)."""
+    with psycopg.connect(**connection_kwargs(), autocommit=True) as other:
+        yield other
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+        time.sleep(interval)

@@ -1,0 +1,79 @@
+"""Every task the tests use, registered the way a user's app registers them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+
+from django.core.exceptions import ObjectDoesNotExist
+
+from django_pgjobs import PermanentError, Retry, task
+
+calls: Counter[str] = Counter()
+_lock = threading.Lock()
+
+
+def _count(name: str) -> None:
+    with _lock:
+        calls[name] += 1
+
+
+@task
+def noop() -> None:
+    _count("noop")
+
+
+@task(queue="emails", priority=10, max_attempts=7)
+def send_email(to: str, subject: str = "") -> None:
+    _count("send_email")
+
+
+@task(max_attempts=3)
+def always_fails() -> None:
+    raise RuntimeError("boom")
+
+
+@task
+def fails_permanently() -> None:
+    raise PermanentError("bad data")
+
+
+@task
+def missing_object() -> None:
+    raise ObjectDoesNotExist("Order matching query does not exist.")
+
+
+class BadInput(Exception):
+    pass
+
+
+@task(permanent_errors=[BadInput])
+def raises_task_permanent() -> None:
+    raise BadInput("no retry for this")
+
+
+@task
+def asks_to_retry(seconds: float = 30) -> None:
+    raise Retry(delay=seconds)
+
+
+@task
+def exits() -> None:
+    raise SystemExit(3)
+
+
+@task
+def interrupts() -> None:
+    raise KeyboardInterrupt
+
+
+@task
+async def async_noop(value: int) -> None:
+    await asyncio.sleep(0)
+    _count(f"async_noop:{value}")
+
+
+@task(name="custom.name", redact=["password"])
+def named(password: str = "") -> None:
+    _count("named")
