@@ -74,8 +74,17 @@ def _start_with_binaries_on_path() -> Path:
     status = subprocess.run(["pg_ctl", "-D", str(PGDATA), "status"], capture_output=True)
     if status.returncode != 0:
         subprocess.run(
-            ["pg_ctl", "-D", str(PGDATA), "-w", "-l", str(PGDATA / "log"), "-o",
-             f"-h '' -k {PGDATA}", "start"],
+            [
+                "pg_ctl",
+                "-D",
+                str(PGDATA),
+                "-w",
+                "-l",
+                str(PGDATA / "log"),
+                "-o",
+                f"-h '' -k {PGDATA}",
+                "start",
+            ],
             check=True,
             capture_output=True,
         )
@@ -105,8 +114,9 @@ def stop_embedded() -> None:
 def _create_database(socket_dir: Path) -> None:
     import psycopg
 
-    with psycopg.connect(host=str(socket_dir), user="postgres", dbname="postgres",
-                         autocommit=True) as connection:
+    with psycopg.connect(
+        host=str(socket_dir), user="postgres", dbname="postgres", autocommit=True
+    ) as connection:
         exists = connection.execute(
             "SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE_NAME]
         ).fetchone()

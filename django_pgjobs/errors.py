@@ -9,7 +9,7 @@ class PermanentError(Exception):
     """Raise from a handler to fail the job at once, with no further attempts."""
 
 
-class Retry(Exception):  # noqa: N818  (a signal to the worker, not an error)
+class Retry(Exception):
     """Raise from a handler to run the job again later without counting it as an error.
 
     ``delay`` is seconds or a ``timedelta``.
@@ -27,7 +27,7 @@ class EnqueueError(ValueError):
     """Bad input to enqueue; raised before anything is written."""
 
 
-class UnknownTask(EnqueueError, LookupError):  # noqa: N818
+class UnknownTask(EnqueueError, LookupError):
     """The task name is not in the registry."""
 
 

@@ -56,7 +56,7 @@ def run(job: Job) -> Outcome:
             task.func(**job.payload)
     except Retry as retry:
         return Outcome(Result.RETRY, delay=retry.delay)
-    except BaseException as error:  # noqa: BLE001  (a handler must never take the worker down)
+    except BaseException as error:
         settings = get_settings()
         backoff = task.backoff or ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX)
         return Outcome(
@@ -96,6 +96,10 @@ def _check_arguments(task: registry.Task, payload: object) -> None:
 
 def _failure(error: BaseException, *, with_traceback: bool = True) -> Failure:
     kind = type(error)
-    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
     tail = "".join(traceback.format_exception(error)) if with_traceback else ""
     return Failure(type=name, message=str(error), traceback=tail)

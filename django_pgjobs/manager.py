@@ -1,4 +1,4 @@
-"""Every query that changes a job: enqueue, claim, complete, fail, release, heartbeat, reap, replay, prune.
+"""Every query that changes a job: enqueue, claim, complete, fail, release, reap, replay, prune.
 
 Each transition is one short statement guarded so it changes only what it should, and returns
 what it changed. Times are the database's (``statement_timestamp()``), never the app's.
@@ -19,6 +19,7 @@ from django.db.models.functions import Now
 
 from django_pgjobs import registry, validation
 from django_pgjobs.conf import get_settings
+from django_pgjobs.errors import EnqueueError
 from django_pgjobs.ids import uuid7
 from django_pgjobs.status import LIVE, Status
 
@@ -55,7 +56,9 @@ class Failure:
 
     @property
     def summary(self) -> str:
-        return clean_text(f"{self.type}: {self.message}" if self.message else self.type, MESSAGE_LIMIT)
+        return clean_text(
+            f"{self.type}: {self.message}" if self.message else self.type, MESSAGE_LIMIT
+        )
 
 
 def clean_text(text: str, limit: int, keep: str = "head") -> str:
@@ -71,7 +74,9 @@ def clean_text(text: str, limit: int, keep: str = "head") -> str:
 _APPEND_ERROR = """
     jsonb_path_query_array(
         j.errors || jsonb_build_array(
-            jsonb_build_object('attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker)
+            jsonb_build_object(
+                'attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker
+            )
             || %(error)s::jsonb
         ),
         %(keep)s::jsonpath
@@ -80,7 +85,8 @@ _APPEND_ERROR = """
 
 # The columns of one enqueued job, as parallel arrays: one statement inserts one job or many.
 _INSERT = """
-    INSERT INTO pgjobs_job AS j (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+    INSERT INTO pgjobs_job AS j
+        (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
     SELECT i.id, i.queue, i.task, i.payload::jsonb, i.priority,
            COALESCE(i.run_at, statement_timestamp() + make_interval(secs => COALESCE(i.delay, 0))),
            i.max_attempts, i.unique_key
@@ -142,9 +148,7 @@ class JobQuerySet(models.QuerySet["Job"]):
         """Make ready jobs scheduled for later due now."""
         return self.filter(status=Status.READY, run_at__gt=Now()).update(run_at=Now())
 
-    def prune(
-        self, *, older_than: timedelta | None = None, max_batches: int | None = None
-    ) -> int:
+    def prune(self, *, older_than: timedelta | None = None, max_batches: int | None = None) -> int:
         """Delete succeeded and cancelled jobs finished longer ago than `older_than`
         (default PGJOBS["RETENTION"]), PRUNE_BATCH rows per statement; returns how many."""
         settings = get_settings()
@@ -189,7 +193,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         jobs = self._insert([row])
         if jobs:
             return jobs[0]
-        return self.get(unique_key=unique_key, status__in=LIVE)
+        existing: Job = self.get(unique_key=unique_key, status__in=LIVE)
+        return existing
 
     def bulk_enqueue(
         self,
@@ -228,15 +233,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         settings = get_settings()
         task = registry.resolve(task_or_name)
         if run_at is not None and delay is not None:
-            raise validation.EnqueueError("Pass run_at or delay, not both.")
+            raise EnqueueError("Pass run_at or delay, not both.")
         return (
             uuid7(),
             validation.check_queue(queue or task.queue or settings.DEFAULT_QUEUE),
             task.name,
             validation.payload_json(payload, settings.MAX_PAYLOAD_BYTES),
-            validation.check_priority(
-                _first(priority, task.priority, settings.DEFAULT_PRIORITY)
-            ),
+            validation.check_priority(_first(priority, task.priority, settings.DEFAULT_PRIORITY)),
             None if run_at is None else validation.check_run_at(run_at),
             None if delay is None else validation.check_delay(delay),
             validation.check_max_attempts(
@@ -352,7 +355,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             RETURNING j.status
         """
         dead = "(%(permanent)s OR j.attempts >= j.max_attempts)"
-        params = {
+        params: dict[str, Any] = {
             "permanent": permanent,
             "delay": delay,
             "summary": failure.summary,
@@ -395,7 +398,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             "WorkerLost",
             "lease expired: the worker holding the job died, hung or lost its connection",
         )
-        params = {
+        params: dict[str, Any] = {
             "limit": limit,
             "cap": settings.BACKOFF_MAX,
             "base": settings.BACKOFF_BASE,
@@ -498,7 +501,7 @@ def _bind_queues(params: tuple[Any, ...], queues: Sequence[str]) -> list[Any]:
 
 @lru_cache(maxsize=8)
 def _columns(model: type[Job]) -> tuple[str, ...]:
-    return tuple(field.column for field in model._meta.concrete_fields)
+    return tuple(str(field.column) for field in model._meta.concrete_fields)
 
 
 def _from_row(model: type[Job], db: str, columns: Sequence[str], row: Sequence[Any]) -> Job:

@@ -14,6 +14,7 @@ from django_pgjobs.manager import CLAIM_ORDER, JobManager
 from django_pgjobs.status import FINISHED, LIVE, Status
 from django_pgjobs.validation import MAX_PRIORITY, MIN_PRIORITY
 
+
 class Job(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     queue = models.CharField(max_length=100)

@@ -125,7 +125,9 @@ def task(
 
             check_queue(queue)
         if lease is not None and not lease > 0:
-            raise ValueError(f"@task(lease=...) must be a positive number of seconds, got {lease!r}.")
+            raise ValueError(
+                f"@task(lease=...) must be a positive number of seconds, got {lease!r}."
+            )
         if max_attempts is not None and max_attempts < 1:
             raise ValueError(f"@task(max_attempts=...) must be 1 or more, got {max_attempts!r}.")
         registered = Task(
@@ -140,7 +142,11 @@ def task(
             redact=frozenset(redact),
         )
         existing = _registry.get(registered.name)
-        if existing is not None and existing.func is not func and not _same_function(existing, func):
+        if (
+            existing is not None
+            and existing.func is not func
+            and not _same_function(existing, func)
+        ):
             raise ValueError(
                 f"Two tasks are registered as {registered.name!r}: "
                 f"{existing.func!r} and {func!r}. Give one a different name=."
@@ -176,7 +182,8 @@ def resolve(task_or_name: Task | str) -> Task:
     if isinstance(task_or_name, str):
         return get_task(task_or_name)
     raise EnqueueError(
-        f"task must be a registered task name or a @task function, got {type(task_or_name).__name__}."
+        "task must be a registered task name or a @task function, "
+        f"got {type(task_or_name).__name__}."
     )
 
 

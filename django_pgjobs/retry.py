@@ -31,13 +31,15 @@ class ExponentialBackoff:
     cap: float = 3600.0
 
     def ceiling(self, attempts: int) -> float:
-        return min(self.cap, self.base * 2 ** min(max(attempts - 1, 0), 62))
+        return min(self.cap, self.base * 2.0 ** min(max(attempts - 1, 0), 62))
 
     def __call__(self, attempts: int) -> float:
         return random.uniform(0, self.ceiling(attempts))
 
 
-def is_permanent(error: BaseException, task_permanent: tuple[type[BaseException], ...] = ()) -> bool:
+def is_permanent(
+    error: BaseException, task_permanent: tuple[type[BaseException], ...] = ()
+) -> bool:
     """True when retrying cannot help: our PERMANENT list or the task's own permanent_errors.
 
     Everything else is transient, including database connection, serialization-failure and

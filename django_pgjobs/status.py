@@ -1,11 +1,11 @@
 """The job state machine.
 
-    ready ──claim──▶ running ──complete──▶ succeeded
-      ▲  │             │ │
-      │  │             │ └──fail (attempts left) / retry_later / release / reap──▶ ready
-      │  │             └────fail (permanent or out of attempts) / reap (out of attempts)──▶ failed
-      │  └──cancel──▶ cancelled
-      └──replay── failed | cancelled
+ready ──claim──▶ running ──complete──▶ succeeded
+  ▲  │             │ │
+  │  │             │ └──fail (attempts left) / retry_later / release / reap──▶ ready
+  │  │             └────fail (permanent or out of attempts) / reap (out of attempts)──▶ failed
+  │  └──cancel──▶ cancelled
+  └──replay── failed | cancelled
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checks on what enqueue is given, each raising a specific EnqueueError before anything is written."""
+"""Checks on enqueue's input, each raising a specific EnqueueError before anything is written."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def payload_json(payload: Any, max_bytes: int) -> str:
         payload = {}
     if not isinstance(payload, dict):
         raise EnqueueError(
-            f"payload must be a JSON object (a dict of keyword arguments), got {type(payload).__name__}."
+            "payload must be a JSON object (a dict of keyword arguments), "
+            f"got {type(payload).__name__}."
         )
     _check_value(payload, "payload")
     text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))

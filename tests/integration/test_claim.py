@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+from django.db import connection, connections
+from django.utils import timezone
+
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+from tests.factories import JobFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_claim_skips_a_job_locked_by_another_connection(other_connection):
+    locked, free = JobFactory.create_batch(2)
+    with other_connection.transaction():
+        other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [locked.pk])
+        claimed = Job.objects.claim(["default"], worker="w1", limit=2)
+    assert [job.pk for job in claimed] == [free.pk]
+
+
+def test_claim_marks_jobs_running_leased_to_the_worker_and_counts_the_attempt():
+    JobFactory()
+    (job,) = Job.objects.claim(["default"], worker="w1", limit=5, lease=120)
+    row = Job.objects.get(pk=job.pk)
+    assert (row.status, row.worker, row.attempts) == (Status.RUNNING, "w1", 1)
+    assert (job.status, job.worker, job.attempts) == (Status.RUNNING, "w1", 1)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT leased_until - statement_timestamp() FROM pgjobs_job")
+        (remaining,) = cursor.fetchone()
+    assert timedelta(seconds=115) < remaining <= timedelta(seconds=120)
+
+
+def test_claim_order_is_priority_then_run_at_then_id():
+    now = timezone.now()
+    low = JobFactory(priority=-5, run_at=now - timedelta(hours=2))
+    old = JobFactory(priority=5, run_at=now - timedelta(hours=1))
+    new = JobFactory(priority=5, run_at=now - timedelta(minutes=1))
+    tie_a, tie_b = JobFactory.create_batch(2, priority=5, run_at=now - timedelta(minutes=1))
+    claimed = []
+    while batch := Job.objects.claim(["default"], worker="w1", limit=1):
+        claimed.extend(batch)
+    expected = [old, *sorted([new, tie_a, tie_b], key=lambda j: j.pk), low]
+    assert [job.pk for job in claimed] == [job.pk for job in expected]
+
+
+def test_a_batch_comes_back_in_claim_order_across_queues():
+    now = timezone.now()
+    a = JobFactory(queue="a", priority=1, run_at=now - timedelta(minutes=5))
+    b = JobFactory(queue="b", priority=9, run_at=now - timedelta(minutes=1))
+    c = JobFactory(queue="b", priority=1, run_at=now - timedelta(minutes=9))
+    JobFactory(queue="other")
+    claimed = Job.objects.claim(["a", "b"], worker="w1", limit=10)
+    assert [job.pk for job in claimed] == [b.pk, c.pk, a.pk]
+
+
+def test_claim_across_queues_takes_the_best_jobs_of_all_queues_up_to_the_limit():
+    JobFactory.create_batch(3, queue="a", priority=0)
+    best = JobFactory.create_batch(2, queue="b", priority=50)
+    claimed = Job.objects.claim(["a", "b"], worker="w1", limit=2)
+    assert {job.pk for job in claimed} == {job.pk for job in best}
+    assert Job.objects.filter(status=Status.RUNNING).count() == 2
+
+
+def test_future_jobs_are_not_claimed():
+    JobFactory(future=True)
+    assert Job.objects.claim(["default"], worker="w1", limit=10) == []
+
+
+def test_jobs_of_other_queues_and_statuses_are_not_claimed():
+    JobFactory(queue="elsewhere")
+    JobFactory(running=True)
+    JobFactory(dead=True)
+    JobFactory(succeeded=True)
+    assert Job.objects.claim(["default"], worker="w1", limit=10) == []
+
+
+def test_eight_threads_claiming_2000_jobs_at_once_claim_each_exactly_once():
+    Job.objects.bulk_enqueue("tests.tasks.noop", [{}] * 2000)
+    claimed: list[list[object]] = [[] for _ in range(8)]
+    start = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def claimer(n: int) -> None:
+        try:
+            start.wait()
+            while jobs := Job.objects.claim(["default"], worker=f"w{n}", limit=7):
+                claimed[n].extend(job.pk for job in jobs)
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=claimer, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    claims = Counter(pk for pks in claimed for pk in pks)
+    assert len(claims) == 2000
+    assert set(claims.values()) == {1}
+    assert Job.objects.filter(status=Status.RUNNING).count() == 2000
+
+
+def _claim_plan(queues: list[str], limit: int) -> dict:
+    """EXPLAIN ANALYZE the claim, rolled back so nothing is claimed."""
+    from django_pgjobs.manager import _bind_queues, _claim_select
+
+    select_sql, select_params = _claim_select("default", len(queues), limit)
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+        cursor.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) UPDATE pgjobs_job SET status = 'running', "
+            "leased_until = now() + interval '1 minute', attempts = attempts + 1 "
+            f"WHERE id IN ({select_sql})",
+            _bind_queues(select_params, queues),
+        )
+        (plan,) = cursor.fetchone()
+        cursor.execute("ROLLBACK")
+    return (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
+
+
+def _nodes(plan: dict):
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
+def _backlog(queues: dict[str, int], finished: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO pgjobs_job (id, queue, task, payload, max_attempts, status, finished_at, "
+            "attempts) SELECT gen_random_uuid(), 'default', 'tests.tasks.noop', '{}', 3, "
+            "'succeeded', now(), 1 FROM generate_series(1, %s)",
+            [finished],
+        )
+        for queue, count in queues.items():
+            cursor.execute(
+                "INSERT INTO pgjobs_job (id, queue, task, payload, max_attempts, priority, run_at) "
+                "SELECT gen_random_uuid(), %s, 'tests.tasks.noop', '{}', 3, (g %% 5) - 2, "
+                "now() - g * interval '1 ms' FROM generate_series(1, %s) g",
+                [queue, count],
+            )
+        cursor.execute("ANALYZE pgjobs_job")
+
+
+def test_claim_uses_the_partial_claim_index_on_an_analyzed_table_of_mostly_finished_jobs():
+    _backlog({"default": 2_000}, finished=50_000)
+    plan = _claim_plan(["default"], limit=10)
+    scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
+    assert scans, json.dumps(plan, indent=1)
+    assert not any(node["Node Type"] == "Sort" for node in _nodes(plan))
+    # An index range scan that stops at the limit: it reads 10 rows of the 2,000 ready.
+    assert scans[0]["Actual Rows"] == 10
+
+
+def test_a_claim_across_several_queues_never_sorts_the_backlog():
+    _backlog({"a": 20_000, "b": 20_000, "c": 20_000}, finished=1_000)
+    plan = _claim_plan(["a", "b", "c"], limit=10)
+    scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
+    assert len(scans) == 3, json.dumps(plan, indent=1)
+    assert all(scan["Actual Rows"] <= 10 for scan in scans)
+    sorts = [node for node in _nodes(plan) if node["Node Type"] == "Sort"]
+    assert all(node["Actual Rows"] <= 30 for node in sorts)  # only the 3 × 10 candidates

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_pgjobs.errors import EnqueueError, UnknownTask
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+from tests import tasks
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Boom(Exception):
+    pass
+
+
+def test_enqueue_in_a_rolled_back_transaction_leaves_no_row():
+    with pytest.raises(Boom), transaction.atomic():
+        Job.objects.enqueue("tests.tasks.noop")
+        raise Boom
+    assert Job.objects.count() == 0
+
+
+def test_enqueue_in_a_committed_transaction_leaves_exactly_one_row():
+    with transaction.atomic():
+        job = Job.objects.enqueue("tests.tasks.send_email", {"to": "a@example.com"})
+    row = Job.objects.get()
+    assert row.pk == job.pk
+    assert (row.task, row.queue, row.priority, row.max_attempts) == (
+        "tests.tasks.send_email", "emails", 10, 7
+    )  # fmt: skip
+    assert (row.status, row.attempts, row.payload) == (Status.READY, 0, {"to": "a@example.com"})
+
+
+def test_enqueue_is_one_statement_on_the_callers_connection():
+    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+        Job.objects.enqueue("tests.tasks.noop")
+    statements = [q["sql"] for q in queries if not q["sql"].startswith(("BEGIN", "COMMIT"))]
+    assert len(statements) == 1 and statements[0].lstrip().startswith("INSERT INTO pgjobs_job")
+
+
+def test_enqueue_returns_the_row_as_written_with_database_times():
+    job = Job.objects.enqueue(tasks.noop)
+    assert job.run_at == job.created_at
+    assert Job.objects.get(pk=job.pk).run_at == job.run_at
+
+
+def test_task_sugar_enqueues_with_kwargs_and_options():
+    job = tasks.send_email.enqueue(to="b@example.com", subject="hi")
+    assert job.payload == {"to": "b@example.com", "subject": "hi"}
+    later = tasks.send_email.using(queue="bulk", priority=-5, delay=60).enqueue(to="c@example.com")
+    row = Job.objects.get(pk=later.pk)
+    assert (row.queue, row.priority) == ("bulk", -5)
+    assert dt.timedelta(seconds=59) < row.run_at - row.created_at <= dt.timedelta(seconds=60)
+
+
+def test_run_at_schedules_at_that_time():
+    when = timezone.now() + dt.timedelta(days=1)
+    job = tasks.noop.using(run_at=when).enqueue()
+    assert Job.objects.get(pk=job.pk).run_at == when
+
+
+def test_bulk_enqueue_writes_every_job_in_few_statements():
+    with CaptureQueriesContext(connection) as queries:
+        jobs = Job.objects.bulk_enqueue(tasks.send_email, ({"to": f"{n}@x"} for n in range(12_000)))
+    assert len(jobs) == Job.objects.filter(status=Status.READY).count() == 12_000
+    assert len(queries) == 3  # 5,000 rows per statement
+    assert {job.queue for job in jobs} == {"emails"}
+
+
+def test_a_live_unique_key_is_not_enqueued_twice_and_the_existing_job_is_returned():
+    first = Job.objects.enqueue(tasks.noop, unique_key="report:2026-11")
+    second = Job.objects.enqueue(tasks.noop, unique_key="report:2026-11")
+    assert second.pk == first.pk
+    assert Job.objects.count() == 1
+    Job.objects.filter(pk=first.pk).cancel()
+    third = Job.objects.enqueue(tasks.noop, unique_key="report:2026-11")
+    assert third.pk != first.pk  # only live jobs hold the key
+
+
+BAD_INPUTS = [
+    ({"task": "no.such.task"}, UnknownTask, "No task is registered as 'no.such.task'"),
+    ({"payload": [1]}, EnqueueError, "must be a JSON object"),
+    ({"payload": {"a": float("nan")}}, EnqueueError, "is nan"),
+    ({"payload": {"a": "\x00"}}, EnqueueError, "NUL"),
+    ({"payload": {"a": "\udc80"}}, EnqueueError, "surrogate"),
+    ({"payload": {"a": object()}}, EnqueueError, "does not survive JSON"),
+    ({"payload": {"a": "x" * 1_100_000}}, EnqueueError, "over the limit"),
+    ({"queue": "a b; DROP TABLE pgjobs_job"}, EnqueueError, "not a valid queue name"),
+    ({"priority": 500}, EnqueueError, "out of range"),
+    ({"run_at": dt.datetime(2030, 1, 1)}, EnqueueError, "naive"),
+    ({"delay": -3}, EnqueueError, "non-negative"),
+    ({"delay": 1, "run_at": timezone.now()}, EnqueueError, "not both"),
+    ({"max_attempts": 0}, EnqueueError, "max_attempts"),
+    ({"unique_key": ""}, EnqueueError, "unique_key"),
+]
+
+
+@pytest.mark.parametrize(("options", "error", "message"), BAD_INPUTS)
+def test_bad_input_raises_a_clear_error_and_writes_nothing(options, error, message):
+    options = dict(options)
+    task = options.pop("task", "tests.tasks.noop")
+    payload = options.pop("payload", {})
+    with CaptureQueriesContext(connection) as queries, pytest.raises(error, match=message):
+        Job.objects.enqueue(task, payload, **options)
+    assert len(queries) == 0
+    assert Job.objects.count() == 0
+
+
+def test_one_bad_payload_in_a_bulk_enqueue_writes_nothing():
+    payloads = [{"to": "ok"}] * 10 + [{"to": float("inf")}]
+    with pytest.raises(EnqueueError, match=r"payload\['to'\] is inf"):
+        Job.objects.bulk_enqueue(tasks.send_email, payloads)
+    assert Job.objects.count() == 0

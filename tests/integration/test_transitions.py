@@ -1,0 +1,286 @@
+"""Every transition after the claim: finish, fail, retry, release, heartbeat, reap, replay..."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from django_pgjobs import execute
+from django_pgjobs.execute import Result
+from django_pgjobs.manager import Failure
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+from tests import tasks
+from tests.factories import JobFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def claim_one(worker: str = "w1", **kwargs) -> Job:
+    (job,) = Job.objects.claim(["default"], worker=worker, limit=1, **kwargs)
+    return job
+
+
+def expire_leases() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET leased_until = now() - interval '1 second' "
+            "WHERE status = 'running'"
+        )
+
+
+def run_claimed(worker: str = "w1") -> Job:
+    job = claim_one(worker)
+    execute.settle(job, execute.run(job))
+    return Job.objects.get(pk=job.pk)
+
+
+def test_complete_finishes_the_job():
+    JobFactory()
+    job = claim_one()
+    assert Job.objects.complete(job) is True
+    row = Job.objects.get(pk=job.pk)
+    assert (row.status, row.leased_until) == (Status.SUCCEEDED, None)
+    assert row.finished_at is not None
+
+
+def test_a_stale_worker_cannot_complete_or_fail_the_newer_attempt():
+    JobFactory()
+    stale = claim_one("slow-worker")
+    expire_leases()
+    assert Job.objects.reap() == (1, 0)
+    Job.objects.filter(pk=stale.pk).update(run_at=stale.run_at)  # due again at once
+    fresh = claim_one("fresh-worker")
+    assert fresh.attempts == 2
+
+    assert Job.objects.complete(stale) is False
+    assert Job.objects.fail(stale, Failure("X", "late"), permanent=True, delay=0) is None
+    assert Job.objects.retry_later(stale, 5) is False
+    assert Job.objects.release([stale]) == set()
+    assert Job.objects.heartbeat([stale]) == set()
+    row = Job.objects.get(pk=fresh.pk)
+    assert (row.status, row.worker, row.attempts) == (Status.RUNNING, "fresh-worker", 2)
+    assert Job.objects.complete(fresh) is True
+
+
+def test_the_same_worker_cannot_finish_an_earlier_attempt_of_a_job_it_claimed_again():
+    JobFactory()
+    first = claim_one("w1")
+    expire_leases()
+    Job.objects.reap()
+    Job.objects.filter(pk=first.pk).update(run_at=first.run_at)
+    second = claim_one("w1")
+    assert Job.objects.complete(first) is False
+    assert Job.objects.complete(second) is True
+
+
+def test_complete_many_reports_which_jobs_were_still_owned():
+    JobFactory.create_batch(3)
+    jobs = Job.objects.claim(["default"], worker="w1", limit=3)
+    Job.objects.filter(pk=jobs[0].pk).update(worker="someone-else")
+    assert Job.objects.complete_many(jobs) == {jobs[1].pk, jobs[2].pk}
+
+
+def test_reap_returns_expired_jobs_to_ready_recording_a_lost_worker():
+    job = JobFactory(expired=True, max_attempts=3)
+    JobFactory(running=True)  # lease still valid: untouched
+    assert Job.objects.reap() == (1, 0)
+    row = Job.objects.get(pk=job.pk)
+    assert (row.status, row.leased_until, row.attempts) == (Status.READY, None, 1)
+    assert row.last_error.startswith("WorkerLost: lease expired")
+    assert row.errors[-1]["type"] == "WorkerLost"
+    assert row.errors[-1]["worker"] == "lost-worker"
+    assert Job.objects.filter(status=Status.RUNNING).count() == 1
+
+
+def test_reap_fails_expired_jobs_that_have_no_attempts_left():
+    job = JobFactory(expired=True, attempts=3, max_attempts=3)
+    assert Job.objects.reap() == (0, 1)
+    row = Job.objects.get(pk=job.pk)
+    assert row.status == Status.FAILED and row.finished_at is not None
+    assert "WorkerLost" in row.last_error
+
+
+def test_reap_is_bounded_and_safe_to_repeat():
+    JobFactory.create_batch(5, expired=True)
+    assert Job.objects.reap(limit=2) == (2, 0)
+    assert Job.objects.reap(limit=10) == (3, 0)
+    assert Job.objects.reap() == (0, 0)
+
+
+def test_heartbeat_extends_the_lease_from_the_database_clock():
+    JobFactory()
+    job = claim_one(lease=5)
+    assert Job.objects.heartbeat([job], lease=300) == {job.pk}
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT leased_until - now() FROM pgjobs_job")
+        (remaining,) = cursor.fetchone()
+    assert remaining > timedelta(seconds=290)
+
+
+def test_release_returns_the_job_without_spending_an_attempt():
+    JobFactory()
+    job = claim_one()
+    assert Job.objects.release([job]) == {job.pk}
+    row = Job.objects.get(pk=job.pk)
+    assert (row.status, row.attempts, row.leased_until) == (Status.READY, 0, None)
+
+
+def test_a_failing_job_retries_with_growing_backoff_then_dead_letters_keeping_the_error():
+    JobFactory(task="tests.tasks.always_fails", max_attempts=3)
+    for attempt in (1, 2):
+        row = run_claimed()
+        assert (row.status, row.attempts) == (Status.READY, attempt)
+        assert row.last_error == "RuntimeError: boom"
+        Job.objects.filter(pk=row.pk).run_now()
+    row = run_claimed()
+    assert (row.status, row.attempts) == (Status.FAILED, 3)
+    assert row.finished_at is not None
+    assert [e["attempt"] for e in row.errors] == [1, 2, 3]
+    assert row.errors[-1]["type"] == "RuntimeError"
+    assert "raise RuntimeError" in row.errors[-1]["traceback"]
+    assert row.errors[-1]["worker"] == "w1"
+
+
+def test_a_retry_waits_its_backoff_on_the_database_clock():
+    JobFactory(task="tests.tasks.always_fails", max_attempts=3)
+    job = claim_one()
+    Job.objects.fail(job, Failure("RuntimeError", "boom"), permanent=False, delay=600)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT run_at - now() FROM pgjobs_job")
+        (wait,) = cursor.fetchone()
+    assert timedelta(seconds=590) < wait <= timedelta(seconds=600)
+    assert Job.objects.claim(["default"], worker="w1", limit=1) == []
+
+
+@pytest.mark.parametrize(
+    "task",
+    [
+        "tests.tasks.fails_permanently",
+        "tests.tasks.missing_object",
+        "tests.tasks.raises_task_permanent",
+    ],
+)
+def test_permanent_errors_fail_at_once(task):
+    JobFactory(task=task, max_attempts=5)
+    row = run_claimed()
+    assert (row.status, row.attempts) == (Status.FAILED, 1)
+
+
+def test_a_payload_that_does_not_fit_the_handler_is_a_permanent_error():
+    JobFactory(task="tests.tasks.send_email", payload={"recipient": "x"}, max_attempts=5)
+    row = run_claimed()
+    assert row.status == Status.FAILED
+    assert "payload does not fit tests.tasks.send_email()" in row.last_error
+
+
+def test_a_payload_that_is_not_an_object_is_a_permanent_error():
+    JobFactory(payload=[1, 2], max_attempts=5)
+    row = run_claimed()
+    assert row.status == Status.FAILED
+    assert "payload must be a JSON object" in row.last_error
+
+
+def test_a_row_naming_an_unregistered_task_is_dead_lettered_and_nothing_is_imported():
+    import sys
+
+    sys.modules.pop("antigravity", None)
+    JobFactory(task="antigravity.fly", max_attempts=5)
+    row = run_claimed()
+    assert row.status == Status.FAILED
+    assert "No task is registered as 'antigravity.fly'" in row.last_error
+    assert "antigravity" not in sys.modules
+
+
+@pytest.mark.parametrize("task", ["tests.tasks.exits", "tests.tasks.interrupts"])
+def test_system_exit_and_keyboard_interrupt_from_a_handler_are_ordinary_errors(task):
+    JobFactory(task=task, max_attempts=3)
+    outcome = execute.run(claim_one())
+    assert outcome.result is Result.ERROR and not outcome.permanent
+
+
+def test_retry_from_a_handler_reschedules_without_spending_an_attempt():
+    JobFactory(task="tests.tasks.asks_to_retry", payload={"seconds": 120}, max_attempts=1)
+    row = run_claimed()
+    assert (row.status, row.attempts, row.last_error) == (Status.READY, 0, "")
+    assert Job.objects.claim(["default"], worker="w1") == []
+
+
+def test_async_handlers_run():
+    JobFactory(task="tests.tasks.async_noop", payload={"value": 41})
+    row = run_claimed()
+    assert row.status == Status.SUCCEEDED
+    assert tasks.calls["async_noop:41"] == 1
+
+
+def test_error_text_that_postgres_would_refuse_is_cleaned_before_it_is_written():
+    JobFactory()
+    job = claim_one()
+    failure = Failure("Bad\x00Type", "nul \x00 and surrogate \udcff " + "x" * 10_000, "tb\x00")
+    assert Job.objects.fail(job, failure, permanent=True, delay=0) == Status.FAILED
+    row = Job.objects.get(pk=job.pk)
+    assert "\x00" not in row.last_error and len(row.last_error) <= 2000
+    assert row.errors[-1]["type"] == "Bad\\x00Type"
+
+
+def test_the_error_history_is_bounded(settings):
+    settings.PGJOBS = {**settings.PGJOBS, "ERRORS_KEPT": 2}
+    JobFactory(task="tests.tasks.always_fails", max_attempts=4)
+    for _ in range(4):
+        row = run_claimed()
+        Job.objects.filter(pk=row.pk).run_now()
+    assert [e["attempt"] for e in Job.objects.get().errors] == [3, 4]
+
+
+def test_replay_gives_a_dead_letter_a_fresh_attempt_budget_due_now():
+    dead = JobFactory(dead=True, future=True)
+    assert Job.objects.filter(pk=dead.pk).replay() == 1
+    row = Job.objects.get(pk=dead.pk)
+    assert (row.status, row.attempts, row.finished_at) == (Status.READY, 0, None)
+    assert row.errors == dead.errors  # the history stays for inspection
+    assert claim_one().pk == dead.pk
+
+
+def test_replay_into_another_queue_and_only_for_failed_or_cancelled_jobs():
+    dead = JobFactory(dead=True)
+    running = JobFactory(running=True)
+    ready = JobFactory()
+    assert Job.objects.all().replay(queue="retries") == 1
+    assert Job.objects.get(pk=dead.pk).queue == "retries"
+    assert Job.objects.get(pk=running.pk).status == Status.RUNNING
+    assert Job.objects.get(pk=ready.pk).queue == "default"
+
+
+def test_replay_skips_a_dead_letter_whose_unique_key_a_live_job_holds():
+    dead = JobFactory(dead=True, unique_key="k")
+    JobFactory(unique_key="k")
+    assert Job.objects.filter(pk=dead.pk).replay() == 0
+
+
+def test_cancel_only_touches_ready_jobs_and_run_now_makes_them_due():
+    ready, running = JobFactory(future=True), JobFactory(running=True)
+    assert Job.objects.filter(pk=ready.pk).run_now() == 1
+    assert claim_one().pk == ready.pk
+    later = JobFactory(future=True)
+    assert Job.objects.all().cancel() == 1
+    assert Job.objects.get(pk=later.pk).status == Status.CANCELLED
+    assert Job.objects.get(pk=running.pk).status == Status.RUNNING
+
+
+def test_prune_deletes_old_finished_jobs_in_bounded_batches(settings):
+    settings.PGJOBS = {**settings.PGJOBS, "PRUNE_BATCH": 10}
+    JobFactory.create_batch(25, succeeded=True)
+    keep = [JobFactory(dead=True), JobFactory(), JobFactory(running=True)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET finished_at = now() - interval '2 hours' "
+            "WHERE finished_at IS NOT NULL"
+        )
+    JobFactory(succeeded=True)  # too recent
+    assert Job.objects.prune(max_batches=1) == 10
+    assert Job.objects.prune() == 15
+    assert Job.objects.prune() == 0
+    assert Job.objects.filter(pk__in=[job.pk for job in keep]).count() == 3
+    assert Job.objects.filter(status=Status.SUCCEEDED).count() == 1
