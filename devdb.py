@@ -13,7 +13,7 @@ import environ
 
 ROOT = Path(__file__).resolve().parent
 PGDATA = ROOT / ".pgdata"
-DATABASE_NAME = "pgjobs"
+DATABASE_NAME = os.environ.get("PGJOBS_DB_NAME", "pgjobs")
 
 
 def database_config() -> dict[str, Any]:
