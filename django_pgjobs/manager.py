@@ -17,7 +17,7 @@ from uuid import UUID
 from django.db import connections, models, router, transaction
 from django.db.models.functions import Now
 
-from django_pgjobs import registry, validation
+from django_pgjobs import notify, registry, validation
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.ids import uuid7
@@ -253,6 +253,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         with connections[db].cursor() as cursor:
             cursor.execute(_INSERT, [list(column) for column in zip(*rows, strict=True)])
             inserted = {row[0]: row[1:] for row in cursor.fetchall()}
+        notify.after_enqueue(db, {row[1] for row in rows})
         jobs = []
         for job_id, queue, task, payload, priority, _run_at, _delay, max_attempts, key in rows:
             if job_id not in inserted:

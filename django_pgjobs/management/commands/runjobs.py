@@ -1,0 +1,133 @@
+"""manage.py runjobs: run a worker until SIGTERM/SIGINT (or, with --once, until drained)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from argparse import ArgumentParser, ArgumentTypeError
+from types import FrameType
+from typing import Any
+
+from django.core.management.base import BaseCommand
+
+from django_pgjobs.conf import get_settings
+from django_pgjobs.errors import EnqueueError
+from django_pgjobs.validation import check_queue
+from django_pgjobs.worker import Options, Worker
+
+
+def _queue(value: str) -> str:
+    try:
+        return check_queue(value)
+    except EnqueueError as error:
+        raise ArgumentTypeError(str(error)) from None
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(value: str) -> int | float:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise ArgumentTypeError(f"{value!r} is not a number") from None
+        if number <= 0:
+            raise ArgumentTypeError(f"must be greater than 0, got {value}")
+        return number
+
+    return parse
+
+
+class Command(BaseCommand):
+    help = (
+        "Run a job worker: claim due jobs from the given queues, run their handlers on threads, "
+        "and record the outcomes. SIGTERM or SIGINT stops claiming and lets running jobs finish "
+        "within --grace seconds; a second signal releases them at once."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        defaults = Options()
+        parser.add_argument(
+            "--queue",
+            "-q",
+            dest="queues",
+            action="append",
+            type=_queue,
+            metavar="QUEUE",
+            help="a queue to take jobs from; repeat for several "
+            f"(default: {get_settings().DEFAULT_QUEUE!r})",
+        )
+        parser.add_argument(
+            "--concurrency",
+            "-c",
+            type=_positive(int),
+            default=defaults.concurrency,
+            help=f"handlers run in parallel (threads; default {defaults.concurrency})",
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=_positive(int),
+            default=defaults.batch_size,
+            help="most jobs claimed per statement, never more than free slots "
+            f"(default {defaults.batch_size})",
+        )
+        parser.add_argument(
+            "--lease",
+            type=_positive(float),
+            help="seconds a claim holds a job before it may be reaped; heartbeats "
+            "extend it every lease/3 (default PGJOBS['LEASE'], "
+            f"{get_settings().LEASE:g})",
+        )
+        parser.add_argument(
+            "--grace",
+            type=float,
+            default=defaults.grace,
+            help="seconds running jobs get to finish on shutdown before they are "
+            f"released back to ready (default {defaults.grace:g})",
+        )
+        parser.add_argument(
+            "--once",
+            action="store_true",
+            help="run what is due now, then exit (for tests and cron-style use)",
+        )
+        parser.add_argument(
+            "--poll-interval",
+            type=_positive(float),
+            default=defaults.poll_interval,
+            help="longest wait between polls when idle, in seconds "
+            f"(default {defaults.poll_interval:g})",
+        )
+        parser.add_argument("--no-listen", dest="listen", action="store_false",
+                            help="do not LISTEN for wake-ups; poll only (PgBouncer in transaction "
+                                 "pooling mode)")  # fmt: skip
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        _show_logs(options["verbosity"])
+        worker = Worker(
+            Options(
+                queues=options["queues"] or [get_settings().DEFAULT_QUEUE],
+                concurrency=options["concurrency"],
+                batch_size=options["batch_size"],
+                lease=options["lease"],
+                grace=max(0.0, options["grace"]),
+                poll_interval=options["poll_interval"],
+                listen=options["listen"],
+                once=options["once"],
+            )
+        )
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            worker.stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        worker.run()
+
+
+def _show_logs(verbosity: int) -> None:
+    """Print the worker's log lines unless the project configured logging for them."""
+    logger = logging.getLogger("django_pgjobs")
+    level = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(level)

@@ -1,0 +1,334 @@
+"""The runtime: claim into free slots, run handlers on threads, settle outcomes in batches,
+heartbeat, reap, prune, and stop gracefully. It decides *when*; the manager decides *how*."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from uuid import UUID
+
+from django.db import DatabaseError, close_old_connections, connections, router
+
+from django_pgjobs import execute, notify, registry
+from django_pgjobs.conf import get_settings
+from django_pgjobs.errors import UnknownTask
+from django_pgjobs.execute import Outcome, Result
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+
+logger = logging.getLogger(__name__)
+
+
+def worker_id() -> str:
+    """Unique per process: host, pid and a random suffix (pids are reused, hosts are cloned)."""
+    return f"{socket.gethostname()[:150]}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass
+class Options:
+    queues: Sequence[str] = ("default",)
+    concurrency: int = 10
+    batch_size: int = 100
+    lease: float | None = None  # default PGJOBS["LEASE"]
+    grace: float = 30.0
+    poll_interval: float = 2.0
+    listen: bool = True
+    once: bool = False
+    reap_interval: float = 5.0
+    prune_interval: float = 60.0
+    stats_interval: float = 10.0
+
+
+@dataclass
+class _Timers:
+    """When each periodic chore is next due (time.monotonic())."""
+
+    heartbeat: float = 0.0
+    reap: float = 0.0
+    prune: float = 0.0
+    stats: float = field(default_factory=time.monotonic)
+
+
+class Worker:
+    """One worker process's runtime. ``run()`` returns when stopped (or, with once, drained)."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.id = worker_id()
+        self.lease = options.lease or get_settings().LEASE
+        self.db = router.db_for_write(Job)
+        self.jobs = Job.objects.db_manager(self.db)
+        self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._done: list[tuple[Job, Outcome]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._in_flight: dict[UUID, Job] = {}  # claimed and not yet settled; main thread only
+        self._stopping = False
+        self._deadline = float("inf")
+        self._poll_now = True  # set by wake-ups: claim at the next turn of the loop
+        self._next_poll = 0.0
+        self._poll_delay = 0.0
+        self._last_claim_empty = False
+        self._counts: Counter[str] = Counter()
+        self._timers = _Timers()
+        self._threads: list[threading.Thread] = []
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def stop(self, immediately: bool = False) -> None:
+        """Stop claiming; finish in-flight jobs within the grace period (or release them now)."""
+        now = time.monotonic()
+        if self._stopping or immediately:
+            self._deadline = now
+        else:
+            self._deadline = now + self.options.grace
+        self._stopping = True
+        self._wake.set()
+
+    def run(self) -> None:
+        options = self.options
+        logger.info(
+            "worker %s started: queues=%s concurrency=%d batch=%d lease=%gs listen=%s",
+            self.id, ",".join(options.queues), options.concurrency, options.batch_size,
+            self.lease, "yes" if options.listen and not options.once else "no",
+        )  # fmt: skip
+        self._start_threads()
+        failures = 0
+        while True:
+            try:
+                self._settle()
+                if self._stopping:
+                    self._release_unstarted()
+                    if not self._in_flight or time.monotonic() >= self._deadline:
+                        break
+                elif self._free_slots() and (self._poll_now or time.monotonic() >= self._next_poll):
+                    self._fetch()
+                self._chores()
+                failures = 0
+            except DatabaseError:
+                failures += 1
+                pause = min(5.0, 0.05 * 2**failures)
+                logger.warning(
+                    "database error in the worker loop; reconnecting in %.2fs", pause, exc_info=True
+                )
+                connections[self.db].close()
+                self._poll_now = True  # after a reconnect, look at once
+                time.sleep(pause)
+                continue
+            if options.once and self._last_claim_empty and not self._in_flight:
+                break
+            self._wake.wait(self._wait_time())
+            self._wake.clear()
+        self._shutdown()
+
+    # ---- the loop's steps ------------------------------------------------------------------
+
+    def _free_slots(self) -> int:
+        return self.options.concurrency - len(self._in_flight)
+
+    def _fetch(self) -> None:
+        """Claim into the free slots, then schedule the next poll: at once after a full batch,
+        backing off towards the poll interval while the queue is empty."""
+        self._poll_now = False
+        wanted = min(self._free_slots(), self.options.batch_size)
+        jobs = self.jobs.claim(self.options.queues, worker=self.id, limit=wanted, lease=self.lease)
+        longer = [job for job in jobs if self._lease_of(job) > self.lease]
+        if longer:
+            self.jobs.heartbeat(longer, self._lease_of(longer[0]))
+        for job in jobs:
+            self._in_flight[job.pk] = job
+            self._todo.put(job)
+        self._last_claim_empty = not jobs
+        if len(jobs) == wanted:
+            self._poll_delay = 0.0
+        elif jobs:
+            self._poll_delay = 0.05  # the queue just ran dry: look again soon
+        else:
+            self._poll_delay = min(self.options.poll_interval, max(0.05, self._poll_delay * 2))
+        self._next_poll = time.monotonic() + self._poll_delay
+
+    def _settle(self) -> None:
+        """Record finished handlers' outcomes: successes in one statement, the rest one by one."""
+        with self._lock:
+            done, self._done = self._done, []
+        if not done:
+            return
+        try:
+            succeeded = [job for job, outcome in done if outcome.result is Result.SUCCEEDED]
+            owned = self.jobs.complete_many(succeeded)
+            self._counts["done"] += len(owned)
+            self._counts["lost"] += len(succeeded) - len(owned)
+            for job in succeeded:
+                self._in_flight.pop(job.pk, None)
+            for job, outcome in done:
+                if outcome.result is not Result.SUCCEEDED:
+                    self._record_failure(job, outcome)
+                    self._in_flight.pop(job.pk, None)
+        except DatabaseError:
+            # Keep what was not recorded; it is tried again after the reconnect. Recording
+            # twice is harmless: the guard refuses the second write.
+            with self._lock:
+                self._done[:0] = [item for item in done if item[0].pk in self._in_flight]
+            raise
+
+    def _record_failure(self, job: Job, outcome: Outcome) -> None:
+        if outcome.result is Result.RETRY:
+            owned = self.jobs.retry_later(job, outcome.delay)
+            self._counts["retried" if owned else "lost"] += 1
+            return
+        assert outcome.failure is not None
+        status = self.jobs.fail(
+            job, outcome.failure, permanent=outcome.permanent, delay=outcome.delay
+        )
+        if status is None:
+            self._counts["lost"] += 1
+        else:
+            self._counts["dead" if status == Status.FAILED else "retried"] += 1
+            dead = status == Status.FAILED
+            (logger.error if dead else logger.info)(
+                "job %s (%s) attempt %d failed: %s%s", job.pk, job.task, job.attempts,
+                outcome.failure.summary, "; dead-lettered" if dead else "",
+            )  # fmt: skip
+
+    def _chores(self) -> None:
+        now, timers, options = time.monotonic(), self._timers, self.options
+        if now >= timers.heartbeat:
+            self._heartbeat()
+            timers.heartbeat = now + self._heartbeat_interval()
+        if now >= timers.reap:
+            returned, failed = self.jobs.reap()
+            if returned or failed:
+                logger.warning(
+                    "reaped %d jobs with expired leases (%d failed)", returned + failed, failed
+                )
+                self._poll_now = True
+            timers.reap = now + options.reap_interval
+        if now >= timers.prune and not options.once:
+            self.jobs.prune(max_batches=1)
+            timers.prune = now + options.prune_interval
+        if now >= timers.stats + options.stats_interval:
+            self._log_stats(now - timers.stats)
+            timers.stats = now
+
+    def _heartbeat(self) -> None:
+        by_lease: dict[float, list[Job]] = {}
+        for job in self._in_flight.values():
+            by_lease.setdefault(self._lease_of(job), []).append(job)
+        for lease, jobs in by_lease.items():
+            owned = self.jobs.heartbeat(jobs, lease)
+            for job in jobs:
+                if job.pk not in owned:
+                    logger.warning(
+                        "lost the lease of job %s (%s); its outcome will not be recorded",
+                        job.pk,
+                        job.task,
+                    )
+
+    def _heartbeat_interval(self) -> float:
+        return min([self.lease, *map(self._lease_of, self._in_flight.values())]) / 3
+
+    def _lease_of(self, job: Job) -> float:
+        try:
+            return registry.get_task(job.task).lease or self.lease
+        except UnknownTask:
+            return self.lease
+
+    def _log_stats(self, seconds: float) -> None:
+        counts, self._counts = self._counts, Counter()
+        if counts or self._in_flight:
+            logger.info(
+                "last %.0fs: done=%d retried=%d dead=%d lost=%d in_flight=%d (%.0f jobs/s)",
+                seconds, counts["done"], counts["retried"], counts["dead"], counts["lost"],
+                len(self._in_flight), (counts["done"] + counts["dead"]) / seconds,
+            )  # fmt: skip
+
+    def _wait_time(self) -> float:
+        """Until the next chore or poll; finishing handlers and wake-ups interrupt the wait."""
+        deadlines = [self._timers.heartbeat, self._timers.reap]
+        if self._stopping:
+            deadlines.append(self._deadline)
+        elif self._free_slots():
+            deadlines.append(self._next_poll)
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    # ---- threads ---------------------------------------------------------------------------
+
+    def _start_threads(self) -> None:
+        for n in range(self.options.concurrency):
+            thread = threading.Thread(target=self._handle, name=f"pgjobs-handler-{n}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if self.options.listen and not self.options.once:
+            listener = threading.Thread(
+                target=notify.listen,
+                args=(self.db, self._on_notify, self._on_listen, lambda: self._stopping),
+                name="pgjobs-listener",
+                daemon=True,
+            )
+            listener.start()
+            self._threads.append(listener)
+
+    def _handle(self) -> None:
+        """A handler thread: run jobs outside any transaction, connections handled per job the way
+        Django handles them per request."""
+        while (job := self._todo.get()) is not None:
+            close_old_connections()
+            outcome = execute.run(job)
+            close_old_connections()
+            with self._lock:
+                self._done.append((job, outcome))
+            self._wake.set()
+        connections.close_all()
+
+    def _on_notify(self, queue_name: str) -> None:
+        if queue_name in self.options.queues:
+            self._poll_now = True
+            self._wake.set()
+
+    def _on_listen(self) -> None:
+        self._poll_now = True  # whatever was announced while we were disconnected
+        self._wake.set()
+
+    # ---- shutdown --------------------------------------------------------------------------
+
+    def _release_unstarted(self) -> None:
+        """Jobs claimed but not yet handed to a thread go back at once."""
+        unstarted = []
+        while True:
+            try:
+                job = self._todo.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                unstarted.append(job)
+        if unstarted:
+            self.jobs.release(unstarted)
+            for job in unstarted:
+                self._in_flight.pop(job.pk, None)
+
+    def _shutdown(self) -> None:
+        left = list(self._in_flight.values())
+        for _ in self._threads:
+            self._todo.put(None)
+        try:
+            if left:
+                released = self.jobs.release(left)
+                logger.warning(
+                    "released %d unfinished jobs back to ready: %s",
+                    len(released), ", ".join(str(pk) for pk in released),
+                )  # fmt: skip
+        except DatabaseError:
+            logger.exception(
+                "could not release %d jobs; they return when their lease expires", len(left)
+            )
+        self._log_stats(max(1e-3, time.monotonic() - self._timers.stats))
+        connections.close_all()
+        logger.info("worker %s stopped", self.id)
