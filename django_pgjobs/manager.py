@@ -192,6 +192,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         row = self._row(task, payload, queue, priority, run_at, delay, max_attempts, unique_key)
         jobs = self._insert([row])
         if jobs:
+            notify.after_enqueue(self._write_db(), [jobs[0].queue])
             return jobs[0]
         existing: Job = self.get(unique_key=unique_key, status__in=LIVE)
         return existing
@@ -217,6 +218,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         jobs: list[Job] = []
         for start in range(0, len(rows), batch_size):
             jobs.extend(self._insert(rows[start : start + batch_size]))
+        notify.after_enqueue(self._write_db(), {job.queue for job in jobs})
         return jobs
 
     def _row(
@@ -253,7 +255,6 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         with connections[db].cursor() as cursor:
             cursor.execute(_INSERT, [list(column) for column in zip(*rows, strict=True)])
             inserted = {row[0]: row[1:] for row in cursor.fetchall()}
-        notify.after_enqueue(db, {row[1] for row in rows})
         jobs = []
         for job_id, queue, task, payload, priority, _run_at, _delay, max_attempts, key in rows:
             if job_id not in inserted:

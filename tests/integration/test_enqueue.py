@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 
 import pytest
 from django.db import connection, transaction
@@ -37,11 +38,36 @@ def test_enqueue_in_a_committed_transaction_leaves_exactly_one_row():
     assert (row.status, row.attempts, row.payload) == (Status.READY, 0, {"to": "a@example.com"})
 
 
-def test_enqueue_is_one_statement_on_the_callers_connection():
+def test_enqueue_is_one_statement_on_the_callers_connection(settings):
+    settings.PGJOBS = {**settings.PGJOBS, "NOTIFY": False}
     with CaptureQueriesContext(connection) as queries, transaction.atomic():
         Job.objects.enqueue("tests.tasks.noop")
-    statements = [q["sql"] for q in queries if not q["sql"].startswith(("BEGIN", "COMMIT"))]
-    assert len(statements) == 1 and statements[0].lstrip().startswith("INSERT INTO pgjobs_job")
+    statements = [q["sql"] for q in queries if q["sql"] not in ("BEGIN", "COMMIT")]
+    assert len(statements) == 1
+    assert statements[0].lstrip().startswith("INSERT INTO pgjobs_job")
+
+
+def test_a_wake_up_is_sent_once_per_queue_after_commit_and_never_on_rollback(other_connection):
+    other_connection.execute("LISTEN pgjobs")
+    with transaction.atomic():
+        for _ in range(3):
+            Job.objects.enqueue("tests.tasks.noop")
+            Job.objects.enqueue("tests.tasks.send_email", {"to": "x"})
+        assert list(other_connection.notifies(timeout=0.2)) == []  # nothing before commit
+    received = sorted(n.payload for n in other_connection.notifies(timeout=0.5))
+    assert received == ["default", "emails"]
+    with pytest.raises(Boom), transaction.atomic():
+        Job.objects.enqueue("tests.tasks.noop")
+        raise Boom
+    time.sleep(0.01)  # past the coalescing window, so only the rollback can explain silence
+    assert list(other_connection.notifies(timeout=0.3)) == []
+
+
+def test_wake_ups_can_be_switched_off(settings, other_connection):
+    settings.PGJOBS = {**settings.PGJOBS, "NOTIFY": False}
+    other_connection.execute("LISTEN pgjobs")
+    Job.objects.enqueue("tests.tasks.noop")
+    assert list(other_connection.notifies(timeout=0.3)) == []
 
 
 def test_enqueue_returns_the_row_as_written_with_database_times():
@@ -69,7 +95,9 @@ def test_bulk_enqueue_writes_every_job_in_few_statements():
     with CaptureQueriesContext(connection) as queries:
         jobs = Job.objects.bulk_enqueue(tasks.send_email, ({"to": f"{n}@x"} for n in range(12_000)))
     assert len(jobs) == Job.objects.filter(status=Status.READY).count() == 12_000
-    assert len(queries) == 3  # 5,000 rows per statement
+    inserts = [q for q in queries if q["sql"].lstrip().startswith("INSERT")]
+    assert len(inserts) == 3  # 5,000 rows per statement
+    assert len(queries) == 4  # and one wake-up for the whole batch
     assert {job.queue for job in jobs} == {"emails"}
 
 
