@@ -1,0 +1,1 @@
+"""A small shop that shows django-pgjobs at work: run it with ``python manage.py demo``."""

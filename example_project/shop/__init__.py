@@ -1,0 +1,1 @@
+"""The example shop: orders, and the jobs that follow them."""
