@@ -96,3 +96,12 @@ class Job(models.Model):
     @property
     def short_id(self) -> str:
         return self.id.hex[-12:]
+
+
+class DeadLetter(Job):
+    """Failed jobs, kept for inspection and replay: the admin's "Dead letters" entry."""
+
+    class Meta:
+        proxy = True
+        verbose_name = _("dead letter")
+        verbose_name_plural = _("dead letters")

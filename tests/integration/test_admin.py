@@ -1,0 +1,368 @@
+"""The admin through Django's test client: lists, detail page, audited actions, permissions."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable
+from html.parser import HTMLParser
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.contrib.auth.models import Permission, User
+from django.contrib.contenttypes.models import ContentType
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+
+from django_pgjobs import admin as pgjobs_admin
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+from tests.factories import JobFactory
+
+pytestmark = pytest.mark.django_db
+
+JOBS = reverse("admin:pgjobs_job_changelist")
+DEAD = reverse("admin:pgjobs_deadletter_changelist")
+REPLAY_MATCHING = reverse("admin:pgjobs_deadletter_replay_matching")
+
+
+def detail(job: Job, model: str = "job") -> str:
+    return reverse(f"admin:pgjobs_{model}_change", args=[job.pk])
+
+
+def staff(*codenames: str) -> Client:
+    user = User.objects.create_user(f"staff-{'-'.join(codenames)}", password="pw", is_staff=True)
+    user.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="pgjobs", codename__in=codenames)
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def act(
+    client: Client, url: str, action: str, jobs: Iterable[Job], confirm: bool = True, **extra: Any
+) -> Any:
+    """Post an action as the changelist does; with `confirm`, also the confirmation page."""
+    data = {"action": action, "_selected_action": [str(job.pk) for job in jobs], **extra}
+    if confirm:
+        data["post"] = "yes"
+    return client.post(url, data, follow=True)
+
+
+def messages_of(response: Any) -> list[str]:
+    return [str(message) for message in response.context["messages"]]
+
+
+def reload(job: Job) -> Job:
+    return Job.objects.get(pk=job.pk)
+
+
+def log_for(job: Job) -> list[tuple[str, int, str]]:
+    entries = LogEntry.objects.filter(object_id=str(job.pk)).select_related("user")
+    return [(entry.user.username, entry.action_flag, entry.change_message) for entry in entries]
+
+
+# ---- lists ---------------------------------------------------------------------------------
+
+
+def test_jobs_changelist_lists_newest_first_with_the_first_line_of_the_last_error(admin_client):
+    older = JobFactory(dead=True, last_error="RuntimeError: boom\nsecond line")
+    newer = JobFactory(task="tests.tasks.send_email", queue="emails")
+    response = admin_client.get(JOBS)
+    assert [job.pk for job in response.context["cl"].result_list] == [newer.pk, older.pk]
+    content = response.content.decode()
+    assert "RuntimeError: boom" in content and "second line" not in content
+    assert older.short_id in content and "0/3" in content
+
+
+def test_changelist_filters_by_status_queue_and_task(admin_client):
+    ready = JobFactory(queue="emails")
+    dead = JobFactory(dead=True, task="tests.tasks.always_fails")
+
+    def listed(query: str) -> list[Any]:
+        return [job.pk for job in admin_client.get(JOBS + query).context["cl"].result_list]
+
+    assert listed("?status__exact=failed") == [dead.pk]
+    assert listed("?queue=emails") == [ready.pk]
+    assert listed("?task=tests.tasks.always_fails") == [dead.pk]
+    assert listed("?task=not.registered.anywhere") == []
+
+
+def test_search_finds_a_job_by_full_id_short_id_task_and_unique_key(admin_client):
+    job = JobFactory(task="tests.tasks.send_email", unique_key="order-42")
+    JobFactory()
+    for term in (str(job.pk), job.short_id, "send_email", "order-42"):
+        result = admin_client.get(JOBS, {"q": term}).context["cl"].result_list
+        assert [found.pk for found in result] == [job.pk], term
+
+
+def test_dead_letters_list_only_failed_jobs_with_a_summary_by_task_and_error_type(admin_client):
+    dead = JobFactory.create_batch(2, dead=True, last_error="RuntimeError: boom")
+    other = JobFactory(dead=True, task="tests.tasks.always_fails", last_error="KeyError: 'x'")
+    JobFactory()
+    JobFactory(succeeded=True)
+    response = admin_client.get(DEAD)
+    assert {job.pk for job in response.context["cl"].result_list} == {*(j.pk for j in dead), other.pk}
+    assert response.context["summary"] == [
+        {"task": "tests.tasks.noop", "error_type": "RuntimeError", "jobs": 2},
+        {"task": "tests.tasks.always_fails", "error_type": "KeyError", "jobs": 1},
+    ]
+    filtered = admin_client.get(DEAD, {"error_type": "KeyError"}).context["cl"].result_list
+    assert [job.pk for job in filtered] == [other.pk]
+
+
+def test_the_changelist_never_counts_the_whole_table_nor_reads_payloads(admin_client):
+    JobFactory.create_batch(3)
+    with CaptureQueriesContext(connection) as queries:
+        admin_client.get(JOBS)
+    job_queries = [q["sql"] for q in queries if 'FROM "pgjobs_job"' in q["sql"]]
+    assert job_queries
+    for sql in job_queries:
+        assert "COUNT(" not in sql.upper() or "LIMIT" in sql.upper(), sql
+        assert '"pgjobs_job"."payload"' not in sql and '"pgjobs_job"."errors"' not in sql, sql
+
+
+def test_past_the_exact_count_limit_the_changelist_shows_an_estimate(admin_client, monkeypatch):
+    monkeypatch.setattr(pgjobs_admin, "EXACT_COUNT_LIMIT", 3)
+    JobFactory.create_batch(5)
+    response = admin_client.get(JOBS)
+    assert response.context["cl"].paginator.estimated is True
+    assert "about" in response.content.decode()
+
+
+# ---- detail ---------------------------------------------------------------------------------
+
+
+def test_the_detail_page_is_read_only_with_pretty_payload_and_error_timeline(admin_client):
+    job = JobFactory(
+        dead=True,
+        task="custom.name",
+        payload={"password": "hunter2", "user_id": 7},
+        errors=[
+            {"attempt": 1, "at": "2026-01-01T00:00:00Z", "worker": "host:1", "type": "KeyError",
+             "message": "'x'", "traceback": "Traceback (most recent call last):\n  boom"},
+        ],
+    )  # fmt: skip
+    response = admin_client.get(detail(job))
+    content = html.unescape(response.content.decode())
+    assert response.context["adminform"].form.fields == {}  # nothing editable
+    assert '"user_id": 7' in content  # pretty-printed JSON
+    assert "hunter2" not in content and "[redacted]" in content  # the task's redact hook
+    assert "host:1" in content and "<details>" in content and "most recent call last" in content
+    assert 'name="_save"' not in content
+
+
+def test_the_detail_page_offers_the_actions_that_apply_to_the_job(admin_client):
+    dead, ready = JobFactory(dead=True), JobFactory(future=True)
+    assert [n for n, _ in admin_client.get(detail(dead)).context["job_actions"]] == ["replay"]
+    offered = [n for n, _ in admin_client.get(detail(ready)).context["job_actions"]]
+    assert offered == ["run_now", "cancel"]
+    viewer = staff("view_job")
+    assert viewer.get(detail(dead)).context["job_actions"] == []
+
+
+# ---- actions --------------------------------------------------------------------------------
+
+
+def test_replay_asks_for_confirmation_with_the_count_then_replays(admin_client, admin_user):
+    jobs = JobFactory.create_batch(2, dead=True)
+    page = act(admin_client, DEAD, "replay", jobs, confirm=False)
+    assert page.templates[0].name == "admin/pgjobs/confirm_action.html"
+    assert page.context["count"] == 2
+    assert [reload(job).status for job in jobs] == [Status.FAILED] * 2
+
+    response = act(admin_client, DEAD, "replay", jobs)
+    assert messages_of(response) == ["2 jobs replayed."]
+    for job in jobs:
+        row = reload(job)
+        assert (row.status, row.attempts, row.finished_at) == (Status.READY, 0, None)
+        assert log_for(job) == [(admin_user.username, CHANGE, "Replayed.")]
+
+
+def test_replay_into_another_queue(admin_client):
+    job = JobFactory(dead=True)
+    response = act(admin_client, DEAD, "replay", [job], queue="emails")
+    assert messages_of(response) == ["1 job replayed."]
+    assert (reload(job).status, reload(job).queue) == (Status.READY, "emails")
+    assert log_for(job)[0][2] == "Replayed into queue emails."
+
+
+def test_replay_refuses_a_malformed_queue_name_and_changes_nothing(admin_client):
+    job = JobFactory(dead=True)
+    response = act(admin_client, DEAD, "replay", [job], queue="bad queue!")
+    assert "not a valid queue name" in response.content.decode()
+    assert reload(job).status == Status.FAILED and log_for(job) == []
+
+
+def test_replay_skips_running_jobs_and_logs_only_the_replayed_ones(admin_client):
+    dead, running = JobFactory(dead=True), JobFactory(running=True)
+    response = act(admin_client, JOBS, "replay", [dead, running])
+    assert messages_of(response) == [
+        "1 job replayed. 1 skipped: only failed or cancelled jobs are replayed."
+    ]
+    assert reload(running).status == Status.RUNNING and log_for(running) == []
+    assert reload(dead).status == Status.READY and len(log_for(dead)) == 1
+
+
+def test_run_now_makes_a_job_scheduled_for_later_due(admin_client, admin_user):
+    job = JobFactory(future=True)
+    response = act(admin_client, JOBS, "run_now", [job])
+    assert messages_of(response) == ["1 job made due now."]
+    assert Job.objects.due().filter(pk=job.pk).exists()
+    assert log_for(job) == [(admin_user.username, CHANGE, "Run now.")]
+
+
+def test_cancel_cancels_ready_jobs_and_leaves_running_ones(admin_client, admin_user):
+    ready, running = JobFactory(), JobFactory(running=True)
+    page = act(admin_client, JOBS, "cancel", [ready, running], confirm=False)
+    assert page.context["count"] == 2
+    response = act(admin_client, JOBS, "cancel", [ready, running])
+    assert messages_of(response) == ["1 job cancelled. 1 skipped: only ready jobs are cancelled."]
+    assert (reload(ready).status, reload(running).status) == (Status.CANCELLED, Status.RUNNING)
+    assert log_for(ready) == [(admin_user.username, CHANGE, "Cancelled.")]
+
+
+def test_delete_removes_the_jobs_and_logs_each_deletion(admin_client, admin_user):
+    jobs = JobFactory.create_batch(2, dead=True)
+    page = act(admin_client, DEAD, "delete_jobs", jobs, confirm=False)
+    assert page.context["count"] == 2
+    response = act(admin_client, DEAD, "delete_jobs", jobs)
+    assert messages_of(response) == ["2 jobs deleted."]
+    assert not Job.objects.filter(pk__in=[job.pk for job in jobs]).exists()
+    assert all(log_for(job) == [(admin_user.username, DELETION, "Deleted.")] for job in jobs)
+
+
+def test_the_admin_log_names_the_job_under_the_job_model(admin_client):
+    job = JobFactory(dead=True)
+    act(admin_client, DEAD, "replay", [job])
+    entry = LogEntry.objects.get(object_id=str(job.pk))
+    assert entry.content_type == ContentType.objects.get_for_model(Job)
+    assert entry.get_admin_url() == detail(job)
+
+
+def test_replay_everything_matching_the_filter_without_selecting_rows(admin_client):
+    failing = JobFactory.create_batch(3, dead=True, task="tests.tasks.always_fails")
+    other = JobFactory(dead=True)
+    changelist = admin_client.get(DEAD, {"task": "tests.tasks.always_fails"})
+    url = changelist.context["replay_matching_url"]
+    assert url == f"{REPLAY_MATCHING}?task=tests.tasks.always_fails"
+
+    page = admin_client.get(url)
+    assert page.context["count"] == 3
+    response = admin_client.post(url, {"post": "yes"}, follow=True)
+    assert messages_of(response) == ["3 jobs replayed."]
+    assert response.redirect_chain[-1][0] == f"{DEAD}?task=tests.tasks.always_fails"
+    assert {reload(job).status for job in failing} == {Status.READY}
+    assert reload(other).status == Status.FAILED
+
+
+def test_select_across_replays_every_job_matching_the_filter(admin_client, monkeypatch):
+    monkeypatch.setattr(pgjobs_admin, "ACTION_BATCH", 2)  # several batches
+    jobs = JobFactory.create_batch(5, dead=True)
+    response = act(admin_client, DEAD, "replay", jobs[:1], select_across="1")
+    assert messages_of(response) == ["5 jobs replayed."]
+    assert LogEntry.objects.count() == 5
+
+
+# ---- permissions ----------------------------------------------------------------------------
+
+
+def test_a_view_only_user_sees_the_jobs_but_no_actions():
+    JobFactory(dead=True)
+    viewer = staff("view_job")
+    for url in (JOBS, DEAD):
+        response = viewer.get(url)
+        assert response.status_code == 200
+        assert response.context["action_form"] is None
+        assert "replay_matching_url" not in response.context
+
+
+def test_a_forged_action_post_from_a_view_only_user_changes_nothing():
+    job = JobFactory(dead=True)
+    viewer = staff("view_job")
+    for action in ("replay", "delete_jobs", "delete_selected"):
+        act(viewer, DEAD, action, [job], index="0")
+        act(viewer, DEAD, action, [job])
+    assert viewer.post(REPLAY_MATCHING, {"post": "yes"}).status_code == 403
+    assert viewer.post(detail(job), {"status": "ready"}).status_code == 403
+    assert reload(job).status == Status.FAILED
+    assert not LogEntry.objects.exists()
+
+
+def test_each_action_is_offered_only_with_its_permission():
+    JobFactory()
+    cases = {
+        ("view_job", "cancel_job"): ["cancel"],
+        ("view_job", "replay_job"): ["replay", "run_now"],
+        ("view_job", "delete_job"): ["delete_jobs"],
+    }
+    for codenames, offered in cases.items():
+        choices = staff(*codenames).get(JOBS).context["action_form"].fields["action"].choices
+        assert [name for name, _ in choices if name] == offered
+
+
+def test_a_user_with_cancel_permission_cannot_replay():
+    job = JobFactory(dead=True)
+    act(staff("view_job", "cancel_job"), DEAD, "replay", [job])
+    assert reload(job).status == Status.FAILED
+
+
+# ---- escaping -------------------------------------------------------------------------------
+
+
+class Elements(HTMLParser):
+    """Every element and attribute in a page, and the text inside <script> elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.attributes: list[str] = []
+        self.scripts: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        self.attributes.extend(name for name, _ in attrs)
+        self._in_script = tag == "script"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_script = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_script:
+            self.scripts.append(data)
+
+
+def test_job_data_containing_markup_is_escaped_on_every_page(admin_client):
+    job = JobFactory(
+        dead=True,
+        task="<xss-task data-xss=1>t</xss-task>",
+        queue="<xss-queue>",
+        unique_key="<xss-key>",
+        payload={"<xss-payload-key>": "<script>xss()</script><img data-xss src=x>"},
+        last_error="<xss-error>Boom: <script>xss()</script>",
+        errors=[
+            {"attempt": "<xss-attempt>", "at": "<xss-at>", "worker": "<xss-worker>",
+             "type": "<xss-type>", "message": "<script>xss()</script>",
+             "traceback": "</pre><xss-traceback>"},
+        ],
+    )  # fmt: skip
+    pages = [
+        admin_client.get(JOBS),
+        admin_client.get(DEAD),
+        admin_client.get(detail(job)),
+        admin_client.get(detail(job, "deadletter")),
+        act(admin_client, JOBS, "replay", [job], confirm=False),
+    ]
+    for response in pages:
+        content = response.content.decode()
+        assert response.status_code == 200
+        assert "xss-task" in content  # the data is shown...
+        parsed = Elements()
+        parsed.feed(content)
+        assert not [tag for tag in parsed.tags if tag.startswith("xss-")]  # ...never as markup
+        assert "data-xss" not in parsed.attributes
+        assert not [script for script in parsed.scripts if "xss" in script]
