@@ -77,3 +77,15 @@ async def async_noop(value: int) -> None:
 @task(name="custom.name", redact=["password"])
 def named(password: str = "") -> None:
     _count("named")
+
+
+@task(max_attempts=5)
+def record(n: int, seconds: float = 0.0) -> None:
+    """Write a ledger row, then take `seconds`: the crash tests' handler."""
+    import os
+    import time
+
+    from tests.models import Execution
+
+    Execution.objects.create(n=n, pid=os.getpid())
+    time.sleep(seconds)

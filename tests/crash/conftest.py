@@ -1,0 +1,69 @@
+"""Real `runjobs` processes against the test database, stopped with real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerProcess:
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log_path = log
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "PGJOBS_TEST_DATABASE": connection.settings_dict["NAME"],
+            "PYTHONUNBUFFERED": "1",
+        }
+        self._log = log.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "manage.py", "runjobs", *args],
+            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def start_worker(transactional_db: None, tmp_path: Path) -> Iterator:
+    """start_worker("--concurrency", "4", ...) -> WorkerProcess; all are killed at teardown."""
+    started: list[WorkerProcess] = []
+
+    def start(*args: str) -> WorkerProcess:
+        worker = WorkerProcess(list(args), tmp_path / f"worker-{len(started)}.log")
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()
+        sys.stderr.write(f"--- {worker.log_path.name} ---\n{worker.log()[-3000:]}\n")
