@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import traceback
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -36,6 +37,16 @@ class Outcome:
 
 SUCCEEDED = Outcome(Result.SUCCEEDED)
 
+_current_job: ContextVar[Job | None] = ContextVar("pgjobs_current_job", default=None)
+
+
+def current_job() -> Job | None:
+    """The job whose handler is running in this thread (or task), else None.
+
+    Its ``id``, ``attempts`` and ``worker`` identify this attempt, e.g. for idempotency keys.
+    """
+    return _current_job.get()
+
 
 def run(job: Job) -> Outcome:
     """Call the job's registered handler with its payload as keyword arguments. Never raises:
@@ -49,6 +60,7 @@ def run(job: Job) -> Outcome:
         _check_arguments(task, job.payload)
     except PayloadMismatch as error:
         return Outcome(Result.ERROR, failure=_failure(error, with_traceback=False), permanent=True)
+    token = _current_job.set(job)
     try:
         if task.is_async:
             async_to_sync(task.func)(**job.payload)
@@ -65,6 +77,8 @@ def run(job: Job) -> Outcome:
             failure=_failure(error),
             permanent=is_permanent(error, task.permanent_errors),
         )
+    finally:
+        _current_job.reset(token)
     return SUCCEEDED
 
 

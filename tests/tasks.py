@@ -89,3 +89,15 @@ def record(n: int, seconds: float = 0.0) -> None:
 
     Execution.objects.create(n=n, pid=os.getpid())
     time.sleep(seconds)
+
+
+seen_jobs: list[tuple[object, int, str | None]] = []
+
+
+@task
+def reports_its_job() -> None:
+    from django_pgjobs import current_job
+
+    job = current_job()
+    assert job is not None
+    seen_jobs.append((job.pk, job.attempts, job.worker))

@@ -284,3 +284,12 @@ def test_prune_deletes_old_finished_jobs_in_bounded_batches(settings):
     assert Job.objects.prune() == 0
     assert Job.objects.filter(pk__in=[job.pk for job in keep]).count() == 3
     assert Job.objects.filter(status=Status.SUCCEEDED).count() == 1
+
+
+def test_a_handler_can_see_which_job_and_attempt_it_is_running():
+    from django_pgjobs import current_job
+
+    job = JobFactory(task="tests.tasks.reports_its_job")
+    run_claimed("w9")
+    assert tasks.seen_jobs[-1] == (job.pk, 1, "w9")
+    assert current_job() is None
