@@ -61,7 +61,10 @@ def queue_stats(db: str | None = None) -> list[QueueStats]:
             GROUP BY queue ORDER BY queue
             """
         )
-        return [QueueStats(row[0], *row[1:6], float(row[6])) for row in cursor.fetchall()]
+        return [
+            QueueStats(queue, due, scheduled, retrying, running, failed, float(oldest))
+            for queue, due, scheduled, retrying, running, failed, oldest in cursor.fetchall()
+        ]
 
 
 def table_stats(db: str | None = None) -> TableStats:
@@ -73,7 +76,9 @@ def table_stats(db: str | None = None) -> TableStats:
             FROM pg_stat_user_tables WHERE relname = 'pgjobs_job'
             """
         )
-        table = cursor.fetchone() or (0, 0, 0, 0, None, None, 0)
+        live, dead, heap, indexes, vacuumed, analyzed, vacuums = cursor.fetchone() or (
+            0, 0, 0, 0, None, None, 0,
+        )  # fmt: skip
         cursor.execute(
             "SELECT COALESCE(state, 'unknown'), count(*) FROM pg_stat_activity "
             "WHERE datname = current_database() GROUP BY 1"
@@ -88,7 +93,18 @@ def table_stats(db: str | None = None) -> TableStats:
             """
         )
         oldest = cursor.fetchone() or (0, "")
-    return TableStats(*table, by_state, float(oldest[0]), oldest[1])
+    return TableStats(
+        live,
+        dead,
+        heap,
+        indexes,
+        vacuumed,
+        analyzed,
+        vacuums,
+        by_state,
+        float(oldest[0]),
+        oldest[1],
+    )
 
 
 def as_dict(db: str | None = None) -> dict[str, Any]:
