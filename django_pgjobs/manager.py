@@ -158,9 +158,15 @@ class JobQuerySet(models.QuerySet["Job"]):
         )
         total, batches = 0, 0
         while max_batches is None or batches < max_batches:
-            # Bounded batches keep each transaction short and the locks few.
-            batch = finished.values("pk")[: settings.PRUNE_BATCH]
-            deleted, _ = self.model._default_manager.using(self.db).filter(pk__in=batch).delete()
+            # Bounded batches keep each transaction short and the locks few; SKIP LOCKED lets
+            # every worker prune at once without queueing behind each other.
+            batch = finished.values("pk").select_for_update(skip_locked=True)
+            with transaction.atomic(using=self.db):
+                deleted, _ = (
+                    self.model._default_manager.using(self.db)
+                    .filter(pk__in=batch[: settings.PRUNE_BATCH])
+                    .delete()
+                )
             total, batches = total + deleted, batches + 1
             if deleted < settings.PRUNE_BATCH:
                 break

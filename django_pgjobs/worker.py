@@ -212,8 +212,9 @@ class Worker:
                 self._poll_now = True
             timers.reap = now + options.reap_interval
         if now >= timers.prune and not options.once:
-            self.jobs.prune(max_batches=1)
-            timers.prune = now + options.prune_interval
+            # One bounded batch per turn of the loop while there is a backlog to prune.
+            full = self.jobs.prune(max_batches=1) == get_settings().PRUNE_BATCH
+            timers.prune = now if full else now + options.prune_interval
         if now >= timers.stats + options.stats_interval:
             self._log_stats(now - timers.stats)
             timers.stats = now

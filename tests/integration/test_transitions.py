@@ -293,3 +293,12 @@ def test_a_handler_can_see_which_job_and_attempt_it_is_running():
     run_claimed("w9")
     assert tasks.seen_jobs[-1] == (job.pk, 1, "w9")
     assert current_job() is None
+
+
+def test_prune_skips_rows_another_pruner_has_locked(other_connection):
+    old = JobFactory.create_batch(3, succeeded=True)
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE pgjobs_job SET finished_at = now() - interval '2 hours'")
+    with other_connection.transaction():
+        other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [old[0].pk])
+        assert Job.objects.prune() == 2
