@@ -161,6 +161,7 @@ class BaseJobAdmin(ModelAdmin):
     list_filter = ("status", QueueFilter, TaskFilter)
     list_per_page = 50
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # facet counts would count the table per filter choice
     paginator = EstimatedCountPaginator
     sortable_by = ()  # newest first; other orders would sort the whole table
     ordering = ("-id",)
@@ -431,7 +432,7 @@ class BaseJobAdmin(ModelAdmin):
         context = getattr(response, "context_data", None)
         if context and "cl" in context and IS_POPUP_VAR not in request.GET:
             cl = context["cl"]
-            if self.has_replay_permission(request):
+            if self.has_replay_permission(request) and self.offers_replay_matching(request):
                 url = reverse(self.url_name("replay_matching"))
                 context["replay_matching_url"] = url + cl.get_query_string(remove=[PAGE_VAR])
             context.update(self.changelist_extra(cl))
@@ -439,6 +440,10 @@ class BaseJobAdmin(ModelAdmin):
 
     def changelist_extra(self, cl: ChangeList) -> dict[str, Any]:
         return {}
+
+    def offers_replay_matching(self, request: HttpRequest) -> bool:
+        """Whether to offer "Replay all matching": when the list shows replayable jobs."""
+        return request.GET.get("status__exact") in (Status.FAILED, Status.CANCELLED)
 
 
 def _audited(job: Job) -> tuple[Any, ...]:
@@ -464,6 +469,9 @@ class DeadLetterAdmin(BaseJobAdmin):
         queryset = super().get_queryset(request)
         assert isinstance(queryset, JobQuerySet)
         return queryset.dead()
+
+    def offers_replay_matching(self, request: HttpRequest) -> bool:
+        return True
 
     def get_list_filter(self, request: HttpRequest) -> tuple[type[admin.ListFilter], ...]:
         return (QueueFilter, TaskFilter, ErrorTypeFilter)

@@ -105,7 +105,10 @@ def test_dead_letters_list_only_failed_jobs_with_a_summary_by_task_and_error_typ
     JobFactory()
     JobFactory(succeeded=True)
     response = admin_client.get(DEAD)
-    assert {job.pk for job in response.context["cl"].result_list} == {*(j.pk for j in dead), other.pk}
+    assert {job.pk for job in response.context["cl"].result_list} == {
+        *(j.pk for j in dead),
+        other.pk,
+    }
     assert response.context["summary"] == [
         {"task": "tests.tasks.noop", "error_type": "RuntimeError", "jobs": 2},
         {"task": "tests.tasks.always_fails", "error_type": "KeyError", "jobs": 1},
@@ -268,6 +271,12 @@ def test_select_across_replays_every_job_matching_the_filter(admin_client, monke
 
 
 # ---- permissions ----------------------------------------------------------------------------
+
+
+def test_replay_all_matching_is_offered_where_the_list_shows_replayable_jobs(admin_client):
+    assert "replay_matching_url" in admin_client.get(DEAD).context
+    assert "replay_matching_url" not in admin_client.get(JOBS).context
+    assert "replay_matching_url" in admin_client.get(JOBS, {"status__exact": "cancelled"}).context
 
 
 def test_a_view_only_user_sees_the_jobs_but_no_actions():
