@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
@@ -126,15 +127,11 @@ def test_a_warehouse_timeout_is_a_transient_error(monkeypatch):
     assert Order.objects.get(pk=order.pk).shipped_at is None
 
 
-def test_every_job_of_an_order_runs_to_its_outcome_with_the_worker():
-    pytest.importorskip("django_pgjobs.worker")
-    from django.core.management import call_command
-
-    place(Client())
+def test_a_worker_confirms_and_charges_a_placed_order(client):
+    place(client)
     order = Order.objects.get()
-    call_command(
-        "runjobs", "--once", *[arg for q in ["emails", "payments"] for arg in ("--queue", q)]
-    )
+
+    call_command("runjobs", "--once", "--queue", "emails", "--queue", "payments", verbosity=0)
 
     order.refresh_from_db()
     assert order.confirmation_sent_at and order.paid_at
