@@ -66,7 +66,8 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
     def count(self) -> int:
         queryset = self.object_list
         assert isinstance(queryset, QuerySet)
-        capped = queryset[: EXACT_COUNT_LIMIT + 1].count()
+        # Unordered, so PostgreSQL may stop at the first EXACT_COUNT_LIMIT + 1 rows it finds.
+        capped = queryset.order_by()[: EXACT_COUNT_LIMIT + 1].count()
         if capped <= EXACT_COUNT_LIMIT:
             return capped
         self.estimated = True
@@ -223,12 +224,13 @@ class BaseJobAdmin(ModelAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        match = Q(task__icontains=term) | Q(unique_key=term)
         try:
-            match |= Q(pk=UUID(term))
+            return queryset.filter(pk=UUID(term)), False  # the primary key index, nothing else
         except ValueError:
-            if len(term) == 12 and all(c in "0123456789abcdef" for c in term.lower()):
-                match |= Q(id__endswith=term.lower())
+            pass
+        match = Q(task__icontains=term) | Q(unique_key=term)
+        if len(term) == 12 and all(c in "0123456789abcdef" for c in term.lower()):
+            match |= Q(id__endswith=term.lower())
         return queryset.filter(match), False
 
     @admin.display(description=gettext_lazy("id"))
@@ -241,7 +243,8 @@ class BaseJobAdmin(ModelAdmin):
 
     @admin.display(description=gettext_lazy("last error"))
     def error_line(self, job: Job, width: int = 100) -> str:
-        head: str = getattr(job, "error_head", None) or job.last_error
+        # The list annotates the head of last_error and defers the column itself.
+        head: str = job.error_head if hasattr(job, "error_head") else job.last_error
         return Truncator(head.split("\n", 1)[0]).chars(width)
 
     # ---- detail ------------------------------------------------------------------------------

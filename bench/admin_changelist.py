@@ -1,0 +1,192 @@
+"""Time the admin's job pages over a big table (a script, not a test).
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/pgjobs_bench_admin \\
+        .venv/bin/python bench/admin_changelist.py [--rows 1000000] [--repeat 7]
+
+Creates the database if needed, fills pgjobs_job with --rows jobs (COPY; mostly succeeded, with
+ready, running, failed and cancelled ones, realistic payloads and error histories), then loads
+each page through Django's test client as a superuser and prints the median and worst time, the
+number of queries and the slowest query. For comparison it also times the exact COUNT(*) a stock
+changelist would run on every load. Refuses to run without DATABASE_URL, so it never fills the
+development database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+
+TASKS = ["shop.tasks.send_email", "shop.tasks.charge_card", "shop.tasks.issue_invoice"]
+QUEUES = ["default", "emails", "payments"]
+TRACEBACK = 'Traceback (most recent call last):\n  File "shop/tasks.py", line 31\n' * 40
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    if not os.environ.get("DATABASE_URL"):
+        raise SystemExit("Set DATABASE_URL to a scratch database: this script fills it.")
+    create_database(os.environ["DATABASE_URL"])
+
+    import django
+    from django.core.management import call_command
+    from django.test.utils import setup_test_environment
+
+    django.setup()
+    setup_test_environment()  # lets the test client's host through ALLOWED_HOSTS
+    call_command("migrate", verbosity=0)
+    fill(args.rows)
+    report(args.repeat)
+
+
+def create_database(url: str) -> None:
+    import environ
+    import psycopg
+
+    config = environ.Env.db_url_config(url)
+    with psycopg.connect(
+        host=config["HOST"] or None, port=config["PORT"] or None, user=config["USER"] or None,
+        password=config["PASSWORD"] or None, dbname="postgres", autocommit=True,
+    ) as connection:  # fmt: skip
+        exists = connection.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", [config["NAME"]]
+        ).fetchone()
+        if not exists:
+            connection.execute(f'CREATE DATABASE "{config["NAME"]}"')
+
+
+def fill(rows: int) -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pgjobs_job")
+        (have,) = cursor.fetchone()
+    if have == rows:
+        print(f"pgjobs_job already holds {rows:,} rows")
+        return
+    started = time.monotonic()
+    columns = (
+        "id, queue, task, payload, status, priority, run_at, attempts, max_attempts, "
+        "leased_until, worker, last_error, errors, created_at, finished_at"
+    )
+    now_ms = time.time_ns() // 1_000_000
+    raw = connection.connection
+    assert raw is not None
+    with raw.cursor() as cursor:
+        cursor.execute("TRUNCATE pgjobs_job")
+        with cursor.copy(f"COPY pgjobs_job ({columns}) FROM STDIN") as copy:
+            for n in range(rows):
+                copy.write_row(row(n, rows, now_ms))
+    raw.commit()
+    with raw.cursor() as cursor:
+        raw.autocommit = True
+        cursor.execute("VACUUM ANALYZE pgjobs_job")
+    print(f"filled pgjobs_job with {rows:,} rows in {time.monotonic() - started:.0f}s")
+
+
+def row(n: int, rows: int, now_ms: int) -> tuple[Any, ...]:
+    """Job n of rows, one millisecond apart, oldest first; ~2% failed, 5% ready, 1% running."""
+    ms = now_ms - (rows - n) * 1000
+    job_id = uuid.UUID(int=(ms << 80) | (0x7 << 76) | (0x2 << 62) | (n & ((1 << 62) - 1)))
+    at = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(ms / 1000))
+    task, queue = TASKS[n % 3], QUEUES[n % 3]
+    payload = json.dumps({"order_id": n, "email": f"user{n}@example.com", "note": "x" * 300})
+    kind = n % 100
+    status, attempts, lease, worker, error, errors, finished = (
+        "succeeded",
+        1,
+        None,
+        None,
+        "",
+        "[]",
+        at,
+    )
+    if kind < 2:
+        status, attempts, error = "failed", 5, "ConnectionError: upstream timed out after 30s"
+        entry = {"attempt": 5, "at": at, "worker": "web-1:77:1", "type": "ConnectionError",
+                 "message": "upstream timed out after 30s", "traceback": TRACEBACK}  # fmt: skip
+        errors = json.dumps([entry] * 5)
+    elif kind < 7:
+        status, attempts, finished = "ready", 0, None
+    elif kind < 8:
+        status, lease, worker, finished = "running", at, "web-2:91:3", None
+    elif kind < 10:
+        status, attempts = "cancelled", 0
+    return (
+        job_id, queue, task, payload, status, 0, at, attempts, 5, lease, worker, error, errors,
+        at, finished,
+    )  # fmt: skip
+
+
+def report(repeat: int) -> None:
+    from django.contrib.auth.models import User
+    from django.db import connection
+    from django.test import Client
+    from django.test.utils import CaptureQueriesContext
+
+    from django_pgjobs.models import Job
+
+    user, _ = User.objects.get_or_create(
+        username="bench", defaults={"is_staff": True, "is_superuser": True}
+    )
+    client = Client()
+    client.force_login(user)
+    dead = Job.objects.dead().order_by("-id").first()
+    assert dead is not None
+    jobs, dead_letters = "/admin/pgjobs/job/", "/admin/pgjobs/deadletter/"
+    pages = [
+        ("jobs, first page", jobs),
+        ("jobs, page 100", f"{jobs}?p=100"),
+        ("jobs, status=ready", f"{jobs}?status__exact=ready"),
+        ("jobs, status=failed", f"{jobs}?status__exact=failed"),
+        ("jobs, queue=payments", f"{jobs}?queue=payments"),
+        ("jobs, search full id", f"{jobs}?q={dead.pk}"),
+        ("jobs, search short id", f"{jobs}?q={dead.short_id}"),
+        ("jobs, search task text", f"{jobs}?q=charge_card"),
+        ("dead letters", dead_letters),
+        ("dead letters, task", f"{dead_letters}?task=shop.tasks.charge_card"),
+        ("job detail", f"{jobs}{dead.pk}/change/"),
+    ]
+    print(f"\n{'page':<26}{'median ms':>10}{'max ms':>9}{'SQL ms':>8}{'queries':>9}  slowest query")
+    for label, url in pages:
+        client.get(url)  # warm caches
+        times, sql, slowest = [], [], (0.0, "")
+        for _ in range(repeat):
+            with CaptureQueriesContext(connection) as queries:
+                started = time.perf_counter()
+                response = client.get(url)
+                times.append((time.perf_counter() - started) * 1000)
+            assert response.status_code == 200, (url, response.status_code)
+            sql.append(sum(float(q["time"]) for q in queries.captured_queries) * 1000)
+            top = max(queries.captured_queries, key=lambda q: float(q["time"]))
+            slowest = max(slowest, (float(top["time"]) * 1000, top["sql"][:60]))
+        print(
+            f"{label:<26}{statistics.median(times):>10.1f}{max(times):>9.1f}"
+            f"{statistics.median(sql):>8.0f}{len(queries.captured_queries):>9}  "
+            f"{slowest[0]:.0f} ms {slowest[1]}"
+        )
+    with connection.cursor() as cursor:
+        times = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            cursor.execute("SELECT count(*) FROM pgjobs_job")
+            times.append((time.perf_counter() - started) * 1000)
+    label = "exact COUNT(*) (reference)"
+    print(f"{label:<26}{statistics.median(times):>10.1f}{max(times):>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
