@@ -128,6 +128,18 @@ def test_the_changelist_never_counts_the_whole_table_nor_reads_payloads(admin_cl
         assert '"pgjobs_job"."payload"' not in sql and '"pgjobs_job"."errors"' not in sql, sql
 
 
+def test_the_changelist_makes_the_same_queries_for_2_jobs_as_for_20(admin_client):
+    def queries_for_list() -> int:
+        with CaptureQueriesContext(connection) as queries:
+            admin_client.get(JOBS)
+        return len(queries)
+
+    JobFactory.create_batch(2)
+    few = queries_for_list()
+    JobFactory.create_batch(18)
+    assert queries_for_list() == few
+
+
 def test_past_the_exact_count_limit_the_changelist_shows_an_estimate(admin_client, monkeypatch):
     monkeypatch.setattr(pgjobs_admin, "EXACT_COUNT_LIMIT", 3)
     JobFactory.create_batch(5)
