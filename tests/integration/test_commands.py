@@ -55,3 +55,30 @@ def test_prunejobs_deletes_old_finished_jobs_and_keeps_dead_letters():
         cursor.execute("UPDATE pgjobs_job SET finished_at = now() - interval '1 day'")
     assert run("prunejobs", "--older-than", "3600").strip() == "pruned 4 finished jobs"
     assert list(Job.objects.values_list("status", flat=True)) == [Status.FAILED]
+
+
+def test_runjobs_once_drains_what_is_due_and_restores_the_signal_handlers():
+    import signal
+
+    JobFactory.create_batch(5)
+    JobFactory(future=True)
+    before = signal.getsignal(signal.SIGTERM)
+    call_command("runjobs", "--once", verbosity=0)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert Job.objects.filter(status=Status.SUCCEEDED).count() == 5
+    assert Job.objects.filter(status=Status.READY).count() == 1
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--queue", "bad queue"], "not a valid queue name"),
+        (["--concurrency", "0"], "must be greater than 0"),
+        (["--lease", "soon"], "is not a number"),
+    ],
+)
+def test_runjobs_refuses_bad_options_with_a_clear_message(option, message, capsys):
+    from django.core.management import CommandError
+
+    with pytest.raises(CommandError, match=message):
+        call_command("runjobs", *option)

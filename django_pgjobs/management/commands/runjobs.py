@@ -15,6 +15,8 @@ from django_pgjobs.errors import EnqueueError
 from django_pgjobs.validation import check_queue
 from django_pgjobs.worker import Options, Worker
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 def _queue(value: str) -> str:
     try:
@@ -117,9 +119,12 @@ class Command(BaseCommand):
         def on_signal(signum: int, frame: FrameType | None) -> None:
             worker.stop()
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        worker.run()
+        previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+        try:
+            worker.run()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def _show_logs(verbosity: int) -> None:
