@@ -11,6 +11,14 @@ import pytest
 from django.db import connection
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--chaos-full",
+        action="store_true",
+        help="run the fault-injection suite (tests/chaos) at full size; also CHAOS_FULL=1",
+    )
+
+
 def connection_kwargs() -> dict[str, Any]:
     """psycopg connect() arguments for the database the tests use (the test database)."""
     settings = connection.settings_dict

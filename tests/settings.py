@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from devdb import database_config
 
 SECRET_KEY = "tests-only-not-secret"
@@ -41,6 +43,12 @@ TEMPLATES = [
     }
 ]
 DATABASES = {"default": database_config()}
+# The chaos suite's workers: connections named after the process (its audit trigger reads the
+# name), and what Django needs behind PgBouncer in transaction pooling mode.
+if os.environ.get("PGJOBS_CHAOS"):
+    DATABASES["default"].setdefault("OPTIONS", {})["application_name"] = f"chaos:{os.getpid()}"
+if os.environ.get("PGJOBS_PGBOUNCER"):
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05}

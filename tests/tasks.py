@@ -101,3 +101,8 @@ def reports_its_job() -> None:
     job = current_job()
     assert job is not None
     seen_jobs.append((job.pk, job.attempts, job.worker))
+
+
+# The chaos suite's tasks live beside it; importing them here registers them (only installed
+# apps' `tasks` modules are autodiscovered).
+from tests.chaos import tasks as chaos_tasks  # noqa: E402, F401

@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess:
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log
         env = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "tests.settings",
             "PGJOBS_TEST_DATABASE": connection.settings_dict["NAME"],
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self._log = log.open("w")
         self.process = subprocess.Popen(
@@ -45,6 +46,10 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+    def started(self) -> bool:
+        """The worker logged its start (its signal handlers are in place by then)."""
+        return " started: " in self.log()
 
     def kill(self) -> None:
         if self.alive():
