@@ -244,7 +244,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             raise EnqueueError("Pass run_at or delay, not both.")
         return (
             uuid7(),
-            validation.check_queue(queue or task.queue or settings.DEFAULT_QUEUE),
+            # An empty name is an error, not "the default queue" (`_first`, not `or`).
+            validation.check_queue(_first(queue, task.queue or settings.DEFAULT_QUEUE)),
             task.name,
             validation.payload_json(payload, settings.MAX_PAYLOAD_BYTES),
             validation.check_priority(_first(priority, task.priority, settings.DEFAULT_PRIORITY)),
