@@ -71,7 +71,7 @@ def work(n: int, seconds: float = 0.0) -> None:
 
 
 @task(name="chaos.poison", max_attempts=3)
-def poison() -> None:
+def poison(n: int) -> None:
     """Kill the worker process that runs it, every time."""
     record(ok=False)
     os._exit(17)
@@ -81,7 +81,10 @@ class DependencyDown(ConnectionError):
     pass
 
 
-@task(name="chaos.flaky", max_attempts=40, backoff=ExponentialBackoff(base=0.5, cap=4.0))
+STORM_BACKOFF = ExponentialBackoff(base=0.5, cap=4.0)
+
+
+@task(name="chaos.flaky", max_attempts=40, backoff=STORM_BACKOFF)
 def flaky(n: int, recovers_at: float) -> None:
     """Fail while a dependency is down (until the wall-clock time `recovers_at`), then succeed."""
     if time.time() < recovers_at:
