@@ -1,0 +1,411 @@
+"""The benchmark: `python bench/run.py [--quick]`. Starts a throwaway durable PostgreSQL, measures
+the pgbench ceiling over our schema and W1–W6 through django-pgjobs, and prints one table with
+every figure's ratio to the ceiling of the same shape (docs/performance.md explains it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    repeat: int
+    ceiling_jobs: dict[int, int]  # per batch size
+    insert_seconds: float
+    bulk: int
+    enqueue_seconds: float
+    drain: int
+    strict: int
+    latency_seconds: float
+    soak_jobs: int
+    hold: tuple[float, float, float]  # before, hold, after (seconds)
+
+
+FULL = Sizes(3, {1: 8_000, 10: 60_000, 100: 200_000}, 5, 100_000, 5, 100_000, 20_000, 20,
+             1_000_000, (60, 300, 60))  # fmt: skip
+QUICK = Sizes(1, {1: 2_000, 10: 10_000, 100: 40_000}, 2, 20_000, 2, 20_000, 4_000, 4,
+              40_000, (10, 10, 15))  # fmt: skip
+
+
+@dataclass
+class Row:
+    workload: str
+    value: float
+    unit: str
+    ceiling: str = ""
+    ceiling_value: float | None = None
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> str:
+        if not self.ceiling_value:
+            return ""
+        return f"{self.value / self.ceiling_value:.2f}"
+
+
+def fmt(value: float, unit: str) -> str:
+    if unit in ("jobs/s", "rows/s"):
+        return f"{value:,.0f} {unit}"
+    if unit == "ms":
+        return f"{value:.2f} ms"
+    if unit == "MB":
+        return f"{value:.1f} MB"
+    if unit in ("", "×", "share"):
+        return f"{value:.2f}{' ×' if unit == '×' else ''}"
+    return f"{value:,.2f} {unit}"
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| workload | figure | ceiling (same shape) | ratio | target | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ceiling = f"{row.ceiling}: {fmt(row.ceiling_value, row.unit)}" if row.ceiling_value else ""
+        met = {True: "yes", False: "**no**", None: ""}[row.met]
+        figure = fmt(row.value, row.unit) + (f" ({row.note})" if row.note else "")
+        lines.append(
+            f"| {row.workload} | {figure} | {ceiling} | {row.ratio} | {row.target} | {met} |"
+        )
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, str]:
+    import django
+    import psycopg
+
+    cpu = "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return {
+        "cpu": f"{os.cpu_count()} × {cpu}",
+        "memory": f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "django": django.__version__,
+        "psycopg": f"{psycopg.__version__} ({psycopg.pq.__impl__})",
+        "load before the run": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes: a few minutes")
+    parser.add_argument("--soak-jobs", type=int, help="W6 size (full: 1,000,000)")
+    parser.add_argument("--hold-seconds", type=float, help="W6 snapshot hold (full: 300)")
+    parser.add_argument("--repeat", type=int, help="runs per noisy figure; the median is shown")
+    parser.add_argument(
+        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,heartbeat",
+        help="comma-separated sections to run (the ceiling is always measured for ratios)",
+    )  # fmt: skip
+    options = parser.parse_args()
+    sizes = QUICK if options.quick else FULL
+    if options.soak_jobs or options.hold_seconds or options.repeat:
+        before, hold, after = sizes.hold
+        sizes = Sizes(**{
+            **asdict(sizes),
+            "soak_jobs": options.soak_jobs or sizes.soak_jobs,
+            "hold": (before, options.hold_seconds or hold, after),
+            "repeat": options.repeat or sizes.repeat,
+        })  # fmt: skip
+    sections = set(options.only.split(","))
+
+    from bench.cluster import SETTINGS, Cluster
+
+    cluster = Cluster()
+    cluster.start()
+    try:
+        os.environ["DATABASE_URL"] = cluster.url
+        os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)
+        logs = ROOT / ".bench" / time.strftime("%Y%m%d-%H%M%S")
+        logs.mkdir(parents=True, exist_ok=True)
+        rows = run(cluster, sizes, sections, logs)
+        info = {
+            "postgres": cluster.version(),
+            **{f"pg {k}": v for k, v in cluster.settings([*SETTINGS, "wal_sync_method"]).items()},
+            **machine(),
+        }
+    finally:
+        cluster.stop()
+    report = "\n".join(
+        [
+            table(rows),
+            "",
+            "| setting | value |",
+            "|---|---|",
+            *(f"| {key} | {value} |" for key, value in info.items()),
+        ]
+    )
+    print(report)
+    (logs / "report.md").write_text(report + "\n")
+    (logs / "report.json").write_text(
+        json.dumps({"rows": [asdict(r) for r in rows], "info": info}, indent=1)
+    )
+    print(f"\n(report and worker logs in {logs.relative_to(ROOT)})", file=sys.stderr)
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]:
+    from bench import ceiling, workloads
+    from django_pgjobs.worker import Options
+
+    rows: list[Row] = []
+    defaults = Options()
+    default_batch = min(defaults.concurrency, defaults.batch_size)
+    repeat = sizes.repeat
+
+    say("ceiling: pgbench claim + complete, inserts")
+    claim = {
+        (batch, clients): ceiling.claim_complete(cluster, batch, clients, jobs, repeat)
+        for batch, jobs in sizes.ceiling_jobs.items()
+        for clients in (1, 2)
+    }
+    insert_one = {c: ceiling.insert(cluster, 1, c, sizes.insert_seconds, repeat) for c in (1, 16)}
+    insert_batch = ceiling.insert(cluster, 1000, 1, sizes.insert_seconds, repeat)
+    for (batch, clients), value in claim.items():
+        rows.append(Row(f"ceiling: claim {batch} + complete, {clients} conn", value, "jobs/s"))
+    rows.append(Row("ceiling: 1-row INSERT per txn, 1 conn", insert_one[1], "jobs/s"))
+    rows.append(Row("ceiling: 1-row INSERT per txn, 16 conn", insert_one[16], "jobs/s"))
+    rows.append(Row("ceiling: 1000-row INSERT per txn, 1 conn", insert_batch, "jobs/s"))
+
+    def claim_ceiling(batch: int, clients: int = 1) -> tuple[str, float]:
+        near = min(sizes.ceiling_jobs, key=lambda b: abs(b - batch))
+        return f"claim {near} + complete, {clients} conn", claim[(near, clients)]
+
+    if "w1" in sections:
+        say("W1 bulk enqueue")
+        value = statistics.median(
+            workloads.bulk_enqueue(cluster, sizes.bulk) for _ in range(repeat)
+        )
+        rows.append(Row(f"W1 bulk_enqueue {sizes.bulk:,}", value, "jobs/s",
+                        "1000-row INSERT", insert_batch, "≥ 100,000 jobs/s",
+                        value >= 100_000))  # fmt: skip
+
+    if "w2" in sections:
+        say("W2 transactional enqueue")
+        single: dict[tuple[int, bool], float] = {}
+        for threads in (1, 16):
+            for notify in (True, False):
+                single[(threads, notify)] = statistics.median(
+                    workloads.single_enqueue(cluster, threads, sizes.enqueue_seconds, notify)
+                    for _ in range(repeat)
+                )
+        for threads, target in ((1, 4_000), (16, 10_000)):
+            for notify in (True, False):
+                value = single[(threads, notify)]
+                rows.append(Row(
+                    f"W2 enqueue in atomic(), {threads} thread(s), wake-ups "
+                    f"{'on' if notify else 'off'}", value, "jobs/s", "1-row INSERT",
+                    insert_one[threads], f"≥ {target:,} jobs/s", value >= target,
+                ))  # fmt: skip
+            share = single[(threads, True)] / single[(threads, False)]
+            rows.append(Row(f"W2 wake-ups on / off, {threads} thread(s)", share, "×",
+                            target="≥ 0.8", met=share >= 0.8))  # fmt: skip
+        added = workloads.enqueue_added_time(cluster, 2000 if repeat > 1 else 500)
+        rows.append(Row("W2 time enqueue adds in atomic(), p50", added["p50"], "ms",
+                        target="≤ 0.3 ms", met=added["p50"] <= 0.3))  # fmt: skip
+        rows.append(Row("W2 time enqueue adds in atomic(), p99", added["p99"], "ms",
+                        target="≤ 1 ms", met=added["p99"] <= 1.0))  # fmt: skip
+        rows.append(Row("W2 statements per enqueue (incl. coalesced NOTIFY)", added["statements"],
+                        "", target="one statement", met=added["statements"] < 1.05))  # fmt: skip
+
+    w3: float | None = None
+    if sections & {"w3", "w4", "w6"}:
+        startup = workloads.startup_cpu(cluster, logs)
+    if "w3" in sections or "w4" in sections or "w6" in sections:
+        say("W3 drain, default settings, 1 process")
+        runs = [
+            workloads.drain(cluster, sizes.drain, 1, [], logs, startup)
+            for _ in range(repeat if "w3" in sections else 1)
+        ]
+        result = sorted(runs, key=lambda d: d.jobs_per_second)[len(runs) // 2]
+        w3 = result.jobs_per_second
+        name, ceil = claim_ceiling(default_batch)
+        if "w3" in sections:
+            rows.append(Row(
+                f"W3 drain {sizes.drain:,}, defaults, 1 process", w3, "jobs/s", name, ceil,
+                "≥ 20,000 jobs/s and ≥ 0.6 × ceiling", w3 >= 20_000 and w3 / ceil >= 0.6,
+                _cause(result),
+            ))  # fmt: skip
+            rows.append(Row("W3 defaults: statements per job", result.statements, "",
+                            target="≤ 0.25", met=result.statements <= 0.25))  # fmt: skip
+            rows.append(Row("W3 defaults: commits per job", result.commits, "",
+                            target="≤ 0.25", met=result.commits <= 0.25))  # fmt: skip
+            rows.append(Row("W3 defaults: WAL bytes per job", result.wal_bytes, "B"))
+    if "w3" in sections:
+        say("W3 drain, prepared statements")
+        prepared = workloads.drain(cluster, sizes.drain, 1, [], logs, startup,
+                                   env={"BENCH_PREPARE": "5"})  # fmt: skip
+        name, ceil = claim_ceiling(default_batch)
+        rows.append(Row("W3 drain, defaults + prepare_threshold=5", prepared.jobs_per_second,
+                        "jobs/s", name, ceil, note=_cause(prepared)))  # fmt: skip
+        say("W3 drain, --concurrency 100")
+        wide = workloads.drain(cluster, sizes.drain, 1, ["--concurrency", "100"], logs, startup)
+        name, ceil = claim_ceiling(100)
+        rows.append(Row("W3 drain, --concurrency 100 (claims of up to 100)", wide.jobs_per_second,
+                        "jobs/s", name, ceil, note=_cause(wide)))  # fmt: skip
+        rows.append(Row("W3 --concurrency 100: statements / commits per job", wide.statements,
+                        "", note=f"{wide.commits:.3f} commits"))  # fmt: skip
+        say("W3 drain, 2 processes")
+        two = workloads.drain(cluster, sizes.drain, 2, [], logs, startup)
+        name, ceil = claim_ceiling(default_batch, 2)
+        rows.append(Row(f"W3 drain {sizes.drain:,}, defaults, 2 processes", two.jobs_per_second,
+                        "jobs/s", name, ceil, note=_cause(two)))  # fmt: skip
+        say("W3 strict mode")
+        strict = workloads.drain(cluster, sizes.strict, 1, ["--batch-size", "1"], logs, startup)
+        name, ceil = claim_ceiling(1)
+        rows.append(Row(f"W3 strict (--batch-size 1), {sizes.strict:,}", strict.jobs_per_second,
+                        "jobs/s", name, ceil, "≥ 2,500 jobs/s", strict.jobs_per_second >= 2500,
+                        _cause(strict)))  # fmt: skip
+        rows.append(Row("W3 strict: statements per job", strict.statements, "",
+                        target="≤ 2", met=strict.statements <= 2))  # fmt: skip
+        rows.append(Row("W3 strict: commits per job", strict.commits, "",
+                        target="≤ 2", met=strict.commits <= 2))  # fmt: skip
+
+    if "w4" in sections:
+        say("W4 failing mix")
+        mix = workloads.drain(cluster, sizes.drain, 1, [], logs, startup, fail_share=0.1)
+        name, ceil = claim_ceiling(default_batch)
+        assert w3 is not None
+        rows.append(Row("W4 drain, 10% fail once", mix.jobs_per_second, "jobs/s", name, ceil,
+                        "≥ 0.8 × W3", mix.jobs_per_second >= 0.8 * w3,
+                        f"{mix.jobs_per_second / w3:.2f} × W3"))  # fmt: skip
+
+    if "w5" in sections:
+        for listen in (True, False):
+            for rate in (50, 1000):
+                say(f"W5 latency {rate}/s {'LISTEN' if listen else 'poll-only'}")
+                lat = workloads.latency(cluster, rate, sizes.latency_seconds, listen, logs)
+                mode = "LISTEN" if listen else "poll-only"
+                label = f"W5 {rate}/s {mode} (achieved {lat['rate']:.0f}/s)"
+                if listen and rate == 50:
+                    checks = [("p50", 1.0), ("p99", 3.0)]
+                elif listen:
+                    checks = [("p50", 5.0), ("p99", 25.0)]
+                else:
+                    checks = [("p99", Options().poll_interval * 1000 + 10)]
+                for key in ("p50", "p95", "p99"):
+                    limit = dict(checks).get(key)
+                    rows.append(Row(f"{label} {key}", lat[key], "ms",
+                                    target=f"≤ {limit:g} ms" if limit else "",
+                                    met=None if limit is None else lat[key] <= limit,
+                                    note=f"{lat['missing']:.0f} missing" if lat["missing"]
+                                    else ""))  # fmt: skip
+
+    if "heartbeat" in sections:
+        say("heartbeats: HOT share")
+        share = workloads.heartbeat_hot_share(cluster, 1000, 20)
+        rows.append(Row("Heartbeat updates that are HOT", share, "share", target="≥ 0.80",
+                        met=share >= 0.8))  # fmt: skip
+
+    if "w6" in sections:
+        assert w3 is not None
+        rate = 0.7 * w3
+        name, ceil = claim_ceiling(default_batch)
+        say(f"W6 soak: {sizes.soak_jobs:,} jobs at {rate:,.0f}/s")
+        samples = workloads.soak(cluster, rate, jobs=sizes.soak_jobs, seconds=None, hold=None,
+                                 logs=logs)  # fmt: skip
+        rows.extend(_soak_rows(samples, sizes.soak_jobs, rate, name, ceil))
+        before, hold, after = sizes.hold
+        say(f"W6 held snapshot: {before:g}s + {hold:g}s held + {after:g}s")
+        samples = workloads.soak(cluster, rate, jobs=None, seconds=before + hold + after,
+                                 hold=(before, hold), logs=logs)  # fmt: skip
+        rows.extend(_hold_rows(samples, before, hold))
+    return rows
+
+
+def _cause(drain: Any) -> str:
+    waits = ", ".join(f"{k} {v:.0%}" for k, v in drain.waits.items())
+    return (
+        f"worker CPU {drain.worker_cpu:.2f} cores, server {drain.server_cpu:.2f} cores; "
+        f"backends: {waits}"
+    )
+
+
+def _crossing(samples: list[Any], count: float) -> float:
+    """Interpolated time at which `count` jobs had completed."""
+    previous_at, previous = 0.0, 0
+    for sample in samples:
+        if sample.completed >= count:
+            span = sample.completed - previous
+            share = (count - previous) / span if span else 1.0
+            return float(previous_at + share * (sample.at - previous_at))
+        previous_at, previous = sample.at, sample.completed
+    return float(samples[-1].at)
+
+
+def _soak_rows(samples: list[Any], jobs: int, rate: float, name: str, ceil: float) -> list[Row]:
+    slices = []
+    for k in range(10):
+        start, end = _crossing(samples, jobs * k / 10), _crossing(samples, jobs * (k + 1) / 10)
+        slices.append(jobs / 10 / max(end - start, 1e-3))
+    steady = samples[len(samples) // 5 :] or samples
+    size = max(s.size_mb for s in steady)
+    dead = max(s.dead for s in samples)
+    return [
+        Row(f"W6 soak {jobs:,} at {rate:,.0f}/s: slices", statistics.median(slices), "jobs/s",
+            name, ceil, note="per 10%: " + " ".join(f"{s / 1000:.1f}k" for s in slices)),
+        Row("W6 soak: last 10% / first 10%", slices[-1] / slices[0], "×", target="≥ 0.9",
+            met=slices[-1] / slices[0] >= 0.9),
+        Row("W6 soak: table + indexes, steady state (max)", size, "MB", target="≤ 64 MB",
+            met=size <= 64),
+        Row("W6 soak: dead tuples (max)", dead, "", target="< 100k", met=dead < 100_000),
+    ]  # fmt: skip
+
+
+def _rate(samples: list[Any], start: float, end: float) -> float:
+    inside = [s for s in samples if start <= s.at <= end]
+    if len(inside) < 2:
+        return 0.0
+    return (inside[-1].completed - inside[0].completed) / (inside[-1].at - inside[0].at)
+
+
+def _hold_rows(samples: list[Any], before: float, hold: float) -> list[Row]:
+    clean = _rate(samples, min(5.0, before / 2), before)
+    during = _rate(samples, before, before + hold)
+    released = before + hold
+    recovered = None
+    for sample in samples:
+        if sample.at > released + 5 and _rate(samples, sample.at - 5, sample.at) >= 0.95 * clean:
+            recovered = sample.at - released
+            break
+    size = max(s.size_mb for s in samples)
+    dead = max(s.dead for s in samples)
+    return [
+        Row("W6 held snapshot: during the hold / clean", during / clean if clean else 0.0, "×",
+            target="≥ 0.6", met=clean > 0 and during / clean >= 0.6,
+            note=f"clean {clean:,.0f}/s, held {during:,.0f}/s"),
+        Row("W6 held snapshot: back to ≥ 0.95 × clean after", recovered or float("inf"), "s",
+            target="≤ 60 s", met=recovered is not None and recovered <= 60),
+        Row("W6 held snapshot: table + indexes (max) / dead tuples (max)", size, "MB",
+            note=f"{dead:,} dead tuples"),
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Django settings for the benchmark's workers and clients: DATABASE_URL names the bench cluster."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import environ
+
+SECRET_KEY = "bench-only-not-secret"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django_pgjobs",
+    "bench",
+]
+DATABASES = {"default": environ.Env().db_url("DATABASE_URL")}
+if os.environ.get("BENCH_PREPARE"):
+    # psycopg prepares a statement after this many executions (Django's default: never).
+    DATABASES["default"]["OPTIONS"] = {"prepare_threshold": int(os.environ["BENCH_PREPARE"])}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+PGJOBS = {
+    "NOTIFY": os.environ.get("BENCH_NOTIFY", "1") == "1",
+    # Short, so the soak reaches a steady state that pruning keeps bounded.
+    "RETENTION": timedelta(seconds=float(os.environ.get("BENCH_RETENTION", "3600"))),
+}

@@ -1,0 +1,38 @@
+"""The benchmark's tasks: a no-op, one that fails its first attempt, one that stamps its start."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from django_pgjobs import current_job, task
+
+
+@task
+def noop() -> None:
+    pass
+
+
+@task(backoff=lambda attempts: 0.0)
+def flaky(fail: bool = False) -> None:
+    """Fails its first attempt when `fail`; retried at once (no backoff) so a drain sees it."""
+    job = current_job()
+    if fail and job is not None and job.attempts == 1:
+        raise RuntimeError("failing once, as asked")
+
+
+_lock = threading.Lock()
+_out = None
+
+
+@task
+def stamp() -> None:
+    """Append "<job id> <time handler started>" to $BENCH_STAMPS (the latency workload)."""
+    started = time.time()
+    global _out
+    job = current_job()
+    with _lock:
+        if _out is None:
+            _out = open(os.environ["BENCH_STAMPS"], "a", buffering=1)  # noqa: SIM115
+        _out.write(f"{job.pk if job else '?'} {started:.6f}\n")

@@ -1,0 +1,439 @@
+"""W1–W6: our own figures, through the public API and real `runjobs` processes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from django.db import connection, connections, transaction
+from django.test.utils import override_settings
+
+from bench.ceiling import reset
+from bench.cluster import Cluster, wait_for
+from django_pgjobs.models import Job
+
+ROOT = Path(__file__).resolve().parent.parent
+NOOP = "bench.tasks.noop"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else float("nan")
+
+
+# ---- statistics from the server ---------------------------------------------------------------
+
+
+@dataclass
+class Counters:
+    statements: int
+    commits: int
+    wal_bytes: int
+    server_cpu: float
+    updates: int
+    hot_updates: int
+
+
+def counters(cluster: Cluster) -> Counters:
+    """Cumulative server counters (read by the bench_monitor role, so they can be told apart)."""
+    with cluster.connect(user="bench_monitor") as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        statements = conn.execute(
+            "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements s "
+            "JOIN pg_roles r ON r.oid = s.userid "
+            "WHERE r.rolname = 'postgres' AND s.query NOT IN ('BEGIN', 'COMMIT', 'ROLLBACK')"
+        ).fetchone()
+        commits = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+        wal = conn.execute("SELECT wal_bytes FROM pg_stat_wal").fetchone()
+        tuples = conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'pgjobs_job'"
+        ).fetchone()
+    assert statements and commits and wal and tuples
+    return Counters(
+        int(statements[0]), int(commits[0]), int(wal[0]), cluster.server_cpu(),
+        int(tuples[0]), int(tuples[1]),
+    )  # fmt: skip
+
+
+def reset_stats(cluster: Cluster) -> None:
+    with cluster.connect(user="bench_monitor") as conn:
+        conn.execute("SELECT pg_stat_statements_reset()")
+
+
+class WaitSampler(threading.Thread):
+    """Samples what the worker's backends are doing (pg_stat_activity) every 50 ms."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster = cluster
+        self.samples: Counter[str] = Counter()
+        self.queries = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        with self.cluster.connect(user="bench_monitor") as conn:
+            while not self._halt.wait(0.05):
+                rows = conn.execute(
+                    "SELECT state, wait_event_type, wait_event FROM pg_stat_activity "
+                    "WHERE usename = 'postgres' AND datname = current_database() "
+                    "AND backend_type = 'client backend' AND query NOT LIKE 'LISTEN%%'"
+                ).fetchall()
+                self.queries += 1
+                for state, kind, event in rows:
+                    if state == "active":
+                        self.samples[f"server:{kind}:{event}" if kind else "server:cpu"] += 1
+                    elif state == "idle" and event == "ClientRead":
+                        self.samples["client"] += 1
+                    else:
+                        self.samples[f"{state}:{event}"] += 1
+
+    def stop(self) -> dict[str, float]:
+        self._halt.set()
+        self.join()
+        total = sum(self.samples.values()) or 1
+        return {key: count / total for key, count in self.samples.most_common(4)}
+
+
+# ---- worker processes -------------------------------------------------------------------------
+
+
+def worker_env(cluster: Cluster, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "DATABASE_URL": cluster.url,
+        "PYTHONPATH": str(ROOT),
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        **extra,
+    }
+
+
+def start_worker(
+    cluster: Cluster, args: list[str], log: Path, **env: str
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "django", "runjobs", *args],
+        cwd=ROOT,
+        env=worker_env(cluster, **env),
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def reap_child(process: subprocess.Popen[bytes]) -> float:
+    """Wait for a worker process; returns the CPU seconds it used."""
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise RuntimeError(f"runjobs exited with {process.returncode}")
+    return float(usage.ru_utime + usage.ru_stime)
+
+
+# ---- W1 / W2: enqueue -------------------------------------------------------------------------
+
+
+def bulk_enqueue(cluster: Cluster, count: int) -> float:
+    reset(cluster)
+    started = time.perf_counter()
+    Job.objects.bulk_enqueue(NOOP, (None for _ in range(count)))
+    return count / (time.perf_counter() - started)
+
+
+def single_enqueue(cluster: Cluster, threads: int, seconds: float, notify: bool) -> float:
+    """Jobs/s of one-job transactions from `threads` client threads."""
+    reset(cluster)
+    done = Counter[int]()
+    deadline = time.perf_counter() + seconds
+    barrier = threading.Barrier(threads + 1)
+
+    def client(n: int) -> None:
+        connection.ensure_connection()
+        barrier.wait()
+        count = 0
+        while time.perf_counter() < deadline:
+            with transaction.atomic():
+                Job.objects.enqueue(NOOP)
+            count += 1
+        done[n] = count
+        connection.close()
+
+    with override_settings(PGJOBS={"NOTIFY": notify}):
+        pool = [threading.Thread(target=client, args=(n,)) for n in range(threads)]
+        for thread in pool:
+            thread.start()
+        barrier.wait()
+        started = time.perf_counter()
+        for thread in pool:
+            thread.join()
+        elapsed = time.perf_counter() - started
+    return sum(done.values()) / elapsed
+
+
+def enqueue_added_time(cluster: Cluster, count: int) -> dict[str, float]:
+    """What `enqueue` adds inside a transaction that already ran a statement, and how many
+    statements per enqueue reach the server (INSERTs plus coalesced wake-ups)."""
+    reset(cluster)
+    reset_stats(cluster)
+    before = counters(cluster)
+    durations = []
+    for _ in range(count):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+            started = time.perf_counter()
+            Job.objects.enqueue(NOOP)
+            durations.append((time.perf_counter() - started) * 1000)
+    after = counters(cluster)
+    return {
+        "p50": percentile(durations, 50),
+        "p99": percentile(durations, 99),
+        # minus the SELECT 1 each transaction ran first
+        "statements": (after.statements - before.statements) / count - 1,
+    }
+
+
+# ---- W3 / W4: drain ---------------------------------------------------------------------------
+
+
+@dataclass
+class Drain:
+    jobs_per_second: float
+    statements: float  # per job
+    commits: float
+    wal_bytes: float
+    worker_cpu: float  # share of one core over the drain window
+    server_cpu: float  # cores
+    waits: dict[str, float] = field(default_factory=dict)
+
+
+def startup_cpu(cluster: Cluster, logs: Path) -> float:
+    """CPU seconds a `runjobs --once` spends on an empty queue (imports, setup, exit)."""
+    reset(cluster)
+    return reap_child(start_worker(cluster, ["--once"], logs / "startup.log"))
+
+
+def drain(
+    cluster: Cluster, count: int, processes: int, args: list[str], logs: Path, startup: float,
+    fail_share: float = 0.0, env: dict[str, str] | None = None,
+) -> Drain:  # fmt: skip
+    """Enqueue `count` jobs, then time `processes` × `runjobs --once` draining them."""
+    reset(cluster)
+    if fail_share:
+        rng = random.Random(7)
+        payloads = [{"fail": rng.random() < fail_share} for _ in range(count)]
+        Job.objects.bulk_enqueue("bench.tasks.flaky", payloads)
+    else:
+        Job.objects.bulk_enqueue(NOOP, (None for _ in range(count)))
+    with cluster.connect() as conn:
+        conn.execute("VACUUM ANALYZE pgjobs_job")
+        conn.execute("CHECKPOINT")
+    reset_stats(cluster)
+    before = counters(cluster)
+    sampler = WaitSampler(cluster)
+    sampler.start()
+    workers = [
+        start_worker(cluster, ["--once", *args], logs / "drain.log", **(env or {}))
+        for _ in range(processes)
+    ]
+    cpu = sum(reap_child(worker) for worker in workers)
+    waits = sampler.stop()
+    after = counters(cluster)
+    with cluster.connect() as conn:
+        row = conn.execute(
+            "SELECT count(*), extract(epoch FROM max(finished_at) - min(finished_at)) "
+            "FROM pgjobs_job WHERE status = 'succeeded'"
+        ).fetchone()
+    assert row is not None
+    finished, window = int(row[0]), float(row[1] or 0.0)
+    if finished != count:
+        raise RuntimeError(f"drained {finished} of {count} jobs")
+    window = max(window, 1e-3)
+    commits = after.commits - before.commits - sampler.queries - 6
+    return Drain(
+        jobs_per_second=(count - 1) / window,
+        statements=(after.statements - before.statements) / count,
+        commits=commits / count,
+        wal_bytes=(after.wal_bytes - before.wal_bytes) / count,
+        worker_cpu=max(0.0, cpu - processes * startup) / window,
+        server_cpu=(after.server_cpu - before.server_cpu) / window,
+        waits=waits,
+    )
+
+
+# ---- W5: latency ------------------------------------------------------------------------------
+
+
+def latency(
+    cluster: Cluster, rate: float, seconds: float, listen: bool, logs: Path
+) -> dict[str, float]:
+    """Enqueue `stamp` jobs at `rate`/s; enqueue-commit → handler-start, in milliseconds."""
+    reset(cluster)
+    stamps = Path(tempfile.mkstemp(prefix="stamps-", dir=logs)[1])
+    args = [] if listen else ["--no-listen"]
+    worker = start_worker(cluster, args, logs / "latency.log", BENCH_STAMPS=str(stamps))
+    committed: dict[str, float] = {}
+
+    def enqueue_one() -> str:
+        holder: list[float] = []
+        with transaction.atomic():
+            # Registered before enqueue's own hook, so it runs first: right after COMMIT.
+            transaction.on_commit(lambda: holder.append(time.time()))
+            job = Job.objects.enqueue("bench.tasks.stamp")
+        committed[str(job.pk)] = holder[0]
+        return str(job.pk)
+
+    try:
+        warm = enqueue_one()
+        if not wait_for(lambda: warm in stamps.read_text(), 30):
+            raise RuntimeError("the latency worker never started a job")
+        time.sleep(1.0)
+        committed.clear()
+        total = int(rate * seconds)
+        started = time.perf_counter()
+        for n in range(total):
+            pause = started + n / rate - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            enqueue_one()
+        achieved = total / (time.perf_counter() - started)
+
+        def all_started() -> bool:
+            seen = {line.split()[0] for line in stamps.read_text().splitlines()}
+            return all(job_id in seen for job_id in committed)
+
+        wait_for(all_started, 30, 0.2)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(60)
+    started_at = dict(line.split() for line in stamps.read_text().splitlines())
+    delays = [
+        (float(started_at[job_id]) - at) * 1000
+        for job_id, at in committed.items()
+        if job_id in started_at
+    ]
+    return {
+        "rate": achieved,
+        "p50": percentile(delays, 50),
+        "p95": percentile(delays, 95),
+        "p99": percentile(delays, 99),
+        "missing": len(committed) - len(delays),
+    }
+
+
+# ---- heartbeats -------------------------------------------------------------------------------
+
+
+def heartbeat_hot_share(cluster: Cluster, jobs: int, beats: int) -> float:
+    """Claim `jobs`, heartbeat them `beats` times; the share of those updates that were HOT."""
+    reset(cluster)
+    Job.objects.bulk_enqueue(NOOP, (None for _ in range(jobs)))
+    claimed = Job.objects.claim(["default"], worker="bench-heartbeat", limit=jobs, lease=300)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+    before = counters(cluster)
+    for _ in range(beats):
+        Job.objects.heartbeat(claimed, 300)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+    connection.close()  # a closing backend flushes its statistics
+    time.sleep(0.5)
+    after = counters(cluster)
+    updates = after.updates - before.updates
+    return (after.hot_updates - before.hot_updates) / max(1, updates)
+
+
+# ---- W6: soak ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    at: float
+    completed: int
+    backlog: int
+    size_mb: float
+    dead: int
+
+
+def soak(
+    cluster: Cluster, rate: float, *, jobs: int | None, seconds: float | None,
+    hold: tuple[float, float] | None, logs: Path,
+) -> list[Sample]:  # fmt: skip
+    """Enqueue at `rate`/s (until `jobs` are in, or for `seconds`) into one default worker that
+    prunes with a short retention; sample progress, size and dead tuples every second. `hold`
+    is (start, length) in seconds of a REPEATABLE READ transaction holding its snapshot."""
+    reset(cluster)
+    worker = start_worker(cluster, [], logs / "soak.log", BENCH_RETENTION="5")
+    enqueued = 0
+    stop = threading.Event()
+
+    def produce() -> None:
+        nonlocal enqueued
+        tick, started, n = 0.02, time.perf_counter(), 0
+        while not stop.is_set():
+            n += 1
+            due = int(rate * tick * n) - enqueued
+            if jobs is not None:
+                due = min(due, jobs - enqueued)
+            if due > 0:
+                Job.objects.bulk_enqueue(NOOP, (None for _ in range(due)))
+                enqueued += due
+            if jobs is not None and enqueued >= jobs:
+                break
+            if seconds is not None and time.perf_counter() - started >= seconds:
+                break
+            pause = started + tick * n - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+        connections.close_all()
+
+    def hold_snapshot() -> None:
+        assert hold is not None
+        if stop.wait(hold[0]):
+            return
+        with cluster.connect(user="bench_monitor") as conn:
+            conn.autocommit = False
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            conn.execute("SELECT count(*) FROM pgjobs_job WHERE false")
+            stop.wait(hold[1])
+            conn.rollback()
+
+    samples: list[Sample] = []
+    wait_for(lambda: "started" in (logs / "soak.log").read_text(), 30)
+    producer = threading.Thread(target=produce, daemon=True)
+    holder = threading.Thread(target=hold_snapshot, daemon=True)
+    began = time.perf_counter()
+    producer.start()
+    if hold:
+        holder.start()
+    try:
+        with cluster.connect(user="bench_monitor") as conn:
+            while True:
+                time.sleep(1.0)
+                row = conn.execute(
+                    "SELECT (SELECT count(*) FROM pgjobs_job WHERE status IN ('ready', 'running')),"
+                    " pg_total_relation_size('pgjobs_job'),"
+                    " (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'pgjobs_job')"
+                ).fetchone()
+                assert row is not None
+                backlog, size, dead = int(row[0]), int(row[1]), int(row[2])
+                done = enqueued - backlog
+                samples.append(
+                    Sample(time.perf_counter() - began, done, backlog, size / 2**20, dead)
+                )
+                if not producer.is_alive() and backlog == 0:
+                    break
+    finally:
+        stop.set()
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(60)
+    return samples
