@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import inspect
 import traceback
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import async_to_sync
 
@@ -103,9 +105,15 @@ def _check_arguments(task: registry.Task, payload: object) -> None:
             f"payload must be a JSON object of keyword arguments, got {type(payload).__name__}"
         )
     try:
-        inspect.signature(task.func).bind(**payload)
+        _signature(task.func).bind(**payload)
     except TypeError as error:
         raise PayloadMismatch(f"payload does not fit {task.name}(): {error}") from None
+
+
+@lru_cache(maxsize=1024)
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    # Computing a signature costs more than running a small handler; functions don't change.
+    return inspect.signature(func)
 
 
 def _failure(error: BaseException, *, with_traceback: bool = True) -> Failure:
