@@ -7,14 +7,17 @@ what it changed. Times are the database's (``statement_timestamp()``), never the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+import psycopg
 from django.db import connections, models, router, transaction
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 
 from django_pgjobs import notify, registry, validation
@@ -289,26 +292,45 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         this one. Run the jobs after this returns (the claim has committed, unless the caller
         wrapped it in its own transaction).
         """
+        return self.complete_and_claim([], queues, worker=worker, limit=limit, lease=lease)[1]
+
+    def complete_and_claim(
+        self,
+        done: Sequence[Job],
+        queues: Sequence[str],
+        *,
+        worker: str,
+        limit: int,
+        lease: float | None = None,
+    ) -> tuple[set[UUID], list[Job]]:
+        """Record success for `done` (jobs of `worker`) and claim up to `limit` due jobs, in one
+        statement: one round trip and one commit per turn of a worker's loop.
+
+        Returns the ids of `done` this worker still owned (as `complete_many`) and the claimed
+        jobs (as `claim`). The completion is guarded exactly like `complete_many`.
+        """
         if not queues or limit < 1:
-            return []
+            return self.complete_many(done), []
+        workers = {job.worker for job in done} | {worker}
+        if len(workers) != 1:
+            raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, workers))}")
         db = self._write_db()
         lease = get_settings().LEASE if lease is None else lease
-        select_sql, select_params = _claim_select(db, len(queues), limit)
-        params = [*([worker, lease]), *(_bind_queues(select_params, queues))]
-        columns = _columns(self.model)
-        sql = f"""
-            UPDATE pgjobs_job AS j
-            SET status = 'running', attempts = j.attempts + 1, worker = %s,
-                leased_until = statement_timestamp() + make_interval(secs => %s)
-            WHERE j.id IN ({select_sql})
-            RETURNING {", ".join("j." + c for c in columns)}
-        """
-        with connections[db].cursor() as cursor:
+        sql = _claim_sql(db, len(queues), limit, bool(done))
+        params: list[Any] = [
+            worker,
+            lease,
+            *_bind_queues(_claim_select(db, len(queues), limit)[1], queues),
+        ]
+        if done:
+            params += [[job.pk for job in done], [job.attempts for job in done], worker]
+        with _cursor(db) as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
-        jobs = [_from_row(self.model, db, columns, row) for row in rows]
+        owned = {row[1] for row in rows if not row[0]}
+        jobs = _from_rows(self.model, db, (row[1:] for row in rows if row[0]))
         jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
-        return jobs
+        return owned, jobs
 
     def complete(self, job: Job) -> bool:
         """Record success. False means the lease ran out and another worker owns the job now."""
@@ -442,7 +464,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
               AND j.status = 'running' AND j.worker = %s
             RETURNING j.id
         """
-        with connections[self._write_db()].cursor() as cursor:
+        with _cursor(self._write_db()) as cursor:
             cursor.execute(
                 sql,
                 [*params, [job.pk for job in jobs], [job.attempts for job in jobs], workers.pop()],
@@ -475,7 +497,7 @@ def _claim_select(db: str, queue_count: int, limit: int) -> tuple[str, tuple[Any
     def per_queue(columns: Sequence[str]) -> tuple[str, tuple[Any, ...]]:
         queryset = (
             Job.objects.using(db)
-            .filter(status=Status.READY, queue=_QUEUE, run_at__lte=Now())
+            .filter(_IS_READY, queue=_QUEUE, run_at__lte=Now())
             .order_by(*CLAIM_ORDER)
             .select_for_update(skip_locked=True)
             .values_list(*columns)[:limit]
@@ -508,16 +530,94 @@ def _bind_queues(params: tuple[Any, ...], queues: Sequence[str]) -> list[Any]:
     return [next(names) if param == _QUEUE else param for param in params]
 
 
+# A literal, never a bound parameter: the planner matches the claim index's predicate
+# (status = 'ready') only against a constant, and a prepared statement's generic plan would
+# otherwise lose the index.
+_IS_READY = RawSQL(
+    f'"pgjobs_job"."status" = \'{Status.READY.value}\'', (), output_field=models.BooleanField()
+)
+
+# The claim's UPDATE; %(returning)s lists the columns that come back.
+_CLAIM = """
+    UPDATE pgjobs_job AS j
+    SET status = 'running', attempts = j.attempts + 1, worker = %%s,
+        leased_until = statement_timestamp() + make_interval(secs => %%s)
+    WHERE j.id IN (%(select)s)
+    RETURNING %(returning)s
+"""
+
+# Completes a worker's finished jobs, guarded like _guarded, in the claim's statement.
+_COMPLETE = """
+    UPDATE pgjobs_job AS j
+    SET status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL
+    FROM unnest(%s::uuid[], %s::int4[]) AS mine(id, attempts)
+    WHERE j.id = mine.id AND j.attempts = mine.attempts
+      AND j.status = 'running' AND j.worker = %s
+    RETURNING j.id
+"""
+
+
+@lru_cache(maxsize=512)
+def _claim_sql(db: str, queue_count: int, limit: int, completing: bool) -> str:
+    """The claim statement; rows come back as (claimed?, *columns). With `completing`, it also
+    completes jobs, whose rows come back as (false, id, NULL, ...)."""
+    from django_pgjobs.models import Job
+
+    columns = _columns(Job)
+    select_sql = _claim_select(db, queue_count, limit)[0]
+    returning = ", ".join(f"j.{column}" for column in columns)
+    if not completing:
+        return _CLAIM % {"select": select_sql, "returning": f"true, {returning}"}
+    claim = _CLAIM % {"select": select_sql, "returning": returning}
+    nulls = ", ".join("id" if column == "id" else "NULL" for column in columns)
+    return (
+        f"WITH claimed AS ({claim}), done AS ({_COMPLETE}) "
+        f"SELECT true, claimed.* FROM claimed UNION ALL SELECT false, {nulls} FROM done"
+    )
+
+
+@contextmanager
+def _cursor(db: str, binary: bool = False) -> Iterator[Any]:
+    """A Django cursor on `db` that binds parameters on the server, for the hot path.
+
+    Arrays of ids travel as binary parameters instead of being quoted into the SQL by Python,
+    and psycopg prepares statements it sees often when the connection allows it (Django's
+    OPTIONS["prepare_threshold"]; off by default, which PgBouncer in transaction mode needs).
+    It is Django's cursor wrapper all the same: error translation, execute wrappers and query
+    logging (assertNumQueries, the debug toolbar) see these statements like any other.
+    """
+    wrapper = connections[db]
+    wrapper.close_if_health_check_failed()
+    wrapper.ensure_connection()
+    wrapper.validate_thread_sharing()
+    raw: Any = psycopg.Cursor(wrapper.connection)
+    if binary:
+        raw.format = psycopg.pq.Format.BINARY
+    cursor = wrapper.make_debug_cursor(raw) if wrapper.queries_logged else wrapper.make_cursor(raw)
+    with cursor:
+        yield cursor
+
+
 @lru_cache(maxsize=8)
 def _columns(model: type[Job]) -> tuple[str, ...]:
     return tuple(str(field.column) for field in model._meta.concrete_fields)
 
 
-def _from_row(model: type[Job], db: str, columns: Sequence[str], row: Sequence[Any]) -> Job:
+@lru_cache(maxsize=8)
+def _loading(model: type[Job]) -> tuple[list[str], list[tuple[int, Any]]]:
+    """The model's attribute names, and the fields whose database values need converting."""
+    fields = model._meta.concrete_fields
+    converters = [(n, field) for n, field in enumerate(fields) if hasattr(field, "from_db_value")]
+    return [field.attname for field in fields], converters
+
+
+def _from_rows(model: type[Job], db: str, rows: Iterable[Sequence[Any]]) -> list[Job]:
+    attnames, converters = _loading(model)
     connection = connections[db]
-    values = []
-    for field, value in zip(model._meta.concrete_fields, row, strict=True):
-        if hasattr(field, "from_db_value"):
-            value = field.from_db_value(value, None, connection)
-        values.append(value)
-    return model.from_db(db, [f.attname for f in model._meta.concrete_fields], values)
+    jobs = []
+    for row in rows:
+        values = list(row)
+        for n, field in converters:
+            values[n] = field.from_db_value(values[n], None, connection)
+        jobs.append(model.from_db(db, attnames, values))
+    return jobs

@@ -104,13 +104,11 @@ class Worker:
         failures = 0
         while True:
             try:
-                self._settle()
+                self._settle_and_fetch()
                 if self._stopping:
                     self._release_unstarted()
                     if not self._in_flight or time.monotonic() >= self._deadline:
                         break
-                elif self._free_slots() and (self._poll_now or time.monotonic() >= self._next_poll):
-                    self._fetch()
                 self._chores()
                 failures = 0
             except DatabaseError:
@@ -134,12 +132,55 @@ class Worker:
     def _free_slots(self) -> int:
         return self.options.concurrency - len(self._in_flight)
 
-    def _fetch(self) -> None:
-        """Claim into the free slots, then schedule the next poll: at once after a full batch,
-        backing off towards the poll interval while the queue is empty."""
+    def _settle_and_fetch(self) -> None:
+        """Record finished handlers' outcomes and claim into the free slots.
+
+        Successes are completed in the claim's own statement (one round trip and one commit per
+        turn), or on their own when no claim is due; failures are recorded one by one.
+        """
+        with self._lock:
+            done, self._done = self._done, []
+        try:
+            succeeded = []
+            for job, outcome in done:
+                if outcome.result is Result.SUCCEEDED:
+                    succeeded.append(job)
+                else:
+                    self._record_failure(job, outcome)
+                    self._in_flight.pop(job.pk, None)
+            # The slots of the jobs completed below are free for this claim.
+            free = self._free_slots() + len(succeeded)
+            if (
+                not self._stopping
+                and free
+                and (self._poll_now or time.monotonic() >= self._next_poll)
+            ):
+                owned = self._fetch(succeeded, min(free, self.options.batch_size))
+            elif succeeded:
+                owned = self.jobs.complete_many(succeeded)
+            else:
+                return
+        except DatabaseError:
+            # Keep what was not recorded; it is tried again after the reconnect. Recording
+            # twice is harmless: the guard refuses the second write.
+            with self._lock:
+                self._done[:0] = [item for item in done if item[0].pk in self._in_flight]
+            raise
+        self._counts["done"] += len(owned)
+        self._counts["lost"] += len(succeeded) - len(owned)
+        for job in succeeded:
+            self._in_flight.pop(job.pk, None)
+
+    def _fetch(self, succeeded: list[Job], wanted: int) -> set[UUID]:
+        """Complete `succeeded` and claim `wanted` jobs in one statement, then schedule the next
+        poll: at once after a full batch, backing off towards the poll interval while the queue
+        is empty. Returns the ids of `succeeded` this worker still owned."""
         self._poll_now = False
-        wanted = min(self._free_slots(), self.options.batch_size)
-        jobs = self.jobs.claim(self.options.queues, worker=self.id, limit=wanted, lease=self.lease)
+        owned: set[UUID]
+        jobs: list[Job]
+        owned, jobs = self.jobs.complete_and_claim(
+            succeeded, self.options.queues, worker=self.id, limit=wanted, lease=self.lease
+        )
         longer = [job for job in jobs if self._lease_of(job) > self.lease]
         if longer:
             self.jobs.heartbeat(longer, self._lease_of(longer[0]))
@@ -154,30 +195,7 @@ class Worker:
         else:
             self._poll_delay = min(self.options.poll_interval, max(0.05, self._poll_delay * 2))
         self._next_poll = time.monotonic() + self._poll_delay
-
-    def _settle(self) -> None:
-        """Record finished handlers' outcomes: successes in one statement, the rest one by one."""
-        with self._lock:
-            done, self._done = self._done, []
-        if not done:
-            return
-        try:
-            succeeded = [job for job, outcome in done if outcome.result is Result.SUCCEEDED]
-            owned = self.jobs.complete_many(succeeded)
-            self._counts["done"] += len(owned)
-            self._counts["lost"] += len(succeeded) - len(owned)
-            for job in succeeded:
-                self._in_flight.pop(job.pk, None)
-            for job, outcome in done:
-                if outcome.result is not Result.SUCCEEDED:
-                    self._record_failure(job, outcome)
-                    self._in_flight.pop(job.pk, None)
-        except DatabaseError:
-            # Keep what was not recorded; it is tried again after the reconnect. Recording
-            # twice is harmless: the guard refuses the second write.
-            with self._lock:
-                self._done[:0] = [item for item in done if item[0].pk in self._in_flight]
-            raise
+        return owned
 
     def _record_failure(self, job: Job, outcome: Outcome) -> None:
         if outcome.result is Result.RETRY:

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection, connections
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_pgjobs.models import Job
@@ -168,3 +169,49 @@ def test_a_claim_across_several_queues_never_sorts_the_backlog():
     assert all(scan["Actual Rows"] <= 10 for scan in scans)
     sorts = [node for node in _nodes(plan) if node["Node Type"] == "Sort"]
     assert all(node["Actual Rows"] <= 30 for node in sorts)  # only the 3 × 10 candidates
+
+
+def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared_plan():
+    # A generic plan knows no parameter values: it can use the partial claim index only if
+    # status = 'ready' is a literal in the statement, not a bound parameter.
+    _backlog({"default": 2_000}, finished=20_000)
+    connection.ensure_connection()
+    connection.connection.prepare_threshold = 0  # psycopg prepares on the first execution
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SET plan_cache_mode = force_generic_plan")
+        assert len(Job.objects.claim(["default"], worker="w1", limit=10)) == 10
+        with connection.cursor() as cursor:
+            # A client-side binding cursor never prepares: the claim must have bound its
+            # parameters on the server to be here.
+            cursor.execute(
+                "SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
+                ["%SKIP LOCKED%"],
+            )
+            (name,) = cursor.fetchone()
+            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}('w2', 30, 'default')")
+            (plan,) = cursor.fetchone()
+            cursor.execute("RESET plan_cache_mode")
+    finally:
+        connection.close()
+    plan = (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
+    scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
+    assert scans, json.dumps(plan, indent=1)
+    assert not any(node["Node Type"] == "Sort" for node in _nodes(plan))
+
+
+def test_complete_and_claim_completes_owned_jobs_and_claims_in_one_statement():
+    JobFactory.create_batch(4)
+    first = Job.objects.claim(["default"], worker="w1", limit=2)
+    stale = Job.objects.get(pk=first[1].pk)
+    stale.attempts += 1  # an attempt this worker does not hold: the guard must refuse it
+    with CaptureQueriesContext(connection) as queries:
+        owned, claimed = Job.objects.complete_and_claim(
+            [first[0], stale], ["default"], worker="w1", limit=5
+        )
+    assert owned == {first[0].pk}
+    assert len(claimed) == 2 and all(job.status == Status.RUNNING for job in claimed)
+    assert {job.pk for job in claimed}.isdisjoint({job.pk for job in first})
+    assert Job.objects.get(pk=first[0].pk).status == Status.SUCCEEDED
+    assert Job.objects.get(pk=first[1].pk).status == Status.RUNNING
+    assert len(queries) == 1
