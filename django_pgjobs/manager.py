@@ -86,19 +86,32 @@ _APPEND_ERROR = """
     )
 """
 
-# The columns of one enqueued job, as parallel arrays: one statement inserts one job or many.
+# Jobs of one task with the same options: ids and payloads as parallel arrays, the rest shared.
+# One statement inserts one job or many.
 _INSERT = """
     INSERT INTO pgjobs_job AS j
         (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
-    SELECT i.id, i.queue, i.task, i.payload::jsonb, i.priority,
-           COALESCE(i.run_at, statement_timestamp() + make_interval(secs => COALESCE(i.delay, 0))),
-           i.max_attempts, i.unique_key
-    FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::text[], %s::int2[], %s::timestamptz[],
-                %s::float8[], %s::int4[], %s::text[])
-         AS i(id, queue, task, payload, priority, run_at, delay, max_attempts, unique_key)
-    ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') DO NOTHING
+    SELECT i.id, %s, %s, i.payload::jsonb, %s,
+           COALESCE(%s::timestamptz,
+                    statement_timestamp() + make_interval(secs => COALESCE(%s::float8, 0))),
+           %s, %s
+    FROM unnest(%s::uuid[], %s::text[]) AS i(id, payload)
+    {on_conflict}
     RETURNING j.id, j.run_at, j.created_at
 """
+# Only with a unique_key: a speculative insertion (what ON CONFLICT does) costs more CPU and WAL
+# than a plain one, and a NULL key can never conflict.
+_INSERT_UNIQUE = _INSERT.format(
+    on_conflict="ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') DO NOTHING"
+)
+_INSERT = _INSERT.format(on_conflict="")
+
+
+#: The fields of a newly enqueued Job, in model order (_insert builds rows in this order).
+_ENQUEUED = (
+    "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts",
+    "leased_until", "worker", "last_error", "errors", "created_at", "finished_at", "unique_key",
+)  # fmt: skip
 
 
 class JobQuerySet(models.QuerySet["Job"]):
@@ -220,10 +233,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     ) -> list[Job]:
         """Write many jobs of one task, `batch_size` per statement. Every payload is checked
         before anything is written."""
+        # The options are the same for every job: check them once, then each payload.
+        _, queue, name, _, priority, run_at, delay, max_attempts, _ = self._row(
+            task, None, queue, priority, run_at, delay, max_attempts, None
+        )
+        limit = get_settings().MAX_PAYLOAD_BYTES
         rows = [
-            self._row(task, payload, queue, priority, run_at, delay, max_attempts, None)
+            (uuid7(), queue, name, validation.payload_json(payload, limit), priority, run_at,
+             delay, max_attempts, None)
             for payload in payloads
-        ]
+        ]  # fmt: skip
         jobs: list[Job] = []
         for start in range(0, len(rows), batch_size):
             jobs.extend(self._insert(rows[start : start + batch_size]))
@@ -261,22 +280,27 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         )
 
     def _insert(self, rows: list[tuple[Any, ...]]) -> list[Job]:
+        """Insert rows made by _row that differ only in their id and payload."""
         db = self._write_db()
-        with connections[db].cursor() as cursor:
-            cursor.execute(_INSERT, [list(column) for column in zip(*rows, strict=True)])
+        _, queue, task, _, priority, run_at, delay, max_attempts, key = rows[0]
+        params = [queue, task, priority, run_at, delay, max_attempts, key]
+        params += [[row[0] for row in rows], [row[3] for row in rows]]
+        # Binary results: uuids and timestamps load in C rather than by parsing text.
+        with _cursor(db, binary=True) as cursor:
+            cursor.execute(_INSERT if key is None else _INSERT_UNIQUE, params)
             inserted = {row[0]: row[1:] for row in cursor.fetchall()}
+        attnames = list(_ENQUEUED)
         jobs = []
         for job_id, queue, task, payload, priority, _run_at, _delay, max_attempts, key in rows:
             if job_id not in inserted:
                 continue  # unique_key already held by a live job
             run_at, created_at = inserted[job_id]
-            job = self.model(
-                id=job_id, queue=queue, task=task, payload=json.loads(payload), priority=priority,
-                run_at=run_at, max_attempts=max_attempts, unique_key=key, status=Status.READY,
-                attempts=0, errors=[], last_error="", created_at=created_at,
+            # from_db with every field in order: the fast way to build a model instance.
+            values: tuple[Any, ...] = (
+                job_id, queue, task, json.loads(payload), Status.READY.value, priority, run_at,
+                0, max_attempts, None, None, "", [], created_at, None, key,
             )  # fmt: skip
-            job._state.adding, job._state.db = False, db
-            jobs.append(job)
+            jobs.append(self.model.from_db(db, attnames, values))
         return jobs
 
     # ---- claim and finish ------------------------------------------------------------------

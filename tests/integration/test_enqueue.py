@@ -76,6 +76,18 @@ def test_enqueue_returns_the_row_as_written_with_database_times():
     assert Job.objects.get(pk=job.pk).run_at == job.run_at
 
 
+@pytest.mark.parametrize("bulk", [False, True])
+def test_the_returned_job_has_every_field_as_read_back_from_the_table(bulk):
+    if bulk:
+        (job,) = Job.objects.bulk_enqueue(tasks.send_email, [{"to": "a@x"}], delay=5)
+    else:
+        job = Job.objects.enqueue(tasks.send_email, {"to": "a@x"}, unique_key="k1")
+    row = Job.objects.get(pk=job.pk)
+    for field in Job._meta.concrete_fields:
+        assert getattr(job, field.attname) == getattr(row, field.attname), field.name
+    assert not job._state.adding
+
+
 def test_task_sugar_enqueues_with_kwargs_and_options():
     job = tasks.send_email.enqueue(to="b@example.com", subject="hi")
     assert job.payload == {"to": "b@example.com", "subject": "hi"}
