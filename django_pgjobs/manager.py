@@ -86,25 +86,30 @@ _APPEND_ERROR = """
     )
 """
 
-# Jobs of one task with the same options: ids and payloads as parallel arrays, the rest shared.
-# One statement inserts one job or many.
-_INSERT = """
-    INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
-    SELECT i.id, %s, %s, i.payload::jsonb, %s,
-           COALESCE(%s::timestamptz,
-                    statement_timestamp() + make_interval(secs => COALESCE(%s::float8, 0))),
-           %s, %s
-    FROM unnest(%s::uuid[], %s::text[]) AS i(id, payload)
-    {on_conflict}
-    RETURNING j.id, j.run_at, j.created_at
-"""
-# Only with a unique_key: a speculative insertion (what ON CONFLICT does) costs more CPU and WAL
-# than a plain one, and a NULL key can never conflict.
-_INSERT_UNIQUE = _INSERT.format(
-    on_conflict="ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') DO NOTHING"
-)
-_INSERT = _INSERT.format(on_conflict="")
+# run_at: when given, else now + delay (the database's clock).
+_RUN_AT = """COALESCE(%s::timestamptz,
+                      statement_timestamp() + make_interval(secs => COALESCE(%s::float8, 0)))"""
+
+# Enqueue, keyed by (one job?, with a unique_key?). One job is a VALUES row, the cheapest
+# statement to plan; many jobs of one task with the same options are their ids and payloads as
+# parallel arrays with the rest bound once. ON CONFLICT only with a unique_key: a speculative
+# insertion costs more CPU and WAL than a plain one, and a NULL key can never conflict.
+_ONE_ROW = f"VALUES (%s, %s, %s, %s::jsonb, %s, {_RUN_AT}, %s, %s)"
+_MANY_ROWS = f"""SELECT i.id, %s, %s, i.payload::jsonb, %s, {_RUN_AT}, %s, %s
+    FROM unnest(%s::uuid[], %s::text[]) AS i(id, payload)"""
+_ON_CONFLICT = """ON CONFLICT (unique_key)
+    WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL DO NOTHING"""
+_INSERTS = {
+    (one, unique): f"""
+        INSERT INTO pgjobs_job AS j
+            (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+        {_ONE_ROW if one else _MANY_ROWS}
+        {_ON_CONFLICT if unique else ""}
+        RETURNING j.id, j.run_at, j.created_at
+    """
+    for one in (True, False)
+    for unique in (True, False)
+}
 
 
 #: The fields of a newly enqueued Job, in model order (_insert builds rows in this order).
@@ -283,11 +288,14 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """Insert rows made by _row that differ only in their id and payload."""
         db = self._write_db()
         _, queue, task, _, priority, run_at, delay, max_attempts, key = rows[0]
-        params = [queue, task, priority, run_at, delay, max_attempts, key]
-        params += [[row[0] for row in rows], [row[3] for row in rows]]
+        if len(rows) == 1:
+            params = list(rows[0])
+        else:
+            params = [queue, task, priority, run_at, delay, max_attempts, key]
+            params += [[row[0] for row in rows], [row[3] for row in rows]]
         # Binary results: uuids and timestamps load in C rather than by parsing text.
         with _cursor(db, binary=True) as cursor:
-            cursor.execute(_INSERT if key is None else _INSERT_UNIQUE, params)
+            cursor.execute(_INSERTS[len(rows) == 1, key is not None], params)
             inserted = {row[0]: row[1:] for row in cursor.fetchall()}
         attnames = list(_ENQUEUED)
         jobs = []

@@ -83,9 +83,11 @@ class Job(models.Model):
                 | Q(status__in=LIVE, finished_at__isnull=True),
                 name="pgjobs_job_finished_iff_finished_at",
             ),
+            # Only rows that have a key: every index entry is paid on every insert and claim,
+            # and most jobs have no unique_key.
             models.UniqueConstraint(
                 fields=["unique_key"],
-                condition=Q(status__in=LIVE),
+                condition=Q(status__in=LIVE, unique_key__isnull=False),
                 name="pgjobs_job_unique_key_live",
             ),
         ]

@@ -50,3 +50,15 @@ def test_the_queue_storage_settings_are_applied_by_a_migration():
         cursor.execute("SELECT reloptions FROM pg_class WHERE relname = 'pgjobs_job'")
         (options,) = cursor.fetchone()
     assert "autovacuum_vacuum_scale_factor=0.02" in options
+    # Room on each page for a job's claim and its heartbeats, so those can be HOT updates.
+    assert "fillfactor=70" in options
+
+
+def test_jobs_without_a_unique_key_take_no_entry_in_the_unique_key_index():
+    # Every index entry is paid on every insert and every claim; most jobs have no key.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'pgjobs_job_unique_key_live'"
+        )
+        (definition,) = cursor.fetchone()
+    assert "unique_key IS NOT NULL" in definition
