@@ -20,11 +20,11 @@ import pytest
 from tests.conftest import wait_until
 
 
-def _owner() -> dict[str, Any]:
-    """subprocess arguments that run a server as `postgres` when we are root."""
+def _owner(user: str = "postgres") -> dict[str, Any]:
+    """subprocess arguments that run a server as `user` when we are root."""
     if os.geteuid() != 0:
         return {}
-    return {"user": "postgres", "group": "postgres", "env": {**os.environ, "HOME": "/tmp"}}
+    return {"user": user, "group": user, "env": {**os.environ, "HOME": "/tmp"}}
 
 
 def free_port() -> int:
@@ -54,11 +54,11 @@ def postgres_bin() -> Path | None:
     return Path(found).parent if found else None
 
 
-def _scratch(prefix: str) -> Path:
-    # Not pytest's tmp_path: its parent folder is private to root, out of the postgres user's reach.
+def _scratch(prefix: str, user: str = "postgres") -> Path:
+    # Not pytest's tmp_path: its parent folder is private to root, out of the server user's reach.
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     if os.geteuid() == 0:
-        shutil.chown(folder, "postgres", "postgres")
+        shutil.chown(folder, user, user)
     return folder
 
 
@@ -121,11 +121,18 @@ class Cluster:
 
 
 class Bouncer:
-    """PgBouncer in transaction pooling mode in front of a PostgreSQL server."""
+    """PgBouncer in transaction pooling mode in front of a PostgreSQL server.
+
+    A server reached through a socket folder (the embedded development server) is reached as
+    the folder's owner, who alone may enter it.
+    """
 
     def __init__(self, server_host: str, server_port: int) -> None:
         self.binary = require(shutil.which("pgbouncer") or "/usr/sbin/pgbouncer", "pgbouncer")
-        self.root = _scratch("pgjobs-chaos-bouncer-")
+        self.user = "postgres"
+        if server_host.startswith("/") and Path(server_host).owner() != "root":
+            self.user = Path(server_host).owner()
+        self.root = _scratch("pgjobs-chaos-bouncer-", self.user)
         self.port = free_port()
         (self.root / "users.txt").write_text('"postgres" ""\n')
         (self.root / "pgbouncer.ini").write_text(
@@ -150,7 +157,7 @@ logfile = {self.root}/pgbouncer.log
     def start(self) -> None:
         self.process = subprocess.Popen(
             [self.binary, str(self.root / "pgbouncer.ini")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **_owner(),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **_owner(self.user),
         )  # fmt: skip
         wait_until(self._accepts, timeout=20, interval=0.1)
 
