@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from django_pgjobs.models import Job
     from django_pgjobs.registry import Task
 
+#: A failed attempt to record: (job, failure, permanent?, seconds before the retry).
+FailedAttempt = tuple["Job", "Failure", bool, float]
+
 #: The claim's ORDER BY within one queue, and the claim index's columns after `queue`.
 #: One constant for both, so the claim stays an index range scan with no sort.
 CLAIM_ORDER = ("-priority", "run_at", "id")
@@ -324,45 +327,65 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         this one. Run the jobs after this returns (the claim has committed, unless the caller
         wrapped it in its own transaction).
         """
-        return self.complete_and_claim([], queues, worker=worker, limit=limit, lease=lease)[1]
+        return self.finish_and_claim([], [], queues, worker=worker, limit=limit, lease=lease)[2]
 
-    def complete_and_claim(
+    def finish_and_claim(
         self,
-        done: Sequence[Job],
+        succeeded: Sequence[Job],
+        failed: Sequence[FailedAttempt],
         queues: Sequence[str],
         *,
         worker: str,
         limit: int,
         lease: float | None = None,
-    ) -> tuple[set[UUID], list[Job]]:
-        """Record success for `done` (jobs of `worker`) and claim up to `limit` due jobs, in one
-        statement: one round trip and one commit per turn of a worker's loop.
+    ) -> tuple[set[UUID], dict[UUID, str], list[Job]]:
+        """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs, in
+        one statement: one round trip and one commit per turn of a worker's loop.
 
-        Returns the ids of `done` this worker still owned (as `complete_many`) and the claimed
-        jobs (as `claim`). The completion is guarded exactly like `complete_many`.
+        `succeeded` are completed as by `complete_many`; each of `failed` — (job, failure,
+        permanent, delay) — is recorded as by `fail`, guarded the same way. Returns the ids of
+        `succeeded` this worker still owned, the new status of each of `failed` it still owned,
+        and the claimed jobs (as `claim`).
         """
-        if not queues or limit < 1:
-            return self.complete_many(done), []
-        workers = {job.worker for job in done} | {worker}
+        claiming = bool(queues) and limit >= 1
+        if not (claiming or succeeded or failed):
+            return set(), {}, []
+        workers = {job.worker for job in succeeded} | {f[0].worker for f in failed} | {worker}
         if len(workers) != 1:
             raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, workers))}")
         db = self._write_db()
-        lease = get_settings().LEASE if lease is None else lease
-        sql = _claim_sql(db, len(queues), limit, bool(done))
-        params: list[Any] = [
-            worker,
-            lease,
-            *_bind_queues(_claim_select(db, len(queues), limit)[1], queues),
-        ]
-        if done:
-            params += [[job.pk for job in done], [job.attempts for job in done], worker]
+        queue_count, limit = (len(queues), limit) if claiming else (0, 0)
+        params: list[Any] = []
+        if claiming:
+            lease = get_settings().LEASE if lease is None else lease
+            params += [
+                worker,
+                lease,
+                *_bind_queues(_claim_select(db, queue_count, limit)[1], queues),
+            ]
+        if succeeded:
+            params += [[job.pk for job in succeeded], [job.attempts for job in succeeded], worker]
+        if failed:
+            params += [
+                _keep_last(get_settings().ERRORS_KEPT),
+                [job.pk for job, *_ in failed],
+                [job.attempts for job, *_ in failed],
+                [permanent for _, _, permanent, _ in failed],
+                [float(delay) for *_, delay in failed],
+                [failure.summary for _, failure, *_ in failed],
+                [failure.as_json() for _, failure, *_ in failed],
+                worker,
+            ]
+        sql = _finish_sql(db, queue_count, limit, bool(succeeded), bool(failed))
         with _cursor(db) as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
-        owned = {row[1] for row in rows if not row[0]}
-        jobs = _from_rows(self.model, db, (row[1:] for row in rows if row[0]))
+        done = {row[1] for row in rows if row[0] == _DONE}
+        status_at = 1 + _columns(self.model).index("status")
+        dead_or_retried = {row[1]: row[status_at] for row in rows if row[0] == _FAILED}
+        jobs = _from_rows(self.model, db, (row[1:] for row in rows if row[0] == _CLAIMED))
         jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
-        return owned, jobs
+        return done, dead_or_retried, jobs
 
     def complete(self, job: Job) -> bool:
         """Record success. False means the lease ran out and another worker owns the job now."""
@@ -403,35 +426,12 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """Record a failed attempt: back to ready in `delay` seconds while attempts remain and the
         error is not permanent, else failed (the dead letter). Returns the new status, or None
         when this worker no longer owned the job."""
-        settings = get_settings()
-        sql = f"""
-            UPDATE pgjobs_job AS j SET
-                status = CASE WHEN %(dead)s THEN 'failed' ELSE 'ready' END,
-                finished_at = CASE WHEN %(dead)s THEN statement_timestamp() END,
-                run_at = CASE WHEN %(dead)s THEN j.run_at
-                              ELSE statement_timestamp() + make_interval(secs => %(delay)s) END,
-                leased_until = NULL,
-                last_error = %(summary)s,
-                errors = {_APPEND_ERROR}
-            WHERE j.id = %(id)s AND j.status = 'running' AND j.worker = %(worker)s
-              AND j.attempts = %(attempts)s
-            RETURNING j.status
-        """
-        dead = "(%(permanent)s OR j.attempts >= j.max_attempts)"
-        params: dict[str, Any] = {
-            "permanent": permanent,
-            "delay": delay,
-            "summary": failure.summary,
-            "error": failure.as_json(),
-            "keep": _keep_last(settings.ERRORS_KEPT),
-            "id": job.pk,
-            "worker": job.worker,
-            "attempts": job.attempts,
-        }
-        with connections[self._write_db()].cursor() as cursor:
-            cursor.execute(sql.replace("%(dead)s", dead), params)
-            row = cursor.fetchone()
-        return row[0] if row else None
+        if job.worker is None:
+            return None  # never claimed: no worker holds it, so none may record its outcome
+        statuses = self.finish_and_claim(
+            [], [(job, failure, permanent, delay)], [], worker=job.worker, limit=0
+        )[1]
+        return statuses.get(job.pk)
 
     def reap(self, *, limit: int = 1000) -> tuple[int, int]:
         """Take back running jobs whose lease expired: to ready (after a backoff), or to failed
@@ -589,23 +589,54 @@ _COMPLETE = """
 """
 
 
+# Records failed attempts, guarded like _guarded: back to ready after f.delay while attempts
+# remain and the error is not permanent, else failed (the dead letter).
+_FAIL = f"""
+    UPDATE pgjobs_job AS j SET
+        status = CASE WHEN f.permanent OR j.attempts >= j.max_attempts THEN 'failed'
+                      ELSE 'ready' END,
+        finished_at = CASE WHEN f.permanent OR j.attempts >= j.max_attempts
+                           THEN statement_timestamp() END,
+        run_at = CASE WHEN f.permanent OR j.attempts >= j.max_attempts THEN j.run_at
+                      ELSE statement_timestamp() + make_interval(secs => f.delay) END,
+        leased_until = NULL,
+        last_error = f.summary,
+        errors = {_APPEND_ERROR % {"error": "f.error", "keep": "%s"}}
+    FROM unnest(%s::uuid[], %s::int4[], %s::bool[], %s::float8[], %s::text[], %s::text[])
+         AS f(id, attempts, permanent, delay, summary, error)
+    WHERE j.id = f.id AND j.attempts = f.attempts
+      AND j.status = 'running' AND j.worker = %s
+    RETURNING j.id, j.status
+"""
+
+# What each row of _finish_sql's result is.
+_CLAIMED, _DONE, _FAILED = 0, 1, 2
+
+
 @lru_cache(maxsize=512)
-def _claim_sql(db: str, queue_count: int, limit: int, completing: bool) -> str:
-    """The claim statement; rows come back as (claimed?, *columns). With `completing`, it also
-    completes jobs, whose rows come back as (false, id, NULL, ...)."""
+def _finish_sql(db: str, queue_count: int, limit: int, completing: bool, failing: bool) -> str:
+    """One statement that claims (when `queue_count`), completes and records failures. Rows
+    come back as (_CLAIMED, *columns), (_DONE, id, NULL, ...) or (_FAILED, id, ..., status,
+    ...): the columns of a job, so they can share one result."""
     from django_pgjobs.models import Job
 
     columns = _columns(Job)
-    select_sql = _claim_select(db, queue_count, limit)[0]
-    returning = ", ".join(f"j.{column}" for column in columns)
-    if not completing:
-        return _CLAIM % {"select": select_sql, "returning": f"true, {returning}"}
-    claim = _CLAIM % {"select": select_sql, "returning": returning}
-    nulls = ", ".join("id" if column == "id" else "NULL" for column in columns)
-    return (
-        f"WITH claimed AS ({claim}), done AS ({_COMPLETE}) "
-        f"SELECT true, claimed.* FROM claimed UNION ALL SELECT false, {nulls} FROM done"
-    )
+    parts, selects = [], []
+    if queue_count:
+        select_sql = _claim_select(db, queue_count, limit)[0]
+        returning = ", ".join(f"j.{column}" for column in columns)
+        parts.append(f"claimed AS ({_CLAIM % {'select': select_sql, 'returning': returning}})")
+        selects.append(f"SELECT {_CLAIMED}, claimed.* FROM claimed")
+    if completing:
+        parts.append(f"done AS ({_COMPLETE})")
+        nulls = ", ".join("id" if column == "id" else "NULL" for column in columns)
+        selects.append(f"SELECT {_DONE}, {nulls} FROM done")
+    if failing:
+        parts.append(f"failed AS ({_FAIL})")
+        kept = ("id", "status")
+        nulls = ", ".join(column if column in kept else "NULL" for column in columns)
+        selects.append(f"SELECT {_FAILED}, {nulls} FROM failed")
+    return f"WITH {', '.join(parts)} {' UNION ALL '.join(selects)}"
 
 
 @contextmanager

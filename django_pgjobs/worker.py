@@ -21,6 +21,7 @@ from django_pgjobs import execute, notify, registry
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.execute import Outcome, Result
+from django_pgjobs.manager import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 
@@ -133,54 +134,58 @@ class Worker:
         return self.options.concurrency - len(self._in_flight)
 
     def _settle_and_fetch(self) -> None:
-        """Record finished handlers' outcomes and claim into the free slots.
-
-        Successes are completed in the claim's own statement (one round trip and one commit per
-        turn), or on their own when no claim is due; failures are recorded one by one.
-        """
+        """Record finished handlers' outcomes and claim into the free slots, in one statement
+        (one round trip and one commit per turn); a Retry asked by a handler is recorded on
+        its own."""
         with self._lock:
             done, self._done = self._done, []
+        succeeded: list[Job] = []
+        failed: list[FailedAttempt] = []
         try:
-            succeeded = []
             for job, outcome in done:
                 if outcome.result is Result.SUCCEEDED:
                     succeeded.append(job)
-                else:
-                    self._record_failure(job, outcome)
+                elif outcome.result is Result.ERROR:
+                    assert outcome.failure is not None
+                    failed.append((job, outcome.failure, outcome.permanent, outcome.delay))
+                else:  # the handler asked to run again later
+                    owned_retry = self.jobs.retry_later(job, outcome.delay)
+                    self._counts["retried" if owned_retry else "lost"] += 1
                     self._in_flight.pop(job.pk, None)
-            # The slots of the jobs completed below are free for this claim.
-            free = self._free_slots() + len(succeeded)
-            if (
+            # The slots of the jobs recorded below are free for this claim.
+            free = self._free_slots() + len(succeeded) + len(failed)
+            claim = (
                 not self._stopping
-                and free
+                and free > 0
                 and (self._poll_now or time.monotonic() >= self._next_poll)
-            ):
-                owned = self._fetch(succeeded, min(free, self.options.batch_size))
-            elif succeeded:
-                owned = self.jobs.complete_many(succeeded)
-            else:
+            )
+            if not (claim or succeeded or failed):
                 return
+            if claim:
+                self._poll_now = False
+            owned, statuses, jobs = self.jobs.finish_and_claim(
+                succeeded, failed, self.options.queues, worker=self.id,
+                limit=min(free, self.options.batch_size) if claim else 0, lease=self.lease,
+            )  # fmt: skip
         except DatabaseError:
             # Keep what was not recorded; it is tried again after the reconnect. Recording
             # twice is harmless: the guard refuses the second write.
             with self._lock:
                 self._done[:0] = [item for item in done if item[0].pk in self._in_flight]
             raise
-        self._counts["done"] += len(owned)
-        self._counts["lost"] += len(succeeded) - len(owned)
         for job in succeeded:
             self._in_flight.pop(job.pk, None)
+        self._counts["done"] += len(owned)
+        self._counts["lost"] += len(succeeded) - len(owned)
+        for job, failure, _, _ in failed:
+            self._in_flight.pop(job.pk, None)
+            self._log_failure(job, failure, statuses.get(job.pk))
+        if claim:
+            self._take(jobs, min(free, self.options.batch_size))
 
-    def _fetch(self, succeeded: list[Job], wanted: int) -> set[UUID]:
-        """Complete `succeeded` and claim `wanted` jobs in one statement, then schedule the next
-        poll: at once after a full batch, backing off towards the poll interval while the queue
-        is empty. Returns the ids of `succeeded` this worker still owned."""
-        self._poll_now = False
-        owned: set[UUID]
-        jobs: list[Job]
-        owned, jobs = self.jobs.complete_and_claim(
-            succeeded, self.options.queues, worker=self.id, limit=wanted, lease=self.lease
-        )
+    def _take(self, jobs: list[Job], wanted: int) -> None:
+        """Hand claimed jobs to the handler threads, then schedule the next poll: at once after
+        a full batch, backing off towards the poll interval while the queue is empty."""
         longer = [job for job in jobs if self._lease_of(job) > self.lease]
         if longer:
             self.jobs.heartbeat(longer, self._lease_of(longer[0]))
@@ -195,26 +200,17 @@ class Worker:
         else:
             self._poll_delay = min(self.options.poll_interval, max(0.05, self._poll_delay * 2))
         self._next_poll = time.monotonic() + self._poll_delay
-        return owned
 
-    def _record_failure(self, job: Job, outcome: Outcome) -> None:
-        if outcome.result is Result.RETRY:
-            owned = self.jobs.retry_later(job, outcome.delay)
-            self._counts["retried" if owned else "lost"] += 1
-            return
-        assert outcome.failure is not None
-        status = self.jobs.fail(
-            job, outcome.failure, permanent=outcome.permanent, delay=outcome.delay
-        )
+    def _log_failure(self, job: Job, failure: Failure, status: str | None) -> None:
         if status is None:
             self._counts["lost"] += 1
-        else:
-            self._counts["dead" if status == Status.FAILED else "retried"] += 1
-            dead = status == Status.FAILED
-            (logger.error if dead else logger.info)(
-                "job %s (%s) attempt %d failed: %s%s", job.pk, job.task, job.attempts,
-                outcome.failure.summary, "; dead-lettered" if dead else "",
-            )  # fmt: skip
+            return
+        dead = status == Status.FAILED
+        self._counts["dead" if dead else "retried"] += 1
+        (logger.error if dead else logger.info)(
+            "job %s (%s) attempt %d failed: %s%s", job.pk, job.task, job.attempts,
+            failure.summary, "; dead-lettered" if dead else "",
+        )  # fmt: skip
 
     def _chores(self) -> None:
         now, timers, options = time.monotonic(), self._timers, self.options

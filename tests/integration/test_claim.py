@@ -10,6 +10,7 @@ from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from django_pgjobs.manager import Failure
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
@@ -200,18 +201,33 @@ def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared
     assert not any(node["Node Type"] == "Sort" for node in _nodes(plan))
 
 
-def test_complete_and_claim_completes_owned_jobs_and_claims_in_one_statement():
-    JobFactory.create_batch(4)
-    first = Job.objects.claim(["default"], worker="w1", limit=2)
+def test_finish_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_statement():
+    JobFactory.create_batch(4, max_attempts=3)
+    first = Job.objects.claim(["default"], worker="w1", limit=3)
     stale = Job.objects.get(pk=first[1].pk)
     stale.attempts += 1  # an attempt this worker does not hold: the guard must refuse it
+    boom = Failure("RuntimeError", "boom")
     with CaptureQueriesContext(connection) as queries:
-        owned, claimed = Job.objects.complete_and_claim(
-            [first[0], stale], ["default"], worker="w1", limit=5
+        done, failed, claimed = Job.objects.finish_and_claim(
+            [first[0], stale], [(first[2], boom, False, 60.0)], ["default"], worker="w1", limit=5
         )
-    assert owned == {first[0].pk}
-    assert len(claimed) == 2 and all(job.status == Status.RUNNING for job in claimed)
-    assert {job.pk for job in claimed}.isdisjoint({job.pk for job in first})
+    assert len(queries) == 1
+    assert done == {first[0].pk}
+    assert failed == {first[2].pk: Status.READY}
+    assert len(claimed) == 1 and claimed[0].status == Status.RUNNING
+    assert claimed[0].pk not in {job.pk for job in first}
     assert Job.objects.get(pk=first[0].pk).status == Status.SUCCEEDED
     assert Job.objects.get(pk=first[1].pk).status == Status.RUNNING
-    assert len(queries) == 1
+    retried = Job.objects.get(pk=first[2].pk)
+    assert retried.last_error == "RuntimeError: boom"
+    assert retried.errors[-1]["attempt"] == 1 and retried.errors[-1]["worker"] == "w1"
+    assert retried.run_at > retried.created_at + timedelta(seconds=59)
+
+
+def test_finish_and_claim_without_a_claim_only_records_outcomes():
+    JobFactory.create_batch(2, max_attempts=1)
+    first, second = Job.objects.claim(["default"], worker="w1", limit=2)
+    done, failed, claimed = Job.objects.finish_and_claim(
+        [first], [(second, Failure("E", "x"), False, 0.0)], [], worker="w1", limit=0
+    )
+    assert (done, failed, claimed) == ({first.pk}, {second.pk: Status.FAILED}, [])
