@@ -142,15 +142,21 @@ def reap_child(process: subprocess.Popen[bytes]) -> float:
 # ---- W1 / W2: enqueue -------------------------------------------------------------------------
 
 
-def bulk_enqueue(cluster: Cluster, count: int) -> float:
+def bulk_enqueue(cluster: Cluster, count: int) -> tuple[float, float, float]:
+    """Jobs/s, and the client's and the server's CPU in cores over the run."""
     reset(cluster)
-    started = time.perf_counter()
+    server = cluster.server_cpu()
+    cpu, started = time.process_time(), time.perf_counter()
     Job.objects.bulk_enqueue(NOOP, (None for _ in range(count)))
-    return count / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    client = (time.process_time() - cpu) / elapsed
+    return count / elapsed, client, (cluster.server_cpu() - server) / elapsed
 
 
-def single_enqueue(cluster: Cluster, threads: int, seconds: float, notify: bool) -> float:
-    """Jobs/s of one-job transactions from `threads` client threads."""
+def single_enqueue(
+    cluster: Cluster, threads: int, seconds: float, notify: bool
+) -> tuple[float, float]:
+    """Jobs/s of one-job transactions from `threads` client threads, and the client's CPU."""
     reset(cluster)
     done = Counter[int]()
     deadline = time.perf_counter() + seconds
@@ -167,6 +173,7 @@ def single_enqueue(cluster: Cluster, threads: int, seconds: float, notify: bool)
         done[n] = count
         connection.close()
 
+    cpu = time.process_time()
     with override_settings(PGJOBS={"NOTIFY": notify}):
         pool = [threading.Thread(target=client, args=(n,)) for n in range(threads)]
         for thread in pool:
@@ -176,7 +183,7 @@ def single_enqueue(cluster: Cluster, threads: int, seconds: float, notify: bool)
         for thread in pool:
             thread.join()
         elapsed = time.perf_counter() - started
-    return sum(done.values()) / elapsed
+    return sum(done.values()) / elapsed, (time.process_time() - cpu) / elapsed
 
 
 def enqueue_added_time(cluster: Cluster, count: int) -> dict[str, float]:
@@ -194,11 +201,21 @@ def enqueue_added_time(cluster: Cluster, count: int) -> dict[str, float]:
             Job.objects.enqueue(NOOP)
             durations.append((time.perf_counter() - started) * 1000)
     after = counters(cluster)
+    with cluster.connect(user="bench_monitor") as conn:
+        row = conn.execute(
+            "SELECT coalesce(sum(calls) FILTER (WHERE query LIKE '%%INSERT INTO pgjobs_job%%'), 0),"
+            " coalesce(sum(calls) FILTER (WHERE query LIKE '%%pg_notify%%'), 0) "
+            "FROM pg_stat_statements s JOIN pg_roles r ON r.oid = s.userid "
+            "WHERE r.rolname = 'postgres'"
+        ).fetchone()
+    assert row is not None
     return {
         "p50": percentile(durations, 50),
         "p99": percentile(durations, 99),
         # minus the SELECT 1 each transaction ran first
         "statements": (after.statements - before.statements) / count - 1,
+        "inserts": int(row[0]) / count,
+        "notifies": int(row[1]) / count,
     }
 
 
