@@ -15,7 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from uuid import UUID
 
-from django.db import DatabaseError, close_old_connections, connections, router
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+    router,
+)
 
 from django_pgjobs import execute, notify, registry
 from django_pgjobs.conf import get_settings
@@ -112,10 +119,13 @@ class Worker:
                         break
                 self._chores()
                 failures = 0
-            except DatabaseError:
+            except DatabaseError as error:
                 failures += 1
                 pause = min(5.0, 0.05 * 2**failures)
-                logger.warning(
+                # A lost connection is expected now and then; any other database error in the
+                # worker's own statements is a bug or a broken schema, worth an operator's eye.
+                lost = isinstance(error, OperationalError | InterfaceError)
+                (logger.warning if lost else logger.error)(
                     "database error in the worker loop; reconnecting in %.2fs", pause, exc_info=True
                 )
                 connections[self.db].close()
