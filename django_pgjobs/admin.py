@@ -22,7 +22,6 @@ from django.contrib.admin.views.main import PAGE_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
-from django.db import router, transaction
 from django.db.models import CharField, Count, F, Func, Q, QuerySet, Value
 from django.db.models.functions import Left
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -45,10 +44,10 @@ from django_pgjobs.validation import check_queue
 
 #: Up to this many rows a changelist counts exactly; beyond, it shows the planner's estimate.
 EXACT_COUNT_LIMIT = 10_000
-#: Jobs locked, changed and logged per transaction by a bulk action.
+#: Jobs changed and logged per statement by a bulk action.
 ACTION_BATCH = 1000
-#: What the admin log compares to tell which selected jobs an action really changed.
-AUDITED = ("id", "task", "status", "queue", "run_at", "attempts")
+#: What the admin log's description of a job (str(job)) reads.
+LOGGED = ("id", "task", "status")
 
 # The part of `last_error` ("Type: message") before the first colon.
 ERROR_TYPE = Func(
@@ -335,9 +334,7 @@ class BaseJobAdmin(ModelAdmin):
     def delete_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
         if "post" not in request.POST:
             return self.confirm(request, queryset, _("Delete"))
-        changed, _seen = self.apply(
-            request, queryset, lambda q: q.delete()[0], DELETION, _("Deleted.")
-        )
+        changed, _seen = self.apply(request, queryset, JobQuerySet.discard, DELETION, _("Deleted."))
         self.report(request, ngettext("%d job deleted.", "%d jobs deleted.", changed) % changed)
         return None
 
@@ -345,34 +342,25 @@ class BaseJobAdmin(ModelAdmin):
         self,
         request: HttpRequest,
         queryset: QuerySet[Job],
-        transition: Callable[[JobQuerySet], int],
+        transition: Callable[[JobQuerySet], list[UUID]],
         flag: int,
         message: str,
     ) -> tuple[int, int]:
-        """Run `transition` over the selection, ACTION_BATCH jobs per transaction, and log each
-        job it changed. Returns (jobs changed, jobs selected)."""
+        """Run `transition` over the selection, ACTION_BATCH jobs per statement, and log each
+        job it changed (the transition returns their ids). Returns (changed, selected)."""
         user_id = request.user.pk
         assert user_id is not None  # the admin lets no anonymous user this far
         ids = queryset.order_by("pk").values_list("pk", flat=True)
         changed = seen = 0
         last: UUID | None = None
-        while True:
-            batch = list((ids if last is None else ids.filter(pk__gt=last))[:ACTION_BATCH])
-            if not batch:
-                return changed, seen
-            with transaction.atomic(using=router.db_for_write(Job)):
-                # Locked until commit, so the before/after comparison shows exactly what the
-                # transition changed, and the log names those jobs and no others.
-                locked = Job.objects.filter(pk__in=batch).order_by("pk").select_for_update()
-                before = {job.pk: job for job in locked.only(*AUDITED)}
-                changed += transition(Job.objects.filter(pk__in=batch))
-                after = {
-                    row[0]: row for row in Job.objects.filter(pk__in=batch).values_list(*AUDITED)
-                }
-                moved = [j for j in before.values() if after.get(j.pk) != _audited(j)]
-                if moved:
-                    LogEntry.objects.log_actions(user_id, moved, flag, message)
-            seen, last = seen + len(batch), batch[-1]
+        while batch := list((ids if last is None else ids.filter(pk__gt=last))[:ACTION_BATCH]):
+            # Read before the change, to name the jobs in the log even after a delete.
+            described = {job.pk: job for job in Job.objects.filter(pk__in=batch).only(*LOGGED)}
+            done = transition(Job.objects.filter(pk__in=batch))
+            if done:
+                LogEntry.objects.log_actions(user_id, [described[pk] for pk in done], flag, message)
+            changed, seen, last = changed + len(done), seen + len(batch), batch[-1]
+        return changed, seen
 
     def confirm(
         self,
@@ -447,10 +435,6 @@ class BaseJobAdmin(ModelAdmin):
     def offers_replay_matching(self, request: HttpRequest) -> bool:
         """Whether to offer "Replay all matching": when the list shows replayable jobs."""
         return request.GET.get("status__exact") in (Status.FAILED, Status.CANCELLED)
-
-
-def _audited(job: Job) -> tuple[Any, ...]:
-    return tuple(getattr(job, name) for name in AUDITED)
 
 
 @admin.register(Job)

@@ -140,37 +140,57 @@ class JobQuerySet(models.QuerySet["Job"]):
     def dead(self) -> JobQuerySet:
         return self.filter(status=Status.FAILED)
 
-    # Transitions over a selection of jobs; each returns how many jobs it changed.
+    # Transitions over a selection of jobs; each returns the ids of the jobs it changed, so
+    # callers can report how many and the admin can log exactly which.
 
-    def replay(self, *, queue: str | None = None) -> int:
-        """Failed or cancelled → ready, due now, with a fresh attempt budget. Skips other statuses,
-        and jobs whose unique_key a live job holds."""
-        changes: dict[str, Any] = {}
-        if queue is not None:
-            changes["queue"] = validation.check_queue(queue)
+    def replay(self, *, queue: str | None = None) -> list[UUID]:
+        """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
+        another queue). Skips other statuses, and jobs whose unique_key a live job holds."""
         held_keys = self.model._default_manager.filter(
             status__in=LIVE, unique_key__isnull=False
         ).values("unique_key")
-        return (
-            self.filter(status__in=[Status.FAILED, Status.CANCELLED])
-            .exclude(unique_key__in=held_keys)
-            .update(
-                status=Status.READY,
-                attempts=0,
-                run_at=Now(),
-                finished_at=None,
-                leased_until=None,
-                **changes,
-            )
+        return self.exclude(unique_key__in=held_keys)._change(
+            "status = 'ready', attempts = 0, run_at = statement_timestamp(), finished_at = NULL, "
+            "leased_until = NULL, queue = COALESCE(%s, j.queue)",
+            [None if queue is None else validation.check_queue(queue)],
+            guard="j.status IN ('failed', 'cancelled')",
         )
 
-    def cancel(self) -> int:
+    def cancel(self) -> list[UUID]:
         """Ready → cancelled. Running jobs are not interrupted (they are not selected)."""
-        return self.filter(status=Status.READY).update(status=Status.CANCELLED, finished_at=Now())
+        return self._change(
+            "status = 'cancelled', finished_at = statement_timestamp()", guard="j.status = 'ready'"
+        )
 
-    def run_now(self) -> int:
+    def run_now(self) -> list[UUID]:
         """Make ready jobs scheduled for later due now."""
-        return self.filter(status=Status.READY, run_at__gt=Now()).update(run_at=Now())
+        return self._change(
+            "run_at = statement_timestamp()",
+            guard="j.status = 'ready' AND j.run_at > statement_timestamp()",
+        )
+
+    def discard(self) -> list[UUID]:
+        """Delete the selected jobs, except running ones: their worker still owns them."""
+        return self._change(None, guard="j.status <> 'running'")
+
+    def _change(
+        self, assignments: str | None, params: Sequence[Any] = (), *, guard: str
+    ) -> list[UUID]:
+        """One UPDATE (or, without assignments, DELETE) of the selected jobs that pass `guard`,
+        returning their ids. The guard is re-checked on each row as it is written, so a job
+        whose status changed since it was selected is left alone."""
+        self._for_write = True  # as QuerySet.update() does: route to the database for writes
+        db = self.db
+        selected, selected_params = self.values("pk").query.get_compiler(db).as_sql()
+        head = "DELETE FROM pgjobs_job AS j" if assignments is None else (
+            f"UPDATE pgjobs_job AS j SET {assignments}"
+        )  # fmt: skip
+        with connections[db].cursor() as cursor:
+            cursor.execute(
+                f"{head} WHERE j.id IN ({selected}) AND {guard} RETURNING j.id",
+                [*params, *selected_params],
+            )
+            return [job_id for (job_id,) in cursor.fetchall()]
 
     def prune(self, *, older_than: timedelta | None = None, max_batches: int | None = None) -> int:
         """Delete succeeded and cancelled jobs finished longer ago than `older_than`

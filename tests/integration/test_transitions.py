@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
 
 from django_pgjobs import execute
 from django_pgjobs.execute import Result
@@ -236,7 +237,7 @@ def test_the_error_history_is_bounded(settings):
 
 def test_replay_gives_a_dead_letter_a_fresh_attempt_budget_due_now():
     dead = JobFactory(dead=True, future=True)
-    assert Job.objects.filter(pk=dead.pk).replay() == 1
+    assert Job.objects.filter(pk=dead.pk).replay() == [dead.pk]
     row = Job.objects.get(pk=dead.pk)
     assert (row.status, row.attempts, row.finished_at) == (Status.READY, 0, None)
     assert row.errors == dead.errors  # the history stays for inspection
@@ -247,7 +248,7 @@ def test_replay_into_another_queue_and_only_for_failed_or_cancelled_jobs():
     dead = JobFactory(dead=True)
     running = JobFactory(running=True)
     ready = JobFactory()
-    assert Job.objects.all().replay(queue="retries") == 1
+    assert Job.objects.all().replay(queue="retries") == [dead.pk]
     assert Job.objects.get(pk=dead.pk).queue == "retries"
     assert Job.objects.get(pk=running.pk).status == Status.RUNNING
     assert Job.objects.get(pk=ready.pk).queue == "default"
@@ -256,17 +257,50 @@ def test_replay_into_another_queue_and_only_for_failed_or_cancelled_jobs():
 def test_replay_skips_a_dead_letter_whose_unique_key_a_live_job_holds():
     dead = JobFactory(dead=True, unique_key="k")
     JobFactory(unique_key="k")
-    assert Job.objects.filter(pk=dead.pk).replay() == 0
+    assert Job.objects.filter(pk=dead.pk).replay() == []
 
 
 def test_cancel_only_touches_ready_jobs_and_run_now_makes_them_due():
     ready, running = JobFactory(future=True), JobFactory(running=True)
-    assert Job.objects.filter(pk=ready.pk).run_now() == 1
+    assert Job.objects.filter(pk=ready.pk).run_now() == [ready.pk]
     assert claim_one().pk == ready.pk
     later = JobFactory(future=True)
-    assert Job.objects.all().cancel() == 1
+    assert Job.objects.all().cancel() == [later.pk]
     assert Job.objects.get(pk=later.pk).status == Status.CANCELLED
     assert Job.objects.get(pk=running.pk).status == Status.RUNNING
+
+
+def test_a_transition_leaves_a_job_whose_status_changed_after_it_was_selected(other_connection):
+    dead = JobFactory(dead=True)
+    selection = Job.objects.filter(pk=dead.pk)
+    with other_connection.transaction():
+        # Another admin replays the job first; ours waits for its row lock, then re-checks.
+        other_connection.execute(
+            "UPDATE pgjobs_job SET status = 'running', leased_until = now() + interval '1 min', "
+            "finished_at = NULL WHERE id = %s",
+            [dead.pk],
+        )
+        result: list[object] = []
+
+        def replay() -> None:
+            try:
+                result.append(selection.replay())
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=replay)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive()  # waiting for the other transaction's row lock
+    thread.join(10)
+    assert result == [[]]
+    assert Job.objects.get(pk=dead.pk).status == Status.RUNNING
+
+
+def test_discard_deletes_the_selection_except_running_jobs():
+    running, dead, ready = JobFactory(running=True), JobFactory(dead=True), JobFactory()
+    assert sorted(Job.objects.all().discard()) == sorted([dead.pk, ready.pk])
+    assert list(Job.objects.values_list("pk", flat=True)) == [running.pk]
 
 
 def test_prune_deletes_old_finished_jobs_in_bounded_batches(settings):
