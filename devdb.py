@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -53,6 +54,8 @@ def start_embedded() -> Path:
             import pgserver
     except ImportError:
         return _start_with_binaries_on_path()
+    # pgserver narrates every handle it opens and closes at INFO; keep only its warnings.
+    logging.getLogger("pgserver").setLevel(logging.WARNING)
     server = pgserver.get_server(PGDATA, cleanup_mode=None)
     return Path(server.get_postmaster_info().socket_dir)
 
