@@ -34,6 +34,9 @@ from django_pgjobs.status import Status
 
 logger = logging.getLogger(__name__)
 
+#: Longest a finished job's outcome waits for others to share its statement (see _settle_due).
+SETTLE_DELAY = 0.002
+
 
 def worker_id() -> str:
     """Unique per process: host, pid and a random suffix (pids are reused, hosts are cloned)."""
@@ -76,6 +79,7 @@ class Worker:
         self.jobs = Job.objects.db_manager(self.db)
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._done: list[tuple[Job, Outcome]] = []
+        self._first_done_at = 0.0  # when the oldest unsettled outcome came in
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._in_flight: dict[UUID, Job] = {}  # claimed and not yet settled; main thread only
@@ -148,6 +152,8 @@ class Worker:
         (one round trip and one commit per turn); a Retry asked by a handler is recorded on
         its own."""
         with self._lock:
+            if not self._settle_due():
+                return
             done, self._done = self._done, []
         succeeded: list[Job] = []
         failed: list[FailedAttempt] = []
@@ -275,9 +281,26 @@ class Worker:
                 len(self._in_flight), (counts["done"] + counts["dead"]) / seconds,
             )  # fmt: skip
 
+    def _settle_due(self) -> bool:
+        """Whether to record the finished outcomes now, or let a few more handlers finish first
+        so that one statement covers them all (held with self._lock).
+
+        Handlers finish one by one; settling each as it comes would split the worker's batches
+        into ever smaller claims. So while other handlers still run, wait up to SETTLE_DELAY
+        for them (a full batch is settled at once).
+        """
+        pending = len(self._done)
+        if self._stopping or not pending or pending == len(self._in_flight):
+            return True
+        if pending >= min(self.options.concurrency, self.options.batch_size):
+            return True
+        return time.monotonic() >= self._first_done_at + SETTLE_DELAY
+
     def _wait_time(self) -> float:
         """Until the next chore or poll; finishing handlers and wake-ups interrupt the wait."""
         deadlines = [self._timers.heartbeat, self._timers.reap]
+        if self._done:
+            deadlines.append(self._first_done_at + SETTLE_DELAY)
         if self._stopping:
             deadlines.append(self._deadline)
         elif self._free_slots():
@@ -309,6 +332,8 @@ class Worker:
             outcome = execute.run(job)
             close_old_connections()
             with self._lock:
+                if not self._done:
+                    self._first_done_at = time.monotonic()
                 self._done.append((job, outcome))
             self._wake.set()
         connections.close_all()
