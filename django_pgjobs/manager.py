@@ -240,12 +240,15 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         that job is returned instead.
         """
         row = self._row(task, payload, queue, priority, run_at, delay, max_attempts, unique_key)
-        jobs = self._insert([row])
-        if jobs:
-            notify.after_enqueue(self._write_db(), [jobs[0].queue])
-            return jobs[0]
-        existing: Job = self.get(unique_key=unique_key, status__in=LIVE)
-        return existing
+        while True:
+            jobs = self._insert([row])
+            if jobs:
+                notify.after_enqueue(self._write_db(), [jobs[0].queue])
+                return jobs[0]
+            existing: Job | None = self.filter(unique_key=unique_key, status__in=LIVE).first()
+            if existing is not None:
+                return existing
+            # The job holding the key finished between the insert and the look: insert again.
 
     def bulk_enqueue(
         self,
