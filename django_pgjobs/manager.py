@@ -419,10 +419,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
         """Record success for many jobs of one worker in one statement; returns the ids it still
         owned (the others were reaped and possibly claimed again: their outcome is not ours)."""
-        return self._guarded(
-            jobs,
-            "status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL",
-        )
+        return self._guarded(jobs, _SUCCEEDED)
 
     def release(self, jobs: Sequence[Job]) -> set[UUID]:
         """Running → ready without spending an attempt (a worker shutting down)."""
@@ -514,16 +511,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         workers = {job.worker for job in jobs}
         if len(workers) != 1:
             raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, workers))}")
-        sql = f"""
-            UPDATE pgjobs_job AS j SET {assignments}
-            FROM unnest(%s::uuid[], %s::int4[]) AS mine(id, attempts)
-            WHERE j.id = mine.id AND j.attempts = mine.attempts
-              AND j.status = 'running' AND j.worker = %s
-            RETURNING j.id
-        """
         with _cursor(self._write_db()) as cursor:
             cursor.execute(
-                sql,
+                _GUARDED.format(assignments=assignments),
                 [*params, [job.pk for job in jobs], [job.attempts for job in jobs], workers.pop()],
             )
             return {job_id for (job_id,) in cursor.fetchall()}
@@ -603,15 +593,17 @@ _CLAIM = """
     RETURNING %(returning)s
 """
 
-# Completes a worker's finished jobs, guarded like _guarded, in the claim's statement.
-_COMPLETE = """
-    UPDATE pgjobs_job AS j
-    SET status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL
+# A change to a worker's own running jobs, guarded on the claim itself (id, running, worker,
+# attempts); {assignments} are the SET clause. Used by _guarded and, for completions, inside
+# the turn's statement (_finish_sql).
+_GUARDED = """
+    UPDATE pgjobs_job AS j SET {assignments}
     FROM unnest(%s::uuid[], %s::int4[]) AS mine(id, attempts)
     WHERE j.id = mine.id AND j.attempts = mine.attempts
       AND j.status = 'running' AND j.worker = %s
     RETURNING j.id
 """
+_SUCCEEDED = "status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL"
 
 
 # Records failed attempts, guarded like _guarded: back to ready after f.delay while attempts
@@ -653,7 +645,7 @@ def _finish_sql(db: str, queue_count: int, limit: int, completing: bool, failing
         parts.append(f"claimed AS ({_CLAIM % {'select': select_sql, 'returning': returning}})")
         selects.append(f"SELECT {_CLAIMED}, claimed.* FROM claimed")
     if completing:
-        parts.append(f"done AS ({_COMPLETE})")
+        parts.append(f"done AS ({_GUARDED.format(assignments=_SUCCEEDED)})")
         nulls = ", ".join("id" if column == "id" else "NULL" for column in columns)
         selects.append(f"SELECT {_DONE}, {nulls} FROM done")
     if failing:
