@@ -21,6 +21,10 @@ def statuses() -> Counter[str]:
     return Counter(Job.objects.values_list("status", flat=True))
 
 
+def has_run(n: int):
+    return lambda: Execution.objects.filter(n=n).exists()
+
+
 def all_succeeded(count: int):
     return lambda: statuses()[Status.SUCCEEDED] == count
 
@@ -41,7 +45,7 @@ def test_three_workers_with_four_threads_run_2000_jobs_exactly_once(start_worker
 def test_sigkill_mid_job_runs_it_again_after_the_lease(start_worker):
     job = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 2})
     doomed = start_worker("--lease", "1")
-    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=20)
+    wait_until(has_run(1), timeout=20)
     doomed.signal(signal.SIGKILL)
     doomed.wait(5)
     start_worker("--lease", "1")
@@ -55,7 +59,7 @@ def test_sigkill_mid_job_runs_it_again_after_the_lease(start_worker):
 def test_sigterm_lets_the_in_flight_job_finish_and_exits_zero(start_worker):
     Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 1.5})
     worker = start_worker("--grace", "30")
-    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=20)
+    wait_until(has_run(1), timeout=20)
     worker.signal(signal.SIGTERM)
     assert worker.wait(20) == 0
     assert statuses() == {Status.SUCCEEDED: 1}
@@ -65,7 +69,7 @@ def test_sigterm_lets_the_in_flight_job_finish_and_exits_zero(start_worker):
 def test_a_second_sigterm_releases_the_running_job_at_once(start_worker):
     job = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 60})
     worker = start_worker("--grace", "60")
-    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=20)
+    wait_until(has_run(1), timeout=20)
     worker.signal(signal.SIGTERM)
     time.sleep(0.5)
     assert worker.alive()  # still inside its grace period
@@ -110,7 +114,7 @@ def test_a_job_running_three_times_longer_than_its_lease_is_never_reaped_while_i
 ):
     job = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 4.5})
     start_worker("--lease", "1.5")
-    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=20)
+    wait_until(has_run(1), timeout=20)
     reaped = []
     while Job.objects.get(pk=job.pk).status == Status.RUNNING:
         reaped.append(Job.objects.reap())  # an eager reaper running beside the live worker
@@ -136,7 +140,7 @@ def test_with_listen_a_job_enqueued_to_an_idle_worker_starts_promptly(start_work
     time.sleep(0.5)  # let its first polls find nothing and back off
     enqueued = time.monotonic()
     Job.objects.enqueue("tests.tasks.record", {"n": 1})
-    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=20, interval=0.01)
+    wait_until(has_run(1), timeout=20, interval=0.01)
     assert time.monotonic() - enqueued < 2  # far below the 30 s poll ceiling
 
 
@@ -147,7 +151,7 @@ def test_without_listen_a_job_starts_within_the_poll_ceiling(start_worker):
     assert not _listening()
     enqueued = time.monotonic()
     Job.objects.enqueue("tests.tasks.record", {"n": 1})
-    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=20, interval=0.01)
+    wait_until(has_run(1), timeout=20, interval=0.01)
     assert time.monotonic() - enqueued < 1 + 0.5
 
 
