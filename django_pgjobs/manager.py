@@ -121,6 +121,7 @@ _INSERTS = {
 _ENQUEUED = (
     "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts",
     "leased_until", "worker", "last_error", "errors", "created_at", "finished_at", "unique_key",
+    "started_at", "cancel_requested", "result",
 )  # fmt: skip
 
 
@@ -334,7 +335,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             # from_db with every field in order: the fast way to build a model instance.
             values: tuple[Any, ...] = (
                 job_id, queue, task, json.loads(payload), Status.READY.value, priority, run_at,
-                0, max_attempts, None, None, "", [], created_at, None, key,
+                0, max_attempts, None, None, "", [], created_at, None, key, None, False, None,
             )  # fmt: skip
             jobs.append(self.model.from_db(db, attnames, values))
         return jobs
@@ -588,6 +589,7 @@ _IS_READY = RawSQL(
 _CLAIM = """
     UPDATE pgjobs_job AS j
     SET status = 'running', attempts = j.attempts + 1, worker = %%s,
+        started_at = statement_timestamp(),
         leased_until = statement_timestamp() + make_interval(secs => %%s)
     WHERE j.id IN (%(select)s)
     RETURNING %(returning)s

@@ -32,6 +32,12 @@ class Job(models.Model):
     created_at = models.DateTimeField(db_default=Now())
     finished_at = models.DateTimeField(null=True, blank=True)
     unique_key = models.CharField(max_length=200, null=True, blank=True)
+    #: When the current (or last) attempt was claimed; with run_at, the claim latency.
+    started_at = models.DateTimeField(null=True, blank=True)
+    #: Someone asked to cancel this job while it ran; its handler may notice and stop.
+    cancel_requested = models.BooleanField(default=False, db_default=False)
+    #: The handler's return value, for tasks that keep it (e.g. Django Tasks' results).
+    result = models.JSONField(null=True, blank=True)
 
     objects: ClassVar[JobManager] = JobManager()
 
@@ -40,7 +46,7 @@ class Job(models.Model):
         verbose_name_plural = _("jobs")
         permissions = [
             ("replay_job", _("Can replay failed or cancelled jobs")),
-            ("cancel_job", _("Can cancel ready jobs")),
+            ("cancel_job", _("Can cancel jobs")),
         ]
         indexes = [
             models.Index(
@@ -98,6 +104,28 @@ class Job(models.Model):
     @property
     def short_id(self) -> str:
         return self.id.hex[-12:]
+
+
+class Queue(models.Model):
+    """A queue's controls, shared by every worker: paused, and how many of its jobs may run at
+    once across all workers. A queue without a row runs unpaused and unlimited."""
+
+    name = models.CharField(max_length=100, primary_key=True)
+    paused = models.BooleanField(default=False, db_default=False)
+    max_running = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text=_("Most jobs of this queue running at once; empty for no limit."),
+    )
+    updated_at = models.DateTimeField(db_default=Now(), auto_now=True)
+
+    class Meta:
+        verbose_name = _("queue")
+        verbose_name_plural = _("queues")
+        permissions = [("pause_queue", _("Can pause and resume queues"))]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class DeadLetter(Job):
