@@ -128,6 +128,39 @@ class Queue(models.Model):
         return self.name
 
 
+#: Upper bounds (seconds) of QueueStat.latency_buckets; the last bucket holds the rest.
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class QueueStat(models.Model):
+    """What one worker did for one queue over one stats interval, written by the worker.
+
+    Reports read these few rows instead of scanning the job table: throughput, retry rate and
+    claim latency (started_at - run_at, as a histogram over LATENCY_BUCKETS so that windows and
+    workers can be added up). Workers write a row per queue they serve even when idle, so the
+    rows also say which workers are alive and which queues they serve.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    at = models.DateTimeField(db_default=Now())
+    seconds = models.FloatField()  # the interval this row covers, ending at `at`
+    worker = models.CharField(max_length=200)
+    queue = models.CharField(max_length=100)
+    claimed = models.IntegerField(default=0)
+    succeeded = models.IntegerField(default=0)
+    retried = models.IntegerField(default=0)
+    failed = models.IntegerField(default=0)
+    latency_buckets = models.JSONField(default=list)
+
+    class Meta:
+        verbose_name = _("queue statistic")
+        verbose_name_plural = _("queue statistics")
+        indexes = [models.Index(fields=["at"], name="pgjobs_queuestat_at_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.queue} by {self.worker} at {self.at}"
+
+
 class DeadLetter(Job):
     """Failed jobs, kept for inspection and replay: the admin's "Dead letters" entry."""
 
