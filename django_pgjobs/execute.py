@@ -35,6 +35,8 @@ class Outcome:
     delay: float = 0.0
     failure: Failure | None = None
     permanent: bool = False
+    #: The handler's wall time in seconds.
+    duration: float = 0.0
     #: The return value as JSON text, for a task that keeps its result; None keeps nothing.
     result_json: str | None = None
 

@@ -1,0 +1,29 @@
+"""Job lifecycle signals. Receivers run in the worker process, so keep them quick and never let
+them raise: an exception in a receiver is logged, never propagated (``send_robust``).
+
+Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, except
+``job_enqueued``, which is sent once per enqueue call with ``jobs=[...]``.
+
+- ``job_enqueued(jobs)``: after the INSERT (inside the caller's transaction: it may still roll
+  back; use ``transaction.on_commit`` in the receiver to act only on committed jobs).
+- ``job_started(job)``: in the handler's thread, just before the handler is called.
+- ``job_succeeded(job, duration)``: the success was recorded.
+- ``job_retried(job, duration, error, delay)``: the attempt failed (``error`` is a
+  ``Failure``) or asked to ``Retry`` (``error`` is None); the job is ready again later.
+- ``job_failed(job, duration, error)``: the job is a dead letter now.
+- ``job_cancelled(job, duration)``: a cancellation requested while the job ran was recorded.
+
+``duration`` is the handler's wall time in seconds; ``job.attempts`` counts this attempt.
+Outcomes a worker could not record because it had lost the job's lease send nothing.
+"""
+
+from __future__ import annotations
+
+from django.dispatch import Signal
+
+job_enqueued = Signal()
+job_started = Signal()
+job_succeeded = Signal()
+job_retried = Signal()
+job_failed = Signal()
+job_cancelled = Signal()
