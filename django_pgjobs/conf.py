@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from functools import cache
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
+
+DEFAULT_RETENTION = timedelta(hours=1)
 
 
 @dataclass(frozen=True)
@@ -28,10 +31,25 @@ class Settings:
     ERRORS_KEPT: int = 5
     #: Wake idle workers with NOTIFY after an enqueue commits.
     NOTIFY: bool = True
-    #: How long succeeded and cancelled jobs stay before they are pruned.
-    RETENTION: timedelta = timedelta(hours=1)
+    #: How long finished jobs stay before they are pruned: one timedelta for succeeded and
+    #: cancelled jobs, or a dict by final status (see retention()).
+    RETENTION: timedelta | Mapping[str, timedelta | None] = DEFAULT_RETENTION
     #: Rows deleted per prune statement.
     PRUNE_BATCH: int = 1000
+    #: Thresholds of the health verdict, over health.Thresholds' defaults.
+    HEALTH: Mapping[str, float] = field(default_factory=dict)
+
+    def retention(self) -> dict[str, timedelta | None]:
+        """How long jobs of each final status are kept; None keeps them until deleted by hand.
+
+        RETENTION as a timedelta applies to succeeded and cancelled jobs; as a dict it names
+        statuses, and a status it leaves out keeps its default (one hour for succeeded and
+        cancelled, forever for failed: dead letters wait for a person).
+        """
+        default = DEFAULT_RETENTION
+        if isinstance(self.RETENTION, timedelta):
+            return {"succeeded": self.RETENTION, "cancelled": self.RETENTION, "failed": None}
+        return {"succeeded": default, "cancelled": default, "failed": None, **self.RETENTION}
 
 
 DEFAULTS = Settings()

@@ -7,7 +7,7 @@ what it changed. Times are the database's (``statement_timestamp()``), never the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -195,19 +195,36 @@ class JobQuerySet(models.QuerySet["Job"]):
             )
             return [job_id for (job_id,) in cursor.fetchall()]
 
-    def prune(self, *, older_than: timedelta | None = None, max_batches: int | None = None) -> int:
-        """Delete succeeded and cancelled jobs finished longer ago than `older_than`
-        (default PGJOBS["RETENTION"]), PRUNE_BATCH rows per statement; returns how many."""
+    def prunable(self, retention: Mapping[str, timedelta | None] | None = None) -> JobQuerySet:
+        """Finished jobs older than their status's retention (default PGJOBS["RETENTION"]; a
+        status whose retention is None is kept)."""
+        kept = get_settings().retention() if retention is None else retention
+        old = models.Q(pk__in=[])
+        for status, age in kept.items():
+            if age is not None:
+                old |= models.Q(status=status, finished_at__lt=Now() - age)
+        return self.filter(old)
+
+    def prune(
+        self,
+        *,
+        older_than: timedelta | None = None,
+        retention: Mapping[str, timedelta | None] | None = None,
+        max_batches: int | None = None,
+    ) -> int:
+        """Delete finished jobs older than their status's retention (`retention`, by default
+        PGJOBS["RETENTION"]; `older_than` sets it for succeeded and cancelled jobs), PRUNE_BATCH
+        rows per statement; returns how many."""
         settings = get_settings()
-        cutoff = Now() - (settings.RETENTION if older_than is None else older_than)
-        finished = self.filter(
-            status__in=[Status.SUCCEEDED, Status.CANCELLED], finished_at__lt=cutoff
-        )
+        retention = {**settings.retention(), **(retention or {})}
+        if older_than is not None:
+            retention.update(succeeded=older_than, cancelled=older_than)
+        old = self.prunable(retention)
         total, batches = 0, 0
         while max_batches is None or batches < max_batches:
             # Bounded batches keep each transaction short and the locks few; SKIP LOCKED lets
             # every worker prune at once without queueing behind each other.
-            batch = finished.values("pk").select_for_update(skip_locked=True)
+            batch = old.values("pk").select_for_update(skip_locked=True)
             with transaction.atomic(using=self.db):
                 deleted, _ = (
                     self.model._default_manager.using(self.db)

@@ -1,41 +1,94 @@
-"""Read-only measurements an operator needs to tell whether the queue is healthy.
+"""The queues' figures: depth and age from the job table's partial indexes, and what workers did
+recently (throughput, retries, claim latency, who is alive) from their QueueStat rows.
 
-Queue depth and age, retries waiting, dead letters, and the table's own health: live and dead
-tuples, autovacuum, size, connections, and the oldest snapshot holding back vacuum.
+Every query here reads only live rows (ready, running, failed) or the last few minutes of
+QueueStat rows; none reads the finished history. Costs are listed in docs/howto/monitoring.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from datetime import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import connections, router
 
+#: The windows (seconds) over which worker activity is summed: 1, 5 and 15 minutes.
+WINDOWS = (60, 300, 900)
+#: A worker is alive while its last row is younger than this many of its intervals (+ slack).
+ALIVE_INTERVALS = 2
+ALIVE_SLACK = 5.0
+
 
 @dataclass(frozen=True)
 class QueueStats:
+    """A queue's jobs now."""
+
     queue: str
-    due: int  # ready and run_at <= now()
+    due: int  # ready and run_at <= now(): waiting for a worker
     scheduled: int  # ready, run_at in the future (including retries waiting out their backoff)
     retrying: int  # ready after at least one failed attempt
     running: int
-    failed: int
+    failed: int  # dead letters
     oldest_due_seconds: float  # how long the oldest due job has waited: the latency to watch
+    paused: bool = False
+    max_running: int | None = None
 
 
 @dataclass(frozen=True)
-class TableStats:
-    live_tuples: int
-    dead_tuples: int
-    table_bytes: int
-    index_bytes: int
-    last_autovacuum: datetime | None
-    last_autoanalyze: datetime | None
-    autovacuum_count: int
-    connections: dict[str, int]  # this database's connections by state
-    oldest_snapshot_seconds: float  # age of the oldest transaction snapshot: vacuum's horizon
-    oldest_snapshot_query: str
+class Activity:
+    """What all workers recorded for one queue over the last `window` seconds."""
+
+    queue: str
+    window: int
+    claimed: int
+    succeeded: int
+    retried: int
+    failed: int
+    #: Claims per latency bucket (see models.LATENCY_BUCKETS), summed over workers and rows.
+    latency_buckets: list[int] = field(default_factory=list)
+
+    @property
+    def attempts(self) -> int:
+        return self.succeeded + self.retried + self.failed
+
+    @property
+    def throughput(self) -> float:
+        """Jobs finished (succeeded or dead-lettered) per second."""
+        return (self.succeeded + self.failed) / self.window
+
+    @property
+    def retry_rate(self) -> float:
+        """The share of finished attempts that failed and were retried."""
+        return self.retried / self.attempts if self.attempts else 0.0
+
+    def latency(self, quantile: float) -> float | None:
+        return latency_quantile(self.latency_buckets, quantile)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker: str
+    queues: list[str]
+    last_seen_seconds: float
+    alive: bool
+
+
+def latency_quantile(buckets: list[int], quantile: float) -> float | None:
+    """Estimate a quantile of the claim latency from histogram counts, as Prometheus's
+    histogram_quantile does: linear within the bucket it falls in. Claims above the last bound
+    are reported as that bound. None when nothing was claimed."""
+    from django_pgjobs.models import LATENCY_BUCKETS
+
+    total = sum(buckets)
+    if not total:
+        return None
+    rank, seen, lower = quantile * total, 0, 0.0
+    for upper, count in zip(LATENCY_BUCKETS, buckets, strict=False):
+        if count and seen + count >= rank:
+            return lower + (upper - lower) * (rank - seen) / count
+        seen, lower = seen + count, float(upper)
+    return float(LATENCY_BUCKETS[-1])
 
 
 def _db(db: str | None) -> str:
@@ -44,71 +97,121 @@ def _db(db: str | None) -> str:
     return db or router.db_for_write(Job)
 
 
-def queue_stats(db: str | None = None) -> list[QueueStats]:
-    with connections[_db(db)].cursor() as cursor:
-        cursor.execute(
-            """
-            SELECT queue,
-                   count(*) FILTER (WHERE status = 'ready' AND run_at <= now()),
-                   count(*) FILTER (WHERE status = 'ready' AND run_at > now()),
-                   count(*) FILTER (WHERE status = 'ready' AND attempts > 0),
-                   count(*) FILTER (WHERE status = 'running'),
-                   count(*) FILTER (WHERE status = 'failed'),
-                   COALESCE(EXTRACT(EPOCH FROM now() - min(run_at)
-                            FILTER (WHERE status = 'ready' AND run_at <= now())), 0)
-            FROM pgjobs_job
-            WHERE status IN ('ready', 'running', 'failed')
-            GROUP BY queue ORDER BY queue
-            """
+# One branch per status, each with a literal `status = '…'` so that it reads only its partial
+# index's rows (a bound parameter or an IN list would not match the index predicates).
+QUEUES_SQL = """
+    SELECT queue, sum(due), sum(scheduled), sum(retrying), sum(running), sum(failed),
+           COALESCE(EXTRACT(EPOCH FROM now() - min(oldest_due)), 0)
+    FROM (
+        SELECT queue,
+               count(*) FILTER (WHERE run_at <= now()) AS due,
+               count(*) FILTER (WHERE run_at > now()) AS scheduled,
+               count(*) FILTER (WHERE attempts > 0) AS retrying,
+               0 AS running, 0 AS failed,
+               min(run_at) FILTER (WHERE run_at <= now()) AS oldest_due
+        FROM pgjobs_job WHERE status = 'ready' GROUP BY queue
+        UNION ALL
+        SELECT queue, 0, 0, 0, count(*), 0, NULL FROM pgjobs_job
+        WHERE status = 'running' GROUP BY queue
+        UNION ALL
+        SELECT queue, 0, 0, 0, 0, count(*), NULL FROM pgjobs_job
+        WHERE status = 'failed' GROUP BY queue
+    ) AS per_status
+    GROUP BY queue
+"""
+
+
+def queue_stats(db: str | None = None, also: Iterable[str] = ()) -> list[QueueStats]:
+    """Every queue that has live or failed jobs or a Queue row (its controls), and those named
+    in `also` (queues that workers serve or recently worked on)."""
+    from django_pgjobs.models import Queue
+
+    db = _db(db)
+    with connections[db].cursor() as cursor:
+        cursor.execute(QUEUES_SQL)
+        rows = {row[0]: row for row in cursor.fetchall()}
+    controls = {queue.name: queue for queue in Queue.objects.using(db)}
+    stats = []
+    for name in sorted(rows.keys() | controls.keys() | set(also)):
+        _, due, scheduled, retrying, running, failed, oldest = rows.get(
+            name, (name, 0, 0, 0, 0, 0, 0)
         )
+        control = controls.get(name)
+        stats.append(
+            QueueStats(
+                name,
+                int(due),
+                int(scheduled),
+                int(retrying),
+                int(running),
+                int(failed),
+                float(oldest),
+                paused=bool(control and control.paused),
+                max_running=control.max_running if control else None,
+            )
+        )
+    return stats
+
+
+# Rows of the longest window only (the index on `at`), each counted in every window it is in.
+ACTIVITY_SQL = """
+    SELECT s.queue, w.seconds, sum(s.claimed), sum(s.succeeded), sum(s.retried), sum(s.failed)
+    FROM pgjobs_queuestat AS s
+    JOIN unnest(%(windows)s::int[]) AS w(seconds)
+      ON s.at > now() - make_interval(secs => w.seconds)
+    WHERE s.at > now() - make_interval(secs => %(longest)s)
+    GROUP BY 1, 2
+"""
+BUCKETS_SQL = """
+    SELECT s.queue, w.seconds, b.n, sum(b.count::bigint)
+    FROM pgjobs_queuestat AS s
+    JOIN unnest(%(windows)s::int[]) AS w(seconds)
+      ON s.at > now() - make_interval(secs => w.seconds)
+    CROSS JOIN LATERAL jsonb_array_elements_text(s.latency_buckets) WITH ORDINALITY AS b(count, n)
+    WHERE s.at > now() - make_interval(secs => %(longest)s)
+    GROUP BY 1, 2, 3
+"""
+
+
+def activity_stats(db: str | None = None, windows: tuple[int, ...] = WINDOWS) -> list[Activity]:
+    """Per queue and window, what workers recorded in the QueueStat rows written within it."""
+    params: dict[str, Any] = {"windows": list(windows), "longest": max(windows)}
+    with connections[_db(db)].cursor() as cursor:
+        cursor.execute(ACTIVITY_SQL, params)
+        counts = cursor.fetchall()
+        cursor.execute(BUCKETS_SQL, params)
+        buckets: dict[tuple[str, int], dict[int, int]] = {}
+        for queue, window, n, count in cursor.fetchall():
+            buckets.setdefault((queue, window), {})[n] = int(count)
+    activity = []
+    for queue, window, claimed, succeeded, retried, failed in sorted(counts):
+        by_n = buckets.get((queue, window), {})
+        histogram = [by_n.get(n, 0) for n in range(1, max(by_n, default=0) + 1)]
+        activity.append(
+            Activity(
+                queue, window, int(claimed), int(succeeded), int(retried), int(failed), histogram
+            )
+        )
+    return activity
+
+
+WORKERS_SQL = """
+    SELECT worker, array_agg(DISTINCT queue ORDER BY queue),
+           EXTRACT(EPOCH FROM now() - max(at)),
+           bool_or(at + make_interval(secs => %(intervals)s * seconds + %(slack)s) >= now())
+    FROM pgjobs_queuestat
+    WHERE at > now() - make_interval(secs => %(longest)s)
+    GROUP BY worker ORDER BY worker
+"""
+
+
+def worker_stats(db: str | None = None) -> list[WorkerStats]:
+    """Workers that wrote a QueueStat row in the last 15 minutes: the queues they serve, and
+    whether they are alive (wrote a row within the last two of their intervals)."""
+    params = {"intervals": ALIVE_INTERVALS, "slack": ALIVE_SLACK, "longest": max(WINDOWS)}
+    with connections[_db(db)].cursor() as cursor:
+        cursor.execute(WORKERS_SQL, params)
         return [
-            QueueStats(queue, due, scheduled, retrying, running, failed, float(oldest))
-            for queue, due, scheduled, retrying, running, failed, oldest in cursor.fetchall()
+            WorkerStats(worker, list(queues), float(seen), bool(alive))
+            for worker, queues, seen, alive in cursor.fetchall()
         ]
-
-
-def table_stats(db: str | None = None) -> TableStats:
-    with connections[_db(db)].cursor() as cursor:
-        cursor.execute(
-            """
-            SELECT n_live_tup, n_dead_tup, pg_table_size(relid), pg_indexes_size(relid),
-                   last_autovacuum, last_autoanalyze, autovacuum_count
-            FROM pg_stat_user_tables WHERE relname = 'pgjobs_job'
-            """
-        )
-        live, dead, heap, indexes, vacuumed, analyzed, vacuums = cursor.fetchone() or (
-            0, 0, 0, 0, None, None, 0,
-        )  # fmt: skip
-        cursor.execute(
-            "SELECT COALESCE(state, 'unknown'), count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() GROUP BY 1"
-        )
-        by_state = {state: count for state, count in cursor.fetchall()}
-        cursor.execute(
-            """
-            SELECT COALESCE(EXTRACT(EPOCH FROM now() - xact_start), 0), left(query, 200)
-            FROM pg_stat_activity
-            WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
-            ORDER BY age(backend_xmin) DESC LIMIT 1
-            """
-        )
-        oldest = cursor.fetchone() or (0, "")
-    return TableStats(
-        live,
-        dead,
-        heap,
-        indexes,
-        vacuumed,
-        analyzed,
-        vacuums,
-        by_state,
-        float(oldest[0]),
-        oldest[1],
-    )
-
-
-def as_dict(db: str | None = None) -> dict[str, Any]:
-    return {
-        "queues": [asdict(stats) for stats in queue_stats(db)],
-        "table": asdict(table_stats(db)),
-    }

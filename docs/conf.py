@@ -59,19 +59,23 @@ def _check_reference(app: object) -> None:
     from sphinx.util import logging
 
     from django_pgjobs import management
-    from django_pgjobs.conf import DEFAULTS, Settings
+    from django_pgjobs.conf import DEFAULTS
 
     logger = logging.getLogger("django_pgjobs.docs")
     settings_page = (DOCS / "reference" / "settings.md").read_text()
-    for field in fields(Settings):
-        default = _literal(getattr(DEFAULTS, field.name))
-        row = rf"\|\s*`{field.name}`\s*\|\s*`{re.escape(default)}`\s*\|"
-        if not re.search(row, settings_page):
-            logger.warning(
-                "reference/settings.md has no row for PGJOBS[%r] with its default `%s`",
-                field.name,
-                default,
-            )
+    from django_pgjobs.health import Thresholds
+
+    # Each PGJOBS key, then each PGJOBS["HEALTH"] key, in a table row with its default.
+    for defaults, key in ((DEFAULTS, "PGJOBS[%r]"), (Thresholds(), "PGJOBS['HEALTH'][%r]")):
+        for field in fields(defaults):
+            default = _literal(getattr(defaults, field.name))
+            row = rf"\|\s*`{field.name}`\s*\|\s*`{re.escape(default)}`\s*\|"
+            if not re.search(row, settings_page):
+                logger.warning(
+                    f"reference/settings.md has no row for {key} with its default `%s`",
+                    field.name,
+                    default,
+                )
     commands_page = (DOCS / "reference" / "commands.md").read_text()
     common = {
         option

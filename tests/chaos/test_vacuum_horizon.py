@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 from django.db import connection
 
-from django_pgjobs import stats
+from django_pgjobs import dbstats
 from tests.chaos.checker import Checker, Driver, drive
 from tests.chaos.conftest import Size, Workers, open_test_database, worker_args
 
@@ -42,7 +42,7 @@ def test_a_transaction_holding_back_vacuum_does_not_stop_the_queue(
             )
             (horizon_age,) = cursor.fetchone()
         # What an operator sees: jobstats names the snapshot holding the horizon back.
-        shown = stats.table_stats()
+        shown = dbstats.database_stats()
         assert shown.oldest_snapshot_query == "SELECT count(*) FROM pgjobs_job"
         assert shown.oldest_snapshot_seconds > 0
         held = dead_rows_after_vacuum()

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from io import StringIO
 
 import pytest
 from django.core.management import call_command
 from django.db import connection
+from django.utils import timezone
 
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
 
@@ -34,8 +36,10 @@ def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
         )
     other_connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     other_connection.execute("SELECT count(*) FROM pgjobs_job")  # holds a snapshot
+    QueueStat.objects.create(seconds=10, worker="w", queue="default")  # a live worker serves it
     report = json.loads(run("jobstats", "--json"))
     other_connection.execute("ROLLBACK")
+    assert report["status"] == "healthy"
     queues = {q["queue"]: q for q in report["queues"]}
     assert queues["default"]["due"] == 3
     assert queues["default"]["scheduled"] == 1
@@ -44,8 +48,7 @@ def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
     assert queues["emails"]["failed"] == 1
     assert 89 < queues["default"]["oldest_due_seconds"] < 200
     assert report["table"]["live_tuples"] >= 0
-    assert report["table"]["oldest_snapshot_query"] == "SELECT count(*) FROM pgjobs_job"
-    assert "default" in run("jobstats")
+    assert report["database"]["oldest_snapshot_query"] == "SELECT count(*) FROM pgjobs_job"
 
 
 def test_prunejobs_deletes_old_finished_jobs_and_keeps_dead_letters():
@@ -82,3 +85,51 @@ def test_runjobs_refuses_bad_options_with_a_clear_message(option, message, capsy
 
     with pytest.raises(CommandError, match=message):
         call_command("runjobs", *option)
+
+
+def finished_ago(job: Job, seconds: float) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET finished_at = now() - make_interval(secs => %s) WHERE id = %s",
+            [seconds, job.pk],
+        )
+
+
+def test_prune_keeps_each_final_status_for_its_own_retention(settings):
+    settings.PGJOBS = {
+        "RETENTION": {"succeeded": timedelta(minutes=10), "failed": timedelta(days=7)}
+    }
+    old_success, new_success = JobFactory.create_batch(2, succeeded=True)
+    old_cancel = JobFactory(status=Status.CANCELLED, finished_at=timezone.now())
+    old_dead, new_dead = JobFactory.create_batch(2, dead=True)
+    finished_ago(old_success, 11 * 60)
+    finished_ago(new_success, 9 * 60)
+    finished_ago(old_cancel, 30 * 60)  # cancelled keeps its default hour
+    finished_ago(old_dead, 8 * 86400)
+    finished_ago(new_dead, 6 * 86400)
+    assert Job.objects.prune() == 2
+    assert set(Job.objects.values_list("pk", flat=True)) == {
+        new_success.pk,
+        old_cancel.pk,
+        new_dead.pk,
+    }
+
+
+def test_prunejobs_dry_run_counts_by_status_and_deletes_nothing():
+    for job in [*JobFactory.create_batch(3, succeeded=True), JobFactory(dead=True)]:
+        finished_ago(job, 86400)
+    out = run("prunejobs", "--dry-run")
+    assert "succeeded: 3 would be pruned (retention 3600s)" in out
+    assert "failed: 0 would be pruned (retention kept)" in out
+    assert Job.objects.count() == 4
+    out = run("prunejobs", "--dry-run", "--failed-older-than", "3600")
+    assert "failed: 1 would be pruned (retention 3600s)" in out
+    assert run("prunejobs", "--failed-older-than", "3600").strip() == "pruned 4 finished jobs"
+    assert Job.objects.count() == 0
+
+
+def test_prunejobs_refuses_a_negative_retention():
+    from django.core.management import CommandError
+
+    with pytest.raises(CommandError, match="must be 0 or more seconds, got -5"):
+        run("prunejobs", "--older-than", "-5")

@@ -1,0 +1,143 @@
+"""The job table's and the database's figures, from PostgreSQL's statistics views: sizes,
+live and dead tuples, vacuum, what holds vacuum's horizon back, idle transactions, the NOTIFY
+queue and connections. Each query reads a catalog or statistics view, never the job table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from django.db import connections
+
+from django_pgjobs.stats import _db
+
+
+@dataclass(frozen=True)
+class TableStats:
+    live_tuples: int
+    dead_tuples: int
+    table_bytes: int  # the heap, with its TOAST table and maps
+    index_bytes: int  # all indexes
+    indexes: dict[str, int]  # each index's size in bytes
+    last_vacuum: datetime | None
+    last_autovacuum: datetime | None
+    last_analyze: datetime | None
+    last_autoanalyze: datetime | None
+    autovacuum_count: int
+    modified_since_analyze: int
+
+
+@dataclass(frozen=True)
+class DatabaseStats:
+    connections: dict[str, int]  # this database's client connections by state
+    connections_used: int  # client connections to the whole server
+    connections_max: int  # max_connections less the slots reserved for superusers
+    idle_in_transaction: int  # sessions of this database idle inside a transaction
+    idle_in_transaction_seconds: float  # the longest such wait
+    #: The session whose snapshot or transaction id is oldest: vacuum's horizon.
+    oldest_snapshot_seconds: float  # its transaction's age
+    oldest_snapshot_xids: int  # how many transaction ids old its horizon is
+    oldest_snapshot_pid: int | None
+    oldest_snapshot_state: str
+    oldest_snapshot_query: str
+    oldest_prepared_seconds: float  # the oldest prepared (two-phase) transaction's age
+    #: Replication slots holding a horizon: (slot, active, xids behind).
+    slots: list[tuple[str, bool, int]] = field(default_factory=list)
+    notify_queue_usage: float = 0.0  # pg_notification_queue_usage(): 0 to 1
+
+    @property
+    def connections_ratio(self) -> float:
+        return self.connections_used / self.connections_max if self.connections_max else 0.0
+
+
+def table_stats(db: str | None = None) -> TableStats:
+    """The job table's statistics (pg_stat_user_tables, pg_stat_user_indexes, sizes)."""
+    with connections[_db(db)].cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT n_live_tup, n_dead_tup, pg_table_size(relid), pg_indexes_size(relid),
+                   last_vacuum, last_autovacuum, last_analyze, last_autoanalyze,
+                   autovacuum_count, n_mod_since_analyze
+            FROM pg_stat_user_tables WHERE relid = to_regclass('pgjobs_job')
+            """
+        )
+        row = cursor.fetchone() or (0, 0, 0, 0, None, None, None, None, 0, 0)
+        cursor.execute(
+            "SELECT indexrelname, pg_relation_size(indexrelid) FROM pg_stat_user_indexes "
+            "WHERE relid = to_regclass('pgjobs_job') ORDER BY indexrelname"
+        )
+        indexes = {name: int(size) for name, size in cursor.fetchall()}
+    live, dead, heap, index_bytes, vacuum, autovacuum, analyze, autoanalyze, runs, changed = row
+    return TableStats(
+        int(live), int(dead), int(heap), int(index_bytes), indexes, vacuum, autovacuum,
+        analyze, autoanalyze, int(runs), int(changed),
+    )  # fmt: skip
+
+
+_IDLE = "state IN ('idle in transaction', 'idle in transaction (aborted)')"
+
+# Since PostgreSQL 14 vacuum of an ordinary table waits only for sessions of its own database,
+# and for those without one (WAL senders with hot_standby_feedback): the others are left out.
+HORIZON_SQL = """
+    SELECT COALESCE(EXTRACT(EPOCH FROM now() - xact_start), 0),
+           greatest(age(backend_xmin), age(backend_xid)), pid, COALESCE(state, ''),
+           left(query, 200)
+    FROM pg_stat_activity
+    WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+      AND pid <> pg_backend_pid() AND backend_type IN ('client backend', 'walsender')
+      AND (datname = current_database() OR datname IS NULL)
+    ORDER BY greatest(age(backend_xmin), age(backend_xid)) DESC LIMIT 1
+"""
+
+
+def database_stats(db: str | None = None) -> DatabaseStats:
+    """Connections, idle transactions, the oldest snapshot, prepared transactions, replication
+    slots and the NOTIFY queue (pg_stat_activity and a few catalog views)."""
+    with connections[_db(db)].cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT COALESCE(state, 'unknown'), count(*) FROM pg_stat_activity
+            WHERE datname = current_database() AND backend_type = 'client backend' GROUP BY 1
+            """
+        )
+        by_state = {state: int(count) for state, count in cursor.fetchall()}
+        cursor.execute(
+            f"""
+            SELECT (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'),
+                   current_setting('max_connections')::int
+                   - current_setting('superuser_reserved_connections')::int,
+                   count(*) FILTER (WHERE {_IDLE}),
+                   COALESCE(EXTRACT(EPOCH FROM max(now() - state_change)
+                            FILTER (WHERE {_IDLE})), 0),
+                   pg_notification_queue_usage(),
+                   (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0)
+                    FROM pg_prepared_xacts)
+            FROM pg_stat_activity WHERE datname = current_database()
+            """
+        )
+        used, usable, idle, idle_seconds, notify_usage, prepared = cursor.fetchone()
+        cursor.execute(HORIZON_SQL)
+        seconds, xids, pid, state, query = cursor.fetchone() or (0, 0, None, "", "")
+        cursor.execute(
+            """
+            SELECT slot_name, active, greatest(age(xmin), age(catalog_xmin))
+            FROM pg_replication_slots
+            WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL ORDER BY 3 DESC
+            """
+        )
+        slots = [(name, bool(active), int(age)) for name, active, age in cursor.fetchall()]
+    return DatabaseStats(
+        connections=by_state,
+        connections_used=int(used),
+        connections_max=int(usable),
+        idle_in_transaction=int(idle),
+        idle_in_transaction_seconds=float(idle_seconds),
+        oldest_snapshot_seconds=float(seconds),
+        oldest_snapshot_xids=int(xids or 0),
+        oldest_snapshot_pid=pid,
+        oldest_snapshot_state=state,
+        oldest_snapshot_query=query or "",
+        oldest_prepared_seconds=float(prepared),
+        slots=slots,
+        notify_queue_usage=float(notify_usage),
+    )

@@ -1,0 +1,277 @@
+"""The health report's figures and verdict against a real database in a known state."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.db.models.functions import Now
+
+from django_pgjobs import report as reports
+from django_pgjobs import stats
+from django_pgjobs.models import Queue, QueueStat
+from tests.conftest import wait_until
+from tests.factories import JobFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def worker_row(queue: str = "default", ago: float = 0, worker: str = "host:1:aa", **counts):
+    """A QueueStat row as a worker writes it every interval, `ago` seconds in the past."""
+    return QueueStat.objects.create(
+        at=Now() - timedelta(seconds=ago), seconds=10, worker=worker, queue=queue, **counts
+    )
+
+
+def backlog(count: int, waited: float, queue: str = "default") -> None:
+    """`count` due jobs, the oldest due for `waited` seconds."""
+    JobFactory.create_batch(count, queue=queue)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET run_at = now() - make_interval(secs => %s) WHERE queue = %s",
+            [waited, queue],
+        )
+
+
+def codes(report: reports.Report) -> set[str]:
+    return {reason.code for reason in report.verdict.reasons}
+
+
+def jobstats(*args: str) -> tuple[int, str]:
+    out = StringIO()
+    try:
+        call_command("jobstats", *args, stdout=out)
+    except SystemExit as exit:
+        return int(exit.code or 0), out.getvalue()
+    return 0, out.getvalue()
+
+
+# ---- figures -------------------------------------------------------------------------------
+
+
+def test_queue_figures_count_each_status_and_include_paused_and_served_queues():
+    JobFactory.create_batch(3)
+    JobFactory(future=True, attempts=1)
+    JobFactory(running=True)
+    JobFactory(dead=True, queue="emails")
+    JobFactory(succeeded=True, queue="done")  # finished history is not counted
+    Queue.objects.create(name="reports", paused=True, max_running=2)
+    worker_row(queue="idle")
+    queues = {q.queue: q for q in reports.collect().queues}
+    assert set(queues) == {"default", "emails", "reports", "idle"}
+    default = queues["default"]
+    assert (default.due, default.scheduled, default.retrying, default.running) == (3, 1, 1, 1)
+    assert queues["emails"].failed == 1
+    assert queues["reports"].paused and queues["reports"].max_running == 2
+
+
+def test_activity_sums_worker_rows_per_window_with_latency_percentiles():
+    # 90 claims within 1 ms, 10 between 0.5 s and 1 s; one row 10 minutes old.
+    worker_row(claimed=100, succeeded=90, retried=10, latency_buckets=[90, *[0] * 8, 10])
+    worker_row(ago=600, worker="host:2:bb", claimed=50, succeeded=50, latency_buckets=[50])
+    activity = {(a.queue, a.window): a for a in stats.activity_stats()}
+    minute, quarter = activity["default", 60], activity["default", 900]
+    assert (minute.claimed, minute.succeeded, minute.retried) == (100, 90, 10)
+    assert (quarter.claimed, quarter.succeeded) == (150, 140)
+    assert minute.retry_rate == pytest.approx(0.1)
+    assert minute.throughput == pytest.approx(90 / 60)
+    assert minute.latency(0.5) == pytest.approx(0.5 * 100 / 90 * 0.001)
+    assert 0.5 < minute.latency(0.95) <= 1.0
+
+
+def test_workers_alive_are_those_with_a_recent_row_and_list_their_queues():
+    worker_row(queue="default", worker="host:1:aa")
+    worker_row(queue="emails", worker="host:1:aa")
+    worker_row(queue="default", worker="host:2:bb", ago=120)  # missed 12 intervals
+    workers = {w.worker: w for w in stats.worker_stats()}
+    assert workers["host:1:aa"].alive and workers["host:1:aa"].queues == ["default", "emails"]
+    assert not workers["host:2:bb"].alive
+    assert 119 < workers["host:2:bb"].last_seen_seconds < 200
+
+
+def test_table_figures_count_dead_tuples_and_list_every_index():
+    jobs = JobFactory.create_batch(50)
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM pgjobs_job WHERE id = ANY(%s)", [[j.pk for j in jobs[:30]]])
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+    table = wait_until(lambda: (t := reports.collect().table).dead_tuples >= 30 and t, 10)
+    assert table.live_tuples >= 20
+    assert {"pgjobs_job_claim_idx", "pgjobs_job_pkey"} <= set(table.indexes)
+    assert table.index_bytes >= sum(table.indexes.values()) > 0
+
+
+# ---- the verdict ---------------------------------------------------------------------------
+
+
+def test_an_empty_queue_with_a_live_worker_is_healthy_and_exits_zero():
+    worker_row()
+    code, out = jobstats()
+    assert code == 0
+    assert "verdict: HEALTHY" in out
+
+
+def test_a_backlog_older_than_the_threshold_means_workers_are_behind(settings):
+    worker_row()
+    backlog(5, waited=400)
+    report = reports.collect()
+    assert codes(report) == {"workers_behind"}
+    (reason,) = report.verdict.reasons
+    assert "5 due" in reason.detail and "OLDEST_DUE_SECONDS = 300" in reason.threshold
+    assert reason.doc == "docs/howto/monitoring.md#workers-behind"
+    code, out = jobstats()
+    assert code == 1 and "workers are behind" in out
+    settings.PGJOBS = {"HEALTH": {"OLDEST_DUE_SECONDS": 600}}
+    assert codes(reports.collect()) == set()
+
+
+def test_a_growing_backlog_is_described_against_the_previous_sample():
+    worker_row()
+    backlog(2, waited=400)
+    first = reports.collect()
+    JobFactory.create_batch(3)
+    second = reports.collect(previous=first)
+    (reason,) = second.verdict.reasons
+    assert "depth 2 → 5" in reason.detail
+
+
+def test_due_jobs_in_a_queue_no_live_worker_serves_are_critical():
+    worker_row(queue="other")
+    worker_row(queue="default", worker="host:9:zz", ago=600)  # gone
+    backlog(3, waited=120)
+    backlog(2, waited=120, queue="paused")
+    Queue.objects.create(name="paused", paused=True)
+    report = reports.collect()
+    assert codes(report) == {"no_worker_serves_a_queue"}
+    assert "'default'" in report.verdict.reasons[0].summary
+    assert jobstats()[0] == 2
+
+
+def test_many_retries_over_five_minutes_are_a_retry_storm(settings):
+    worker_row()
+    worker_row(queue="emails", claimed=150, succeeded=40, retried=110)
+    worker_row(queue="quiet", claimed=10, succeeded=2, retried=8)  # too few attempts to judge
+    report = reports.collect()
+    assert codes(report) == {"retry_storm"}
+    assert "110 of 150 attempts" in report.verdict.reasons[0].detail
+    settings.PGJOBS = {"HEALTH": {"RETRY_MIN_ATTEMPTS": 5}}
+    assert len(reports.collect().verdict.reasons) == 2
+
+
+def test_a_held_snapshot_is_a_long_transaction_blocking_vacuum(settings, other_connection):
+    settings.PGJOBS = {"HEALTH": {"SNAPSHOT_SECONDS": 0.5}}
+    other_connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    other_connection.execute("SELECT count(*) FROM pgjobs_job")
+    report = wait_until(
+        lambda: (r := reports.collect()) and "long_transaction" in codes(r) and r, timeout=10
+    )
+    reason = next(r for r in report.verdict.reasons if r.code == "long_transaction")
+    assert f"pid {other_connection.info.backend_pid}" in reason.detail
+    assert "SELECT count(*) FROM pgjobs_job" in reason.detail
+    assert report.database.idle_in_transaction == 1
+    other_connection.execute("ROLLBACK")
+    assert "long_transaction" not in codes(reports.collect())
+
+
+def test_dead_tuples_vacuum_has_not_removed_mean_tune_autovacuum(settings, other_connection):
+    settings.PGJOBS = {"HEALTH": {"DEAD_TUPLES": 100, "DEAD_RATIO": 1, "SNAPSHOT_SECONDS": 60}}
+    JobFactory.create_batch(300)
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM pgjobs_job")  # below autovacuum's threshold for the table
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+    report = wait_until(lambda: (r := reports.collect()) and codes(r) and r, timeout=10)
+    assert codes(report) == {"tune_autovacuum"}
+    # With a snapshot holding the horizon, vacuum could not help: that is the reason given.
+    settings.PGJOBS = {"HEALTH": {"DEAD_TUPLES": 100, "DEAD_RATIO": 1, "SNAPSHOT_SECONDS": 0}}
+    other_connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    other_connection.execute("SELECT 1")
+    assert codes(reports.collect()) == {"long_transaction"}
+    other_connection.execute("ROLLBACK")
+
+
+def test_connections_over_the_ratio_are_near_the_limit(settings, other_connection):
+    used = reports.collect().database
+    assert 2 <= used.connections_used <= used.connections_max
+    settings.PGJOBS = {"HEALTH": {"CONNECTIONS_RATIO": 1.5 / used.connections_max}}
+    assert codes(reports.collect()) == {"connections_near_the_limit"}
+
+
+def test_a_listener_stuck_in_a_transaction_fills_the_notify_queue(settings, other_connection):
+    settings.PGJOBS = {"HEALTH": {"NOTIFY_QUEUE_USAGE": 1e-4, "SNAPSHOT_SECONDS": 3600}}
+    other_connection.execute("LISTEN pgjobs_health_test")
+    other_connection.execute("BEGIN")  # a listener reads notifications only between transactions
+    other_connection.execute("SELECT 1")
+    with connection.cursor() as cursor:
+        for _ in range(200):
+            cursor.execute("SELECT pg_notify('pgjobs_health_test', repeat('x', 7000))")
+    report = reports.collect()
+    other_connection.execute("ROLLBACK")
+    assert report.database.notify_queue_usage > 1e-4
+    assert codes(report) == {"notify_queue_filling"}
+
+
+def test_strain_at_high_throughput_is_past_the_design_envelope(settings):
+    settings.PGJOBS = {"HEALTH": {"ENVELOPE_JOBS_PER_SECOND": 10}}
+    worker_row(claimed=9000, succeeded=9000)  # 10 jobs/s over 15 minutes
+    backlog(5, waited=400)
+    assert codes(reports.collect()) == {"workers_behind", "past_the_design_envelope"}
+    settings.PGJOBS = {"HEALTH": {"ENVELOPE_JOBS_PER_SECOND": 11}}
+    assert codes(reports.collect()) == {"workers_behind"}
+
+
+def test_jobstats_json_has_the_verdict_reasons_and_every_section():
+    worker_row(claimed=10, succeeded=10, latency_buckets=[10])
+    backlog(1, waited=400)
+    code, out = jobstats("--json")
+    document = json.loads(out)
+    assert code == 1 and document["status"] == "warning"
+    assert document["reasons"][0]["code"] == "workers_behind"
+    (default,) = document["queues"]
+    assert default["workers"] == 1 and default["windows"]["60s"]["succeeded"] == 10
+    assert {"table", "database", "workers"} <= set(document)
+
+
+# ---- cost ----------------------------------------------------------------------------------
+
+
+def explain(sql: str, params: object = None) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN {sql}", params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+def test_the_report_reads_the_partial_indexes_and_recent_rows_not_the_history():
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO pgjobs_job (id, queue, task, payload, status, max_attempts, finished_at)
+            SELECT gen_random_uuid(), 'default', 't', '{}', 'succeeded', 3, now()
+            FROM generate_series(1, 50000)
+            """
+        )
+        cursor.execute(
+            """
+            INSERT INTO pgjobs_queuestat (at, seconds, worker, queue, claimed, succeeded,
+                                          retried, failed, latency_buckets)
+            SELECT now() - interval '2 hours' - make_interval(secs => n), 10, 'w', 'default',
+                   0, 0, 0, 0, '[]'
+            FROM generate_series(1, 50000) AS n
+            """
+        )
+        cursor.execute("ANALYZE pgjobs_job")
+        cursor.execute("ANALYZE pgjobs_queuestat")
+    JobFactory.create_batch(5)
+    JobFactory(running=True)
+    JobFactory(dead=True)
+    plan = explain(stats.QUEUES_SQL)
+    assert "Seq Scan" not in plan, plan
+    for index in ("pgjobs_job_claim_idx", "pgjobs_job_running_idx", "pgjobs_job_dead_idx"):
+        assert index in plan, plan
+    params = {"windows": list(stats.WINDOWS), "longest": max(stats.WINDOWS), "intervals": 2,
+              "slack": 5}  # fmt: skip
+    for sql in (stats.ACTIVITY_SQL, stats.BUCKETS_SQL, stats.WORKERS_SQL):
+        plan = explain(sql, params)
+        assert "pgjobs_queuestat_at_idx" in plan and "Seq Scan" not in plan, plan
