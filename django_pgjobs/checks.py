@@ -1,20 +1,32 @@
-"""System checks: the database must be PostgreSQL; the PGJOBS settings must make sense."""
+"""System checks: PostgreSQL, sane PGJOBS values, connection settings that break LISTEN or
+prepared statements, the job table's indexes, and queues that no running worker serves."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
-from django_pgjobs.conf import unknown_keys
+from django_pgjobs.conf import get_settings, unknown_keys
+from django_pgjobs.status import FINISHED
+
+#: Leases shorter than this are lost to an ordinary pause (a database failover, a long GC).
+MIN_LEASE = 10.0
+SETTINGS_DOC = "See docs/reference/settings.md."
+
+
+def _alias() -> str:
+    from django_pgjobs.models import Job
+
+    return router.db_for_write(Job)
 
 
 @register(Tags.compatibility)
 def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    from django_pgjobs.models import Job
-
-    alias = router.db_for_write(Job)
+    alias = _alias()
     vendor = connections[alias].vendor
     if vendor == "postgresql":
         return []
@@ -29,11 +41,211 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 
 @register(Tags.compatibility)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    return [
+    messages: list[CheckMessage] = [
         Warning(
             f"PGJOBS has an unknown key {key!r}; it is ignored.",
             hint="See the settings reference for the keys django-pgjobs reads.",
             id="pgjobs.W001",
         )
         for key in unknown_keys()
+    ]
+    settings = get_settings()
+    problems = [
+        *_positive("LEASE", settings.LEASE),
+        *_positive("PRUNE_BATCH", settings.PRUNE_BATCH, whole=True),
+        *_positive("MAX_ATTEMPTS", settings.MAX_ATTEMPTS, whole=True),
+        *_retention(settings.RETENTION),
+        *_health(settings.HEALTH),
+    ]
+    messages += [Error(problem, hint=SETTINGS_DOC, id="pgjobs.E002") for problem in problems]
+    if not problems:
+        messages += _leases(settings.LEASE)
+    return messages
+
+
+def _positive(name: str, value: Any, whole: bool = False) -> list[str]:
+    kind: Any = int if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        number = "a whole number" if whole else "a number"
+        return [f"PGJOBS[{name!r}] must be {number} greater than 0, not {value!r}."]
+    return []
+
+
+def _retention(value: Any) -> list[str]:
+    if isinstance(value, timedelta):
+        values: Mapping[Any, Any] = {"succeeded": value}
+    elif isinstance(value, Mapping):
+        values = value
+    else:
+        return [f"PGJOBS['RETENTION'] must be a timedelta or a dict by status, not {value!r}."]
+    problems = []
+    for status, age in values.items():
+        if status not in FINISHED:
+            problems.append(
+                f"PGJOBS['RETENTION'] has the key {status!r}; the final statuses are "
+                f"{', '.join(map(repr, map(str, FINISHED)))}."
+            )
+        elif not (age is None or (isinstance(age, timedelta) and age >= timedelta(0))):
+            problems.append(
+                f"PGJOBS['RETENTION'][{status!r}] must be a timedelta of 0 or more, or None "
+                f"to keep those jobs, not {age!r}."
+            )
+    return problems
+
+
+def _health(value: Any) -> list[str]:
+    if not isinstance(value, Mapping):
+        return [f"PGJOBS['HEALTH'] must be a dict of thresholds, not {value!r}."]
+    return [
+        f"PGJOBS['HEALTH'][{key!r}] must be a number of 0 or more, not {threshold!r}."
+        for key, threshold in value.items()
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold < 0
+    ]
+
+
+@register(Tags.compatibility)
+def check_health_keys(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    from django_pgjobs.health import THRESHOLD_NAMES
+
+    health: Any = get_settings().HEALTH
+    if not isinstance(health, Mapping):
+        return []  # pgjobs.E002 says so
+    return [
+        Warning(
+            f"PGJOBS['HEALTH'] has an unknown key {key!r}; it is ignored.",
+            hint=f"The thresholds are {', '.join(sorted(THRESHOLD_NAMES))}.",
+            id="pgjobs.W002",
+        )
+        for key in sorted(set(health) - THRESHOLD_NAMES)
+    ]
+
+
+def _leases(default: float) -> list[CheckMessage]:
+    from django_pgjobs import registry
+
+    leases = {"PGJOBS['LEASE']": default}
+    leases |= {f"task {t.name!r}": t.lease for t in registry.all_tasks().values() if t.lease}
+    return [
+        Warning(
+            f"The lease of {owner} is {lease:g}s. Heartbeats go out every lease/3 and the reaper "
+            f"looks every 5 s, so a worker paused for more than {lease:g}s (a database "
+            "failover, a long garbage collection) loses its jobs to another worker while "
+            "their handlers still run.",
+            hint=f"Use a lease of {MIN_LEASE:g} seconds or more.",
+            id="pgjobs.W003",
+        )
+        for owner, lease in leases.items()
+        if lease < MIN_LEASE
+    ]
+
+
+@register(Tags.compatibility)
+def check_pooler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A transaction-mode pooler (Django's DISABLE_SERVER_SIDE_CURSORS is set for one) makes
+    LISTEN a no-op and, before PgBouncer 1.21, breaks prepared statements."""
+    alias = _alias()
+    database = connections[alias].settings_dict
+    if not database.get("DISABLE_SERVER_SIDE_CURSORS"):
+        return []
+    messages: list[CheckMessage] = []
+    if get_settings().NOTIFY:
+        messages.append(
+            Warning(
+                f"The database {alias!r} is reached through a transaction-mode pooler "
+                "(DISABLE_SERVER_SIDE_CURSORS is set), where LISTEN does nothing, but "
+                "PGJOBS['NOTIFY'] is on: every enqueue pays for a NOTIFY no worker hears.",
+                hint="Set PGJOBS['NOTIFY'] = False and run workers with --no-listen "
+                "(see docs/howto/pgbouncer.md).",
+                id="pgjobs.W004",
+            )
+        )
+    if database.get("OPTIONS", {}).get("prepare_threshold") is not None:
+        messages.append(
+            Warning(
+                f"The database {alias!r} is reached through a transaction-mode pooler and "
+                "OPTIONS['prepare_threshold'] is set: a statement prepared on one server "
+                "connection is missing on the next one.",
+                hint="Remove prepare_threshold, unless your PgBouncer is 1.21 or newer with "
+                "max_prepared_statements set.",
+                id="pgjobs.W005",
+            )
+        )
+    return messages
+
+
+@register(Tags.database)
+def check_indexes(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Every index the models declare exists and is valid (a failed CREATE INDEX CONCURRENTLY
+    leaves an invalid one behind, which the planner never uses). Needs the database:
+    `manage.py check --database default`, and migrate."""
+    from django_pgjobs.models import Job, QueueStat
+
+    alias = _alias()
+    if databases is None or alias not in databases:
+        return []
+    messages: list[CheckMessage] = []
+    with connections[alias].cursor() as cursor:
+        for model in (Job, QueueStat):
+            table = model._meta.db_table
+            cursor.execute(
+                "SELECT c.relname, i.indisvalid FROM pg_index AS i "
+                "JOIN pg_class AS c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass(%s)",
+                [table],
+            )
+            found = dict(cursor.fetchall())
+            if not found:
+                continue  # not migrated yet: migrate creates them all
+            declared = [index.name for index in model._meta.indexes]
+            declared += [c.name for c in model._meta.constraints if hasattr(c, "fields")]
+            for name in declared:
+                if found.get(name) is None:
+                    problem = "is missing"
+                elif not found[name]:
+                    problem = "is invalid (a CREATE INDEX CONCURRENTLY that failed)"
+                else:
+                    continue
+                messages.append(
+                    Error(
+                        f"The index {name} of {table} {problem}; the queries it serves read "
+                        "the whole table instead.",
+                        hint=f"Rebuild it: REINDEX INDEX CONCURRENTLY {name}; or, if it is "
+                        "missing, find which migration dropped it (manage.py showmigrations "
+                        "pgjobs).",
+                        id="pgjobs.E003",
+                    )
+                )
+    return messages
+
+
+@register(Tags.database, deploy=True)
+def check_served_queues(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Registered tasks whose queue no running worker serves, judged from the workers'
+    QueueStat rows; silent when no worker runs at all (a build machine, say)."""
+    from django_pgjobs import registry, stats
+
+    alias = _alias()
+    if databases is None or alias not in databases:
+        return []
+    alive = [worker for worker in stats.worker_stats(alias) if worker.alive]
+    if not alive:
+        return []
+    served = {queue for worker in alive for queue in worker.queues}
+    default = get_settings().DEFAULT_QUEUE
+    unserved: dict[str, list[str]] = {}
+    for task in registry.all_tasks().values():
+        if (task.queue or default) not in served:
+            unserved.setdefault(task.queue or default, []).append(task.name)
+    return [
+        Warning(
+            f"No running worker takes jobs from the queue {queue!r}, which the tasks "
+            f"{', '.join(sorted(names))} use; their jobs will wait.",
+            hint=f"The {len(alive)} running workers serve {', '.join(sorted(served))}. Start "
+            f"one with --queue {queue}, or check the task's queue= for a typo.",
+            id="pgjobs.W006",
+        )
+        for queue, names in sorted(unserved.items())
     ]
