@@ -34,7 +34,7 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from django_pgjobs import registry
+from django_pgjobs import admin_health, registry  # noqa: F401  (admin_health registers Queue)
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.manager import JobQuerySet

@@ -1,0 +1,124 @@
+"""The admin's Queues (pause, resume, per-queue limits) and the health report page.
+
+Pausing needs the pgjobs.pause_queue permission, in the list's editable column as in the
+actions; every change is recorded in Django's admin log. The report page shows what
+`jobstats` shows, to staff who may view queues.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django import forms
+from django.contrib import admin
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.core.exceptions import PermissionDenied
+from django.db import transaction
+from django.db.models import QuerySet
+from django.db.models.functions import Now
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy, ngettext
+
+from django_pgjobs import report as reports
+from django_pgjobs.models import Queue
+from django_pgjobs.stats import WINDOWS
+
+if TYPE_CHECKING:
+    ModelAdmin = admin.ModelAdmin[Queue]
+    ModelForm = forms.ModelForm[Queue]
+else:
+    ModelAdmin = admin.ModelAdmin  # generic only in the type stubs
+    ModelForm = forms.ModelForm
+
+
+@admin.register(Queue)
+class QueueAdmin(ModelAdmin):
+    list_display = ["name", "paused", "max_running", "updated_at"]
+    list_editable = ["paused", "max_running"]
+    search_fields = ["name"]
+    ordering = ["name"]
+    actions = ["pause", "resume"]
+
+    def has_pause_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("pgjobs.pause_queue")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [] if self.has_pause_permission(request) else ["paused"]
+
+    def get_changelist_form(self, request: HttpRequest, **kwargs: Any) -> type[ModelForm]:
+        form: type[ModelForm] = super().get_changelist_form(request, **kwargs)
+        if self.has_pause_permission(request):
+            return form
+
+        class WithoutPause(form):  # type: ignore[valid-type,misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.fields["paused"].disabled = True  # shown, not changeable
+
+        return WithoutPause
+
+    @admin.action(description=gettext_lazy("Pause selected queues"), permissions=["pause"])
+    def pause(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
+        count = self.set_paused(request, queryset, True)
+        self.message_user(request, ngettext("%d queue paused.", "%d queues paused.", count) % count)
+
+    @admin.action(description=gettext_lazy("Resume selected queues"), permissions=["pause"])
+    def resume(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
+        count = self.set_paused(request, queryset, False)
+        self.message_user(
+            request, ngettext("%d queue resumed.", "%d queues resumed.", count) % count
+        )
+
+    def set_paused(self, request: HttpRequest, queryset: QuerySet[Queue], paused: bool) -> int:
+        """Pause or resume the selected queues that are not so already, and log each one."""
+        user_id = request.user.pk
+        assert user_id is not None  # the admin lets no anonymous user this far
+        with transaction.atomic(using=queryset.db):
+            # Locked until commit, so the log names exactly the queues this statement changed.
+            changing = list(queryset.filter(paused=not paused).select_for_update())
+            Queue.objects.filter(pk__in=[q.pk for q in changing]).update(
+                paused=paused, updated_at=Now()
+            )
+            if changing:
+                message = _("Paused.") if paused else _("Resumed.")
+                LogEntry.objects.log_actions(user_id, changing, CHANGE, message)
+        return len(changing)
+
+    # ---- the health report ---------------------------------------------------------------
+
+    def get_urls(self) -> list[Any]:
+        view = self.admin_site.admin_view(self.report_view)
+        return [path("report/", view, name="pgjobs_queue_report"), *super().get_urls()]
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        context = {**(extra_context or {}), "report_url": reverse("admin:pgjobs_queue_report")}
+        return super().changelist_view(request, context)
+
+    def report_view(self, request: HttpRequest) -> HttpResponse:
+        """The health report: what `jobstats` prints, for staff who may view queues."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        report = reports.collect()
+        data = reports.as_dict(report)
+        activity = [
+            {"queue": q["queue"], "window": f"{window // 60}m", **figures}
+            for q in data["queues"]
+            for window in WINDOWS
+            if (figures := q["windows"][f"{window}s"]) is not None
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": _("Health report"),
+            "report": report,
+            "data": data,
+            "activity": activity,
+            "alive": [w for w in report.workers if w.alive],
+            "silent": [w for w in report.workers if not w.alive],
+        }
+        return TemplateResponse(request, "admin/pgjobs/report.html", context)

@@ -1,0 +1,100 @@
+"""The admin's Queues and health report page through Django's test client."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.urls import reverse
+
+from django_pgjobs.models import Queue, QueueStat
+from tests.factories import JobFactory
+
+REPORT = reverse("admin:pgjobs_queue_report")
+QUEUES = reverse("admin:pgjobs_queue_changelist")
+
+
+def staff(*codenames: str) -> Client:
+    user = User.objects.create_user(f"staff-{'-'.join(codenames)}", password="pw", is_staff=True)
+    user.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="pgjobs", codename__in=codenames)
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_report_page_shows_the_verdict_and_figures_and_escapes_what_it_quotes(
+    admin_client, settings, other_connection
+):
+    settings.PGJOBS = {"HEALTH": {"SNAPSHOT_SECONDS": 0}}
+    JobFactory.create_batch(3, queue="emails")
+    QueueStat.objects.create(seconds=10, worker="host:1:aa", queue="emails", claimed=7,
+                             succeeded=7, latency_buckets=[7])  # fmt: skip
+    other_connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    other_connection.execute("SELECT '<script>alert(1)</script>' FROM pgjobs_job")
+    response = admin_client.get(REPORT)
+    other_connection.execute("ROLLBACK")
+    assert response.status_code == 200
+    content = response.content.decode()
+    assert "Verdict: WARNING" in content
+    assert "a long transaction is blocking vacuum" in content
+    assert "docs/howto/monitoring.md#long-transaction" in content
+    assert "<script>alert(1)</script>" not in content
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in content
+    queues = response.context["data"]["queues"]
+    assert [(q["queue"], q["due"], q["workers"]) for q in queues] == [("emails", 3, 1)]
+    assert response.context["activity"][0]["claimed"] == 7
+
+
+@pytest.mark.django_db
+def test_the_report_needs_the_permission_to_view_queues():
+    assert staff("view_job").get(REPORT).status_code == 403
+    assert staff("view_queue").get(REPORT).status_code == 200
+    assert Client().get(REPORT).status_code == 302  # to the login page
+
+
+@pytest.mark.django_db
+def test_the_queue_list_links_to_the_report_and_offers_pause_only_with_its_permission():
+    Queue.objects.create(name="emails")
+    viewer = staff("view_queue", "change_queue").get(QUEUES)
+    assert REPORT in viewer.content.decode()
+    assert viewer.context["action_form"] is None  # no action this user may take
+    pauser = staff("view_queue", "pause_queue").get(QUEUES)
+    actions = dict(pauser.context["action_form"].fields["action"].choices)
+    assert {"pause", "resume"} <= set(actions)
+
+
+@pytest.mark.django_db
+def test_pause_and_resume_change_only_what_needs_it_and_are_logged():
+    for name in ("emails", "reports", "done"):
+        Queue.objects.create(name=name)
+    Queue.objects.filter(name="done").update(paused=True)
+    client = staff("view_queue", "pause_queue")
+    data = {"action": "pause", "_selected_action": ["emails", "reports", "done"]}
+    response = client.post(QUEUES, data, follow=True)
+    assert "2 queues paused." in [str(m) for m in response.context["messages"]]
+    assert set(Queue.objects.filter(paused=True).values_list("name", flat=True)) == {
+        "emails", "reports", "done"
+    }  # fmt: skip
+    logged = LogEntry.objects.filter(action_flag=CHANGE, change_message="Paused.")
+    assert sorted(logged.values_list("object_id", flat=True)) == ["emails", "reports"]
+    client.post(QUEUES, {"action": "resume", "_selected_action": ["emails"]})
+    assert list(Queue.objects.filter(paused=False).values_list("name", flat=True)) == ["emails"]
+
+
+@pytest.mark.django_db
+def test_the_list_edits_limits_but_pauses_only_with_the_pause_permission():
+    Queue.objects.create(name="emails")
+    form = {
+        "form-TOTAL_FORMS": "1", "form-INITIAL_FORMS": "1", "form-0-name": "emails",
+        "form-0-paused": "on", "form-0-max_running": "4", "_save": "Save",
+    }  # fmt: skip
+    response = staff("view_queue", "change_queue").post(QUEUES, form)
+    assert response.status_code == 302
+    queue = Queue.objects.get()
+    assert (queue.paused, queue.max_running) == (False, 4)
+    staff("view_queue", "change_queue", "pause_queue").post(QUEUES, form)
+    assert Queue.objects.get().paused
