@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
-from django.contrib.auth.models import Permission, User
 from django.test import Client
 from django.urls import reverse
 
 from django_pgjobs.models import Queue, QueueStat
 from tests.factories import JobFactory
+from tests.integration.test_admin import staff
 
 REPORT = reverse("admin:pgjobs_queue_report")
 QUEUES = reverse("admin:pgjobs_queue_changelist")
-
-
-def staff(*codenames: str) -> Client:
-    user = User.objects.create_user(f"staff-{'-'.join(codenames)}", password="pw", is_staff=True)
-    user.user_permissions.set(
-        Permission.objects.filter(content_type__app_label="pgjobs", codename__in=codenames)
-    )
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 @pytest.mark.django_db(transaction=True)
