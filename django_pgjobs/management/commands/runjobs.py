@@ -8,7 +8,7 @@ from argparse import ArgumentParser, ArgumentTypeError
 from types import FrameType
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
@@ -100,9 +100,23 @@ class Command(BaseCommand):
         parser.add_argument("--no-listen", dest="listen", action="store_false",
                             help="do not LISTEN for wake-ups; poll only (PgBouncer in transaction "
                                  "pooling mode)")  # fmt: skip
+        parser.add_argument(
+            "--metrics-port",
+            type=_positive(int),
+            metavar="PORT",
+            help="serve this worker's Prometheus metrics on PORT (needs the prometheus extra)",
+        )
+        parser.add_argument(
+            "--metrics-addr",
+            default="0.0.0.0",
+            metavar="ADDRESS",
+            help="the address --metrics-port listens on (default 0.0.0.0)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         _show_logs(options["verbosity"])
+        if options["metrics_port"]:
+            _serve_metrics(options["metrics_port"], options["metrics_addr"])
         worker = Worker(
             Options(
                 queues=options["queues"] or [get_settings().DEFAULT_QUEUE],
@@ -125,6 +139,20 @@ class Command(BaseCommand):
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+
+def _serve_metrics(port: int, addr: str) -> None:
+    try:
+        from django_pgjobs import metrics
+    except ImportError as error:
+        raise CommandError(
+            f"--metrics-port needs the prometheus-client package ({error}); install it with "
+            "pip install 'django-pgjobs[prometheus]'"
+        ) from None
+    try:
+        metrics.serve(port, addr)
+    except OSError as error:
+        raise CommandError(f"--metrics-port {port}: cannot listen on {addr}: {error}") from None
 
 
 def _show_logs(verbosity: int) -> None:

@@ -1,0 +1,157 @@
+"""Prometheus metrics, with the optional prometheus-client package (the `prometheus` extra).
+
+Two kinds: each worker's own job outcomes and handler durations, counted from the lifecycle
+signals (`runjobs --metrics-port` serves them); and the health report's figures, one set for the
+whole database, from `ReportCollector` (`report_view` serves them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from django_pgjobs import report as reports
+from django_pgjobs import signals
+
+#: Handler durations from 5 ms to 15 minutes.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+
+JOBS = Counter("pgjobs_jobs", "Job outcomes this process recorded.", ["queue", "task", "outcome"])
+STARTED = Counter("pgjobs_jobs_started", "Handlers this process started.", ["queue", "task"])
+DURATION = Histogram(
+    "pgjobs_job_duration_seconds",
+    "Wall time of handlers whose outcome this process recorded.",
+    ["queue", "task"],
+    buckets=DURATION_BUCKETS,
+)
+
+_OUTCOMES = {
+    "succeeded": signals.job_succeeded,
+    "retried": signals.job_retried,
+    "failed": signals.job_failed,
+    "cancelled": signals.job_cancelled,
+}
+
+
+def _counter(outcome: str) -> Any:
+    def receiver(sender: Any, job: Any, duration: float | None = None, **kwargs: Any) -> None:
+        JOBS.labels(job.queue, job.task, outcome).inc()
+        if duration is not None:
+            DURATION.labels(job.queue, job.task).observe(duration)
+
+    return receiver
+
+
+def _started(sender: Any, job: Any, **kwargs: Any) -> None:
+    STARTED.labels(job.queue, job.task).inc()
+
+
+# Module-level, so that the signals' weak references keep them.
+_RECEIVERS = {outcome: _counter(outcome) for outcome in _OUTCOMES}
+
+
+def connect() -> None:
+    """Count this process's job outcomes and durations (idempotent). `serve()` calls it; call
+    it yourself (e.g. in an AppConfig.ready) to export through your own exporter."""
+    for outcome, signal in _OUTCOMES.items():
+        signal.connect(_RECEIVERS[outcome], dispatch_uid=f"pgjobs.metrics.{outcome}")
+    signals.job_started.connect(_started, dispatch_uid="pgjobs.metrics.started")
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """Serve this process's metrics (the default registry) over HTTP on a daemon thread."""
+    connect()
+    start_http_server(port, addr)
+
+
+class ReportCollector(Collector):
+    """The health report's figures, taken afresh at each scrape (a dozen cheap queries)."""
+
+    def __init__(self, db: str | None = None) -> None:
+        self.db = db
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(families(reports.collect(self.db)))
+
+
+def report_view(request: HttpRequest) -> HttpResponse:
+    """The report's figures in Prometheus's text format. It authenticates nobody: route it
+    where only your Prometheus can reach it."""
+    registry = CollectorRegistry()
+    registry.register(ReportCollector())
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def _gauge(name: str, documentation: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, labels=labels)
+
+
+def families(report: reports.Report) -> list[Metric]:
+    """The report as gauges."""
+    jobs = _gauge("pgjobs_queue_jobs", "Jobs per queue and state, now.", ["queue", "state"])
+    oldest = _gauge("pgjobs_queue_oldest_due_seconds", "Age of the oldest due job.", ["queue"])
+    workers = _gauge("pgjobs_queue_workers", "Live workers serving the queue.", ["queue"])
+    paused = _gauge("pgjobs_queue_paused", "1 when the queue is paused.", ["queue"])
+    for q in report.queues:
+        for state in ("due", "scheduled", "retrying", "running", "failed"):
+            jobs.add_metric([q.queue, state], getattr(q, state))
+        oldest.add_metric([q.queue], q.oldest_due_seconds)
+        workers.add_metric([q.queue], len(report.serving(q.queue)))
+        paused.add_metric([q.queue], int(q.paused))
+    window = ["queue", "window"]
+    throughput = _gauge("pgjobs_queue_throughput", "Jobs finished per second.", window)
+    retry_rate = _gauge("pgjobs_queue_retry_rate", "Share of attempts retried.", window)
+    latency = _gauge(
+        "pgjobs_claim_latency_seconds", "Claim latency quantile.", [*window, "quantile"]
+    )
+    for a in report.activity:
+        labels = [a.queue, f"{a.window // 60}m"]
+        throughput.add_metric(labels, a.throughput)
+        retry_rate.add_metric(labels, a.retry_rate)
+        for quantile in (0.5, 0.95):
+            value = a.latency(quantile)
+            if value is not None:
+                latency.add_metric([*labels, str(quantile)], value)
+    t, d = report.table, report.database
+    tuples = _gauge("pgjobs_table_tuples", "The job table's tuples.", ["kind"])
+    tuples.add_metric(["live"], t.live_tuples)
+    tuples.add_metric(["dead"], t.dead_tuples)
+    sizes = _gauge("pgjobs_table_bytes", "The job table's heap and indexes.", ["relation"])
+    sizes.add_metric(["heap"], t.table_bytes)
+    for index, size in t.indexes.items():
+        sizes.add_metric([index], size)
+    connections = _gauge("pgjobs_connections", "Client connections and the limit.", ["kind"])
+    connections.add_metric(["used"], d.connections_used)
+    connections.add_metric(["max"], d.connections_max)
+    health = _gauge("pgjobs_health", "The verdict: 0 healthy, 1 warning, 2 critical.", [])
+    health.add_metric([], report.verdict.exit_code)
+    reasons = _gauge("pgjobs_health_reason", "1 for each reason of the verdict.", ["code"])
+    for code in sorted({reason.code for reason in report.verdict.reasons}):
+        reasons.add_metric([code], 1)
+    return [
+        jobs, oldest, workers, paused, throughput, retry_rate, latency, tuples, sizes,
+        connections,
+        _single("pgjobs_idle_in_transaction", "Sessions idle in a transaction.",
+                d.idle_in_transaction),
+        _single("pgjobs_oldest_snapshot_seconds", "Age of the transaction holding vacuum back.",
+                d.oldest_snapshot_seconds),
+        _single("pgjobs_notify_queue_usage", "pg_notification_queue_usage().",
+                d.notify_queue_usage),
+        health, reasons,
+    ]  # fmt: skip
+
+
+def _single(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
