@@ -7,7 +7,7 @@ what it changed. Times are the database's (``statement_timestamp()``), never the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -364,11 +364,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         worker: str,
         limit: int,
         lease: float | None = None,
+        results: Mapping[UUID, str] | None = None,
     ) -> tuple[set[UUID], dict[UUID, str], list[Job]]:
         """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs, in
         one statement: one round trip and one commit per turn of a worker's loop.
 
-        `succeeded` are completed as by `complete_many`; each of `failed` — (job, failure,
+        `succeeded` are completed as by `complete_many`, keeping the return values in
+        `results` (job id → JSON text) as their `result`; each of `failed` — (job, failure,
         permanent, delay) — is recorded as by `fail`, guarded the same way. Returns the ids of
         `succeeded` this worker still owned, the new status of each of `failed` it still owned,
         and the claimed jobs (as `claim`).
@@ -390,7 +392,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 *_bind_queues(_claim_select(db, queue_count, limit)[1], queues),
             ]
         if succeeded:
-            params += [[job.pk for job in succeeded], [job.attempts for job in succeeded], worker]
+            params += [[job.pk for job in succeeded], [job.attempts for job in succeeded]]
+            if results:
+                params.append([results.get(job.pk) for job in succeeded])
+            params.append(worker)
         if failed:
             params += [
                 _keep_last(get_settings().ERRORS_KEPT),
@@ -402,7 +407,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 [failure.as_json() for _, failure, *_ in failed],
                 worker,
             ]
-        sql = _finish_sql(db, queue_count, limit, bool(succeeded), bool(failed))
+        sql = _finish_sql(
+            db, queue_count, limit, bool(succeeded), bool(succeeded and results), bool(failed)
+        )
         with _cursor(db) as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
@@ -413,9 +420,15 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
         return done, dead_or_retried, jobs
 
-    def complete(self, job: Job) -> bool:
-        """Record success. False means the lease ran out and another worker owns the job now."""
-        return job.pk in self.complete_many([job])
+    def complete(self, job: Job, result_json: str | None = None) -> bool:
+        """Record success, keeping `result_json` (the return value as JSON text) when given.
+        False means the lease ran out and another worker owns the job now."""
+        if result_json is None:
+            return job.pk in self.complete_many([job])
+        assert job.worker is not None, "only a claimed job can complete"
+        results = {job.pk: result_json}
+        done = self.finish_and_claim([job], [], [], worker=job.worker, limit=0, results=results)
+        return job.pk in done[0]
 
     def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
         """Record success for many jobs of one worker in one statement; returns the ids it still
@@ -514,7 +527,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, workers))}")
         with _cursor(self._write_db()) as cursor:
             cursor.execute(
-                _GUARDED.format(assignments=assignments),
+                _guarded_sql(assignments),
                 [*params, [job.pk for job in jobs], [job.attempts for job in jobs], workers.pop()],
             )
             return {job_id for (job_id,) in cursor.fetchall()}
@@ -600,12 +613,22 @@ _CLAIM = """
 # the turn's statement (_finish_sql).
 _GUARDED = """
     UPDATE pgjobs_job AS j SET {assignments}
-    FROM unnest(%s::uuid[], %s::int4[]) AS mine(id, attempts)
+    FROM unnest(%s::uuid[], %s::int4[]{more}) AS mine(id, attempts{more_columns})
     WHERE j.id = mine.id AND j.attempts = mine.attempts
       AND j.status = 'running' AND j.worker = %s
     RETURNING j.id
 """
 _SUCCEEDED = "status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL"
+# Completions that keep the handlers' return values: a third array, of JSON texts.
+_SUCCEEDED_WITH_RESULTS = {
+    "assignments": f"{_SUCCEEDED}, result = mine.result",
+    "more": ", %s::jsonb[]",
+    "more_columns": ", result",
+}
+
+
+def _guarded_sql(assignments: str) -> str:
+    return _GUARDED.format(assignments=assignments, more="", more_columns="")
 
 
 # Records failed attempts, guarded like _guarded: back to ready after f.delay while attempts
@@ -633,8 +656,11 @@ _CLAIMED, _DONE, _FAILED = 0, 1, 2
 
 
 @lru_cache(maxsize=512)
-def _finish_sql(db: str, queue_count: int, limit: int, completing: bool, failing: bool) -> str:
-    """One statement that claims (when `queue_count`), completes and records failures. Rows
+def _finish_sql(
+    db: str, queue_count: int, limit: int, completing: bool, results: bool, failing: bool
+) -> str:
+    """One statement that claims (when `queue_count`), completes (keeping return values when
+    `results`) and records failures. Rows
     come back as (_CLAIMED, *columns), (_DONE, id, NULL, ...) or (_FAILED, id, ..., status,
     ...): the columns of a job, so they can share one result."""
     from django_pgjobs.models import Job
@@ -647,7 +673,8 @@ def _finish_sql(db: str, queue_count: int, limit: int, completing: bool, failing
         parts.append(f"claimed AS ({_CLAIM % {'select': select_sql, 'returning': returning}})")
         selects.append(f"SELECT {_CLAIMED}, claimed.* FROM claimed")
     if completing:
-        parts.append(f"done AS ({_GUARDED.format(assignments=_SUCCEEDED)})")
+        done = _GUARDED.format(**_SUCCEEDED_WITH_RESULTS) if results else _guarded_sql(_SUCCEEDED)
+        parts.append(f"done AS ({done})")
         nulls = ", ".join("id" if column == "id" else "NULL" for column in columns)
         selects.append(f"SELECT {_DONE}, {nulls} FROM done")
     if failing:

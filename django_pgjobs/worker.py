@@ -156,11 +156,14 @@ class Worker:
                 return
             done, self._done = self._done, []
         succeeded: list[Job] = []
+        results: dict[UUID, str] = {}
         failed: list[FailedAttempt] = []
         try:
             for job, outcome in done:
                 if outcome.result is Result.SUCCEEDED:
                     succeeded.append(job)
+                    if outcome.result_json is not None:
+                        results[job.pk] = outcome.result_json
                 elif outcome.result is Result.ERROR:
                     assert outcome.failure is not None
                     failed.append((job, outcome.failure, outcome.permanent, outcome.delay))
@@ -182,6 +185,7 @@ class Worker:
             owned, statuses, jobs = self.jobs.finish_and_claim(
                 succeeded, failed, self.options.queues, worker=self.id,
                 limit=min(free, self.options.batch_size) if claim else 0, lease=self.lease,
+                results=results,
             )  # fmt: skip
         except DatabaseError:
             # Keep what was not recorded; it is tried again after the reconnect. Recording

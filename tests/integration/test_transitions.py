@@ -47,6 +47,24 @@ def test_complete_finishes_the_job():
     assert row.finished_at is not None
 
 
+def test_complete_keeps_a_result_only_when_given():
+    JobFactory.create_batch(3)
+    first, second, third = Job.objects.claim(["default"], worker="w1", limit=3)
+    assert Job.objects.complete(first, '{"total": 12.5, "items": [1, 2]}') is True
+    done, _, _ = Job.objects.finish_and_claim(
+        [second, third], [], [], worker="w1", limit=0, results={third.pk: '"ok"'}
+    )
+    assert done == {second.pk, third.pk}
+    results = dict(Job.objects.values_list("pk", "result"))
+    assert results == {first.pk: {"total": 12.5, "items": [1, 2]}, second.pk: None, third.pk: "ok"}
+
+
+def test_the_claim_records_when_the_attempt_started():
+    JobFactory()
+    job = claim_one()
+    assert job.started_at is not None and job.started_at >= job.run_at
+
+
 def test_a_stale_worker_cannot_complete_or_fail_the_newer_attempt():
     JobFactory()
     stale = claim_one("slow-worker")
