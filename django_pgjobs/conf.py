@@ -32,6 +32,8 @@ class Settings:
     RETENTION: timedelta = timedelta(hours=1)
     #: Rows deleted per prune statement.
     PRUNE_BATCH: int = 1000
+    #: How long the workers' per-queue statistics (QueueStat rows) are kept.
+    STATS_RETENTION: timedelta = timedelta(days=1)
 
 
 DEFAULTS = Settings()

@@ -20,7 +20,7 @@ from django.db import connections, models, router, transaction
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 
-from django_pgjobs import notify, registry, validation
+from django_pgjobs import notify, registry, signals, validation
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.ids import uuid7
@@ -154,15 +154,20 @@ class JobQuerySet(models.QuerySet["Job"]):
         ).values("unique_key")
         return self.exclude(unique_key__in=held_keys)._change(
             "status = 'ready', attempts = 0, run_at = statement_timestamp(), finished_at = NULL, "
-            "leased_until = NULL, queue = COALESCE(%s, j.queue)",
+            "leased_until = NULL, cancel_requested = false, queue = COALESCE(%s, j.queue)",
             [None if queue is None else validation.check_queue(queue)],
             guard="j.status IN ('failed', 'cancelled')",
         )
 
     def cancel(self) -> list[UUID]:
-        """Ready → cancelled. Running jobs are not interrupted (they are not selected)."""
+        """Ready → cancelled at once; for running jobs, request cancellation: the handler can
+        notice (``django_pgjobs.cancel_requested()``) and stop, and when the attempt ends other
+        than by succeeding, the job is recorded as cancelled instead of being retried."""
         return self._change(
-            "status = 'cancelled', finished_at = statement_timestamp()", guard="j.status = 'ready'"
+            "status = CASE WHEN j.status = 'ready' THEN 'cancelled' ELSE j.status END, "
+            "finished_at = CASE WHEN j.status = 'ready' THEN statement_timestamp() END, "
+            "cancel_requested = j.status = 'running'",
+            guard="(j.status = 'ready' OR (j.status = 'running' AND NOT j.cancel_requested))",
         )
 
     def run_now(self) -> list[UUID]:
@@ -247,6 +252,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             jobs = self._insert([row])
             if jobs:
                 notify.after_enqueue(self._write_db(), [jobs[0].queue])
+                signals.send(signals.job_enqueued, jobs=jobs)
                 return jobs[0]
             existing: Job | None = self.filter(unique_key=unique_key, status__in=LIVE).first()
             if existing is not None:
@@ -281,6 +287,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         for start in range(0, len(rows), batch_size):
             jobs.extend(self._insert(rows[start : start + batch_size]))
         notify.after_enqueue(self._write_db(), {job.queue for job in jobs})
+        signals.send(signals.job_enqueued, jobs=jobs)
         return jobs
 
     def _row(
@@ -420,6 +427,35 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
         return done, dead_or_retried, jobs
 
+    def claim_limited(
+        self, queue: str, *, worker: str, limit: int, lease: float | None = None
+    ) -> list[Job]:
+        """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
+        paused, and never more than its `max_running` jobs running at once across all workers.
+
+        Claims on such a queue take turns: the transaction locks the queue's row first, so the
+        count of running jobs that follows (a statement with a fresh snapshot) sees every claim
+        committed before it, and the claim takes at most the room left.
+        """
+        db = self._write_db()
+        with transaction.atomic(using=db), connections[db].cursor() as cursor:
+            cursor.execute(
+                "SELECT paused, max_running FROM pgjobs_queue WHERE name = %s FOR UPDATE", [queue]
+            )
+            paused, max_running = cursor.fetchone() or (False, None)
+            if paused:
+                return []
+            if max_running is not None:
+                cursor.execute(
+                    "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND queue = %s",
+                    [queue],
+                )
+                (running,) = cursor.fetchone()
+                limit = min(limit, max_running - running)
+            if limit < 1:
+                return []
+            return self.claim([queue], worker=worker, limit=limit, lease=lease)
+
     def complete(self, job: Job, result_json: str | None = None) -> bool:
         """Record success, keeping `result_json` (the return value as JSON text) when given.
         False means the lease ran out and another worker owns the job now."""
@@ -433,27 +469,30 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
         """Record success for many jobs of one worker in one statement; returns the ids it still
         owned (the others were reaped and possibly claimed again: their outcome is not ours)."""
-        return self._guarded(jobs, _SUCCEEDED)
+        return set(self._guarded(jobs, _SUCCEEDED))
 
     def release(self, jobs: Sequence[Job]) -> set[UUID]:
         """Running → ready without spending an attempt (a worker shutting down)."""
-        return self._guarded(
-            jobs, "status = 'ready', attempts = j.attempts - 1, leased_until = NULL"
-        )
+        return set(self._guarded(jobs, f"{_READY_OR_CANCELLED}, attempts = j.attempts - 1"))
 
     def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
         """Extend the lease of a worker's running jobs by `lease` seconds from now; returns the
         ids still owned. Touches only unindexed columns, so the update can be HOT."""
         lease = get_settings().LEASE if lease is None else lease
-        return self._guarded(
+        owned = self._guarded(
             jobs, "leased_until = statement_timestamp() + make_interval(secs => %s)", [lease]
         )
+        # A cancellation requested meanwhile: the handler sees it on its Job at once.
+        for job in jobs:
+            if owned.get(job.pk):
+                job.cancel_requested = True
+        return set(owned)
 
     def retry_later(self, job: Job, delay: float) -> bool:
         """The handler asked to run again in `delay` seconds: ready again, attempt not counted."""
         return job.pk in self._guarded(
             [job],
-            "status = 'ready', attempts = j.attempts - 1, leased_until = NULL, "
+            f"{_READY_OR_CANCELLED}, attempts = j.attempts - 1, "
             "run_at = statement_timestamp() + make_interval(secs => %s)",
             [delay],
         )
@@ -481,8 +520,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 LIMIT %(limit)s FOR UPDATE SKIP LOCKED
             )
             UPDATE pgjobs_job AS j SET
-                status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
-                finished_at = CASE WHEN j.attempts >= j.max_attempts THEN statement_timestamp() END,
+                status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                              WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
+                finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
+                                   THEN statement_timestamp() END,
                 run_at = statement_timestamp() + make_interval(
                     secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
                 leased_until = NULL,
@@ -508,20 +549,21 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             cursor.execute(sql, params)
             statuses = [status for (status,) in cursor.fetchall()]
         failed = statuses.count(Status.FAILED)
-        return len(statuses) - failed, failed
+        return statuses.count(Status.READY), failed
 
     # ---- helpers -----------------------------------------------------------------------------
 
     def _guarded(
         self, jobs: Sequence[Job], assignments: str, params: Sequence[Any] = ()
-    ) -> set[UUID]:
-        """Apply `assignments` to those of `jobs` this worker still owns, in one statement.
+    ) -> dict[UUID, bool]:
+        """Apply `assignments` to those of `jobs` this worker still owns, in one statement;
+        returns their ids, each with whether a cancellation of it was requested.
 
         The guard is the claim itself — (id, running, worker, attempts) — so a worker whose
         lease expired cannot overwrite the attempt that replaced it.
         """
         if not jobs:
-            return set()
+            return {}
         workers = {job.worker for job in jobs}
         if len(workers) != 1:
             raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, workers))}")
@@ -530,7 +572,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 _guarded_sql(assignments),
                 [*params, [job.pk for job in jobs], [job.attempts for job in jobs], workers.pop()],
             )
-            return {job_id for (job_id,) in cursor.fetchall()}
+            return dict(cursor.fetchall())
 
     def _write_db(self) -> str:
         return self._db or router.db_for_write(self.model)
@@ -616,8 +658,13 @@ _GUARDED = """
     FROM unnest(%s::uuid[], %s::int4[]{more}) AS mine(id, attempts{more_columns})
     WHERE j.id = mine.id AND j.attempts = mine.attempts
       AND j.status = 'running' AND j.worker = %s
-    RETURNING j.id
+    RETURNING j.id, j.cancel_requested
 """
+# Back to ready, or cancelled when someone asked to cancel the job while it ran.
+_READY_OR_CANCELLED = """
+    status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
+    finished_at = CASE WHEN j.cancel_requested THEN statement_timestamp() END,
+    leased_until = NULL"""
 _SUCCEEDED = "status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL"
 # Completions that keep the handlers' return values: a third array, of JSON texts.
 _SUCCEEDED_WITH_RESULTS = {
@@ -631,15 +678,19 @@ def _guarded_sql(assignments: str) -> str:
     return _GUARDED.format(assignments=assignments, more="", more_columns="")
 
 
-# Records failed attempts, guarded like _guarded: back to ready after f.delay while attempts
-# remain and the error is not permanent, else failed (the dead letter).
+# Records failed attempts, guarded like _guarded: cancelled if a cancellation was requested,
+# back to ready after f.delay while attempts remain and the error is not permanent, else failed
+# (the dead letter).
 _FAIL = f"""
     UPDATE pgjobs_job AS j SET
-        status = CASE WHEN f.permanent OR j.attempts >= j.max_attempts THEN 'failed'
+        status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN f.permanent OR j.attempts >= j.max_attempts THEN 'failed'
                       ELSE 'ready' END,
-        finished_at = CASE WHEN f.permanent OR j.attempts >= j.max_attempts
+        finished_at = CASE WHEN j.cancel_requested OR f.permanent
+                                OR j.attempts >= j.max_attempts
                            THEN statement_timestamp() END,
-        run_at = CASE WHEN f.permanent OR j.attempts >= j.max_attempts THEN j.run_at
+        run_at = CASE WHEN j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts
+                      THEN j.run_at
                       ELSE statement_timestamp() + make_interval(secs => f.delay) END,
         leased_until = NULL,
         last_error = f.summary,

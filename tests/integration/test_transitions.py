@@ -278,14 +278,10 @@ def test_replay_skips_a_dead_letter_whose_unique_key_a_live_job_holds():
     assert Job.objects.filter(pk=dead.pk).replay() == []
 
 
-def test_cancel_only_touches_ready_jobs_and_run_now_makes_them_due():
-    ready, running = JobFactory(future=True), JobFactory(running=True)
+def test_run_now_makes_a_scheduled_job_due():
+    ready = JobFactory(future=True)
     assert Job.objects.filter(pk=ready.pk).run_now() == [ready.pk]
     assert claim_one().pk == ready.pk
-    later = JobFactory(future=True)
-    assert Job.objects.all().cancel() == [later.pk]
-    assert Job.objects.get(pk=later.pk).status == Status.CANCELLED
-    assert Job.objects.get(pk=running.pk).status == Status.RUNNING
 
 
 def test_a_transition_leaves_a_job_whose_status_changed_after_it_was_selected(other_connection):
