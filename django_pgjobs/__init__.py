@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from django_pgjobs.errors import PermanentError, Retry
+from django_pgjobs.errors import JobCancelled, PermanentError, Retry
 from django_pgjobs.registry import Task, task
 
 if TYPE_CHECKING:
@@ -18,4 +18,19 @@ def current_job() -> Job | None:
     return current_job()
 
 
-__all__ = ["PermanentError", "Retry", "Task", "current_job", "task"]
+def cancel_requested() -> bool:
+    """Whether a cancellation of the running job was requested (see cancellation.py)."""
+    from django_pgjobs.cancellation import cancel_requested
+
+    return cancel_requested()
+
+
+__all__ = [
+    "JobCancelled",
+    "PermanentError",
+    "Retry",
+    "Task",
+    "cancel_requested",
+    "current_job",
+    "task",
+]

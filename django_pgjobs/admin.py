@@ -280,7 +280,8 @@ class BaseJobAdmin(ModelAdmin):
         applicable = {
             "replay": job.status in (Status.FAILED, Status.CANCELLED),
             "run_now": job.status == Status.READY and job.run_at > timezone.now(),
-            "cancel": job.status == Status.READY,
+            "cancel": job.status == Status.READY
+            or (job.status == Status.RUNNING and not job.cancel_requested),
         }
         labels = {"replay": _("Replay…"), "run_now": _("Run now…"), "cancel": _("Cancel…")}
         actions = self.get_actions(request)
@@ -324,9 +325,14 @@ class BaseJobAdmin(ModelAdmin):
         changed, seen = self.apply(request, queryset, JobQuerySet.cancel, CHANGE, _("Cancelled."))
         self.report(
             request,
-            ngettext("%d job cancelled.", "%d jobs cancelled.", changed) % changed,
+            ngettext(
+                "%d job cancelled (a running one stops if its handler checks, else finishes).",
+                "%d jobs cancelled (running ones stop if their handler checks, else finish).",
+                changed,
+            )
+            % changed,
             seen - changed,
-            _("only ready jobs are cancelled"),
+            _("only ready and running jobs are cancelled"),
         )
         return None
 

@@ -36,6 +36,8 @@ class Settings:
     RETENTION: timedelta | Mapping[str, timedelta | None] = DEFAULT_RETENTION
     #: Rows deleted per prune statement.
     PRUNE_BATCH: int = 1000
+    #: How long the workers' per-queue statistics (QueueStat rows) are kept.
+    STATS_RETENTION: timedelta = timedelta(days=1)
     #: Thresholds of the health verdict, over health.Thresholds' defaults.
     HEALTH: Mapping[str, float] = field(default_factory=dict)
 

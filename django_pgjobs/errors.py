@@ -33,3 +33,7 @@ class UnknownTask(EnqueueError, LookupError):
 
 class PayloadMismatch(TypeError):
     """The payload's keys do not fit the handler's signature (a permanent error)."""
+
+
+class JobCancelled(PermanentError):
+    """Raise from a handler that noticed ``cancel_requested()``: the job ends as cancelled."""

@@ -93,7 +93,7 @@ def settle(job: Job, outcome: Outcome) -> bool:
     from django_pgjobs.models import Job
 
     if outcome.result is Result.SUCCEEDED:
-        return Job.objects.complete(job)
+        return Job.objects.complete(job, outcome.result_json)
     if outcome.result is Result.RETRY:
         return Job.objects.retry_later(job, outcome.delay)
     assert outcome.failure is not None

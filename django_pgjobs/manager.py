@@ -20,7 +20,7 @@ from django.db import connections, models, router, transaction
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 
-from django_pgjobs import notify, registry, validation
+from django_pgjobs import notify, registry, signals, validation
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.ids import uuid7
@@ -154,15 +154,20 @@ class JobQuerySet(models.QuerySet["Job"]):
         ).values("unique_key")
         return self.exclude(unique_key__in=held_keys)._change(
             "status = 'ready', attempts = 0, run_at = statement_timestamp(), finished_at = NULL, "
-            "leased_until = NULL, queue = COALESCE(%s, j.queue)",
+            "leased_until = NULL, cancel_requested = false, queue = COALESCE(%s, j.queue)",
             [None if queue is None else validation.check_queue(queue)],
             guard="j.status IN ('failed', 'cancelled')",
         )
 
     def cancel(self) -> list[UUID]:
-        """Ready → cancelled. Running jobs are not interrupted (they are not selected)."""
+        """Ready → cancelled at once; for running jobs, request cancellation: the handler can
+        notice (``django_pgjobs.cancel_requested()``) and stop, and when the attempt ends other
+        than by succeeding, the job is recorded as cancelled instead of being retried."""
         return self._change(
-            "status = 'cancelled', finished_at = statement_timestamp()", guard="j.status = 'ready'"
+            "status = CASE WHEN j.status = 'ready' THEN 'cancelled' ELSE j.status END, "
+            "finished_at = CASE WHEN j.status = 'ready' THEN statement_timestamp() END, "
+            "cancel_requested = j.status = 'running'",
+            guard="(j.status = 'ready' OR (j.status = 'running' AND NOT j.cancel_requested))",
         )
 
     def run_now(self) -> list[UUID]:
@@ -264,6 +269,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             jobs = self._insert([row])
             if jobs:
                 notify.after_enqueue(self._write_db(), [jobs[0].queue])
+                signals.send(signals.job_enqueued, jobs=jobs)
                 return jobs[0]
             existing: Job | None = self.filter(unique_key=unique_key, status__in=LIVE).first()
             if existing is not None:
@@ -298,6 +304,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         for start in range(0, len(rows), batch_size):
             jobs.extend(self._insert(rows[start : start + batch_size]))
         notify.after_enqueue(self._write_db(), {job.queue for job in jobs})
+        signals.send(signals.job_enqueued, jobs=jobs)
         return jobs
 
     def _row(
@@ -381,11 +388,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         worker: str,
         limit: int,
         lease: float | None = None,
+        results: Mapping[UUID, str] | None = None,
     ) -> tuple[set[UUID], dict[UUID, str], list[Job]]:
         """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs, in
         one statement: one round trip and one commit per turn of a worker's loop.
 
-        `succeeded` are completed as by `complete_many`; each of `failed` — (job, failure,
+        `succeeded` are completed as by `complete_many`, keeping the return values in
+        `results` (job id → JSON text) as their `result`; each of `failed` — (job, failure,
         permanent, delay) — is recorded as by `fail`, guarded the same way. Returns the ids of
         `succeeded` this worker still owned, the new status of each of `failed` it still owned,
         and the claimed jobs (as `claim`).
@@ -407,7 +416,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 *_bind_queues(_claim_select(db, queue_count, limit)[1], queues),
             ]
         if succeeded:
-            params += [[job.pk for job in succeeded], [job.attempts for job in succeeded], worker]
+            params += [[job.pk for job in succeeded], [job.attempts for job in succeeded]]
+            if results:
+                params.append([results.get(job.pk) for job in succeeded])
+            params.append(worker)
         if failed:
             params += [
                 _keep_last(get_settings().ERRORS_KEPT),
@@ -419,7 +431,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 [failure.as_json() for _, failure, *_ in failed],
                 worker,
             ]
-        sql = _finish_sql(db, queue_count, limit, bool(succeeded), bool(failed))
+        sql = _finish_sql(
+            db, queue_count, limit, bool(succeeded), bool(succeeded and results), bool(failed)
+        )
         with _cursor(db) as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
@@ -430,34 +444,72 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
         return done, dead_or_retried, jobs
 
-    def complete(self, job: Job) -> bool:
-        """Record success. False means the lease ran out and another worker owns the job now."""
-        return job.pk in self.complete_many([job])
+    def claim_limited(
+        self, queue: str, *, worker: str, limit: int, lease: float | None = None
+    ) -> list[Job]:
+        """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
+        paused, and never more than its `max_running` jobs running at once across all workers.
+
+        Claims on such a queue take turns: the transaction locks the queue's row first, so the
+        count of running jobs that follows (a statement with a fresh snapshot) sees every claim
+        committed before it, and the claim takes at most the room left.
+        """
+        db = self._write_db()
+        with transaction.atomic(using=db), connections[db].cursor() as cursor:
+            cursor.execute(
+                "SELECT paused, max_running FROM pgjobs_queue WHERE name = %s FOR UPDATE", [queue]
+            )
+            paused, max_running = cursor.fetchone() or (False, None)
+            if paused:
+                return []
+            if max_running is not None:
+                cursor.execute(
+                    "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND queue = %s",
+                    [queue],
+                )
+                (running,) = cursor.fetchone()
+                limit = min(limit, max_running - running)
+            if limit < 1:
+                return []
+            return self.claim([queue], worker=worker, limit=limit, lease=lease)
+
+    def complete(self, job: Job, result_json: str | None = None) -> bool:
+        """Record success, keeping `result_json` (the return value as JSON text) when given.
+        False means the lease ran out and another worker owns the job now."""
+        if result_json is None:
+            return job.pk in self.complete_many([job])
+        assert job.worker is not None, "only a claimed job can complete"
+        results = {job.pk: result_json}
+        done = self.finish_and_claim([job], [], [], worker=job.worker, limit=0, results=results)
+        return job.pk in done[0]
 
     def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
         """Record success for many jobs of one worker in one statement; returns the ids it still
         owned (the others were reaped and possibly claimed again: their outcome is not ours)."""
-        return self._guarded(jobs, _SUCCEEDED)
+        return set(self._guarded(jobs, _SUCCEEDED))
 
     def release(self, jobs: Sequence[Job]) -> set[UUID]:
         """Running → ready without spending an attempt (a worker shutting down)."""
-        return self._guarded(
-            jobs, "status = 'ready', attempts = j.attempts - 1, leased_until = NULL"
-        )
+        return set(self._guarded(jobs, f"{_READY_OR_CANCELLED}, attempts = j.attempts - 1"))
 
     def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
         """Extend the lease of a worker's running jobs by `lease` seconds from now; returns the
         ids still owned. Touches only unindexed columns, so the update can be HOT."""
         lease = get_settings().LEASE if lease is None else lease
-        return self._guarded(
+        owned = self._guarded(
             jobs, "leased_until = statement_timestamp() + make_interval(secs => %s)", [lease]
         )
+        # A cancellation requested meanwhile: the handler sees it on its Job at once.
+        for job in jobs:
+            if owned.get(job.pk):
+                job.cancel_requested = True
+        return set(owned)
 
     def retry_later(self, job: Job, delay: float) -> bool:
         """The handler asked to run again in `delay` seconds: ready again, attempt not counted."""
         return job.pk in self._guarded(
             [job],
-            "status = 'ready', attempts = j.attempts - 1, leased_until = NULL, "
+            f"{_READY_OR_CANCELLED}, attempts = j.attempts - 1, "
             "run_at = statement_timestamp() + make_interval(secs => %s)",
             [delay],
         )
@@ -485,8 +537,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 LIMIT %(limit)s FOR UPDATE SKIP LOCKED
             )
             UPDATE pgjobs_job AS j SET
-                status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
-                finished_at = CASE WHEN j.attempts >= j.max_attempts THEN statement_timestamp() END,
+                status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                              WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
+                finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
+                                   THEN statement_timestamp() END,
                 run_at = statement_timestamp() + make_interval(
                     secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
                 leased_until = NULL,
@@ -512,29 +566,30 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             cursor.execute(sql, params)
             statuses = [status for (status,) in cursor.fetchall()]
         failed = statuses.count(Status.FAILED)
-        return len(statuses) - failed, failed
+        return statuses.count(Status.READY), failed
 
     # ---- helpers -----------------------------------------------------------------------------
 
     def _guarded(
         self, jobs: Sequence[Job], assignments: str, params: Sequence[Any] = ()
-    ) -> set[UUID]:
-        """Apply `assignments` to those of `jobs` this worker still owns, in one statement.
+    ) -> dict[UUID, bool]:
+        """Apply `assignments` to those of `jobs` this worker still owns, in one statement;
+        returns their ids, each with whether a cancellation of it was requested.
 
         The guard is the claim itself — (id, running, worker, attempts) — so a worker whose
         lease expired cannot overwrite the attempt that replaced it.
         """
         if not jobs:
-            return set()
+            return {}
         workers = {job.worker for job in jobs}
         if len(workers) != 1:
             raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, workers))}")
         with _cursor(self._write_db()) as cursor:
             cursor.execute(
-                _GUARDED.format(assignments=assignments),
+                _guarded_sql(assignments),
                 [*params, [job.pk for job in jobs], [job.attempts for job in jobs], workers.pop()],
             )
-            return {job_id for (job_id,) in cursor.fetchall()}
+            return dict(cursor.fetchall())
 
     def _write_db(self) -> str:
         return self._db or router.db_for_write(self.model)
@@ -617,23 +672,42 @@ _CLAIM = """
 # the turn's statement (_finish_sql).
 _GUARDED = """
     UPDATE pgjobs_job AS j SET {assignments}
-    FROM unnest(%s::uuid[], %s::int4[]) AS mine(id, attempts)
+    FROM unnest(%s::uuid[], %s::int4[]{more}) AS mine(id, attempts{more_columns})
     WHERE j.id = mine.id AND j.attempts = mine.attempts
       AND j.status = 'running' AND j.worker = %s
-    RETURNING j.id
+    RETURNING j.id, j.cancel_requested
 """
+# Back to ready, or cancelled when someone asked to cancel the job while it ran.
+_READY_OR_CANCELLED = """
+    status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
+    finished_at = CASE WHEN j.cancel_requested THEN statement_timestamp() END,
+    leased_until = NULL"""
 _SUCCEEDED = "status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL"
+# Completions that keep the handlers' return values: a third array, of JSON texts.
+_SUCCEEDED_WITH_RESULTS = {
+    "assignments": f"{_SUCCEEDED}, result = mine.result",
+    "more": ", %s::jsonb[]",
+    "more_columns": ", result",
+}
 
 
-# Records failed attempts, guarded like _guarded: back to ready after f.delay while attempts
-# remain and the error is not permanent, else failed (the dead letter).
+def _guarded_sql(assignments: str) -> str:
+    return _GUARDED.format(assignments=assignments, more="", more_columns="")
+
+
+# Records failed attempts, guarded like _guarded: cancelled if a cancellation was requested,
+# back to ready after f.delay while attempts remain and the error is not permanent, else failed
+# (the dead letter).
 _FAIL = f"""
     UPDATE pgjobs_job AS j SET
-        status = CASE WHEN f.permanent OR j.attempts >= j.max_attempts THEN 'failed'
+        status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN f.permanent OR j.attempts >= j.max_attempts THEN 'failed'
                       ELSE 'ready' END,
-        finished_at = CASE WHEN f.permanent OR j.attempts >= j.max_attempts
+        finished_at = CASE WHEN j.cancel_requested OR f.permanent
+                                OR j.attempts >= j.max_attempts
                            THEN statement_timestamp() END,
-        run_at = CASE WHEN f.permanent OR j.attempts >= j.max_attempts THEN j.run_at
+        run_at = CASE WHEN j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts
+                      THEN j.run_at
                       ELSE statement_timestamp() + make_interval(secs => f.delay) END,
         leased_until = NULL,
         last_error = f.summary,
@@ -650,8 +724,11 @@ _CLAIMED, _DONE, _FAILED = 0, 1, 2
 
 
 @lru_cache(maxsize=512)
-def _finish_sql(db: str, queue_count: int, limit: int, completing: bool, failing: bool) -> str:
-    """One statement that claims (when `queue_count`), completes and records failures. Rows
+def _finish_sql(
+    db: str, queue_count: int, limit: int, completing: bool, results: bool, failing: bool
+) -> str:
+    """One statement that claims (when `queue_count`), completes (keeping return values when
+    `results`) and records failures. Rows
     come back as (_CLAIMED, *columns), (_DONE, id, NULL, ...) or (_FAILED, id, ..., status,
     ...): the columns of a job, so they can share one result."""
     from django_pgjobs.models import Job
@@ -664,7 +741,8 @@ def _finish_sql(db: str, queue_count: int, limit: int, completing: bool, failing
         parts.append(f"claimed AS ({_CLAIM % {'select': select_sql, 'returning': returning}})")
         selects.append(f"SELECT {_CLAIMED}, claimed.* FROM claimed")
     if completing:
-        parts.append(f"done AS ({_GUARDED.format(assignments=_SUCCEEDED)})")
+        done = _GUARDED.format(**_SUCCEEDED_WITH_RESULTS) if results else _guarded_sql(_SUCCEEDED)
+        parts.append(f"done AS ({done})")
         nulls = ", ".join("id" if column == "id" else "NULL" for column in columns)
         selects.append(f"SELECT {_DONE}, {nulls} FROM done")
     if failing:

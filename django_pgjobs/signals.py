@@ -19,7 +19,12 @@ Outcomes a worker could not record because it had lost the job's lease send noth
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from django.dispatch import Signal
+
+logger = logging.getLogger(__name__)
 
 job_enqueued = Signal()
 job_started = Signal()
@@ -27,3 +32,14 @@ job_succeeded = Signal()
 job_retried = Signal()
 job_failed = Signal()
 job_cancelled = Signal()
+
+
+def send(signal: Signal, **kwargs: Any) -> None:
+    """Send `signal` with sender=Job; a receiver's exception is logged, never raised."""
+    if not signal.receivers:
+        return
+    from django_pgjobs.models import Job
+
+    for receiver, response in signal.send_robust(sender=Job, **kwargs):
+        if isinstance(response, Exception):
+            logger.error("signal receiver %r raised", receiver, exc_info=response)

@@ -4,8 +4,8 @@ ready ──claim──▶ running ──complete──▶ succeeded
   ▲  │             │ │
   │  │             │ └──fail (attempts left) / retry_later / release / reap──▶ ready
   │  │             └────fail (permanent or out of attempts) / reap (out of attempts)──▶ failed
-  │  └──cancel──▶ cancelled
-  └──replay── failed | cancelled
+  │  └──cancel──▶ cancelled ◀── running, when an attempt of a job asked to cancel ends
+  └──replay── failed | cancelled                 other than by succeeding
 """
 
 from __future__ import annotations

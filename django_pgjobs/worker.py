@@ -10,9 +10,8 @@ import secrets
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from uuid import UUID
 
 from django.db import (
@@ -23,19 +22,32 @@ from django.db import (
     connections,
     router,
 )
+from django.db.models.functions import Now
 
-from django_pgjobs import execute, notify, registry
+from django_pgjobs import execute, notify, registry, signals
+from django_pgjobs.activity import Activity
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.execute import Outcome, Result
 from django_pgjobs.manager import FailedAttempt, Failure
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.status import Status
 
 logger = logging.getLogger(__name__)
 
 #: Longest a finished job's outcome waits for others to share its statement (see _settle_due).
 SETTLE_DELAY = 0.002
+
+
+def _extra(job: Job, duration: float) -> dict[str, object]:
+    """The fields of a job's log records, for structured (e.g. JSON) log handlers."""
+    return {
+        "job_id": str(job.pk),
+        "task": job.task,
+        "queue": job.queue,
+        "attempt": job.attempts,
+        "duration": round(duration, 6),
+    }
 
 
 def worker_id() -> str:
@@ -56,6 +68,7 @@ class Options:
     reap_interval: float = 5.0
     prune_interval: float = 60.0
     stats_interval: float = 10.0
+    controls_interval: float = 1.0  # how often the Queue controls (pause, limits) are read
 
 
 @dataclass
@@ -65,6 +78,7 @@ class _Timers:
     heartbeat: float = 0.0
     reap: float = 0.0
     prune: float = 0.0
+    controls: float = 0.0
     stats: float = field(default_factory=time.monotonic)
 
 
@@ -89,7 +103,10 @@ class Worker:
         self._next_poll = 0.0
         self._poll_delay = 0.0
         self._last_claim_empty = False
-        self._counts: Counter[str] = Counter()
+        self._activity = Activity()
+        # From the Queue controls: queues claimed freely, and those claimed under their limit.
+        self._open_queues: list[str] = list(options.queues)
+        self._limited_queues: list[str] = []
         self._timers = _Timers()
         self._threads: list[threading.Thread] = []
 
@@ -116,6 +133,9 @@ class Worker:
         failures = 0
         while True:
             try:
+                if time.monotonic() >= self._timers.controls:
+                    self._read_controls()  # before claiming: never claim from a paused queue
+                    self._timers.controls = time.monotonic() + options.controls_interval
                 self._settle_and_fetch()
                 if self._stopping:
                     self._release_unstarted()
@@ -150,24 +170,33 @@ class Worker:
     def _settle_and_fetch(self) -> None:
         """Record finished handlers' outcomes and claim into the free slots, in one statement
         (one round trip and one commit per turn); a Retry asked by a handler is recorded on
-        its own."""
+        its own, and so is each claim from a queue with a limit."""
         with self._lock:
             if not self._settle_due():
                 return
             done, self._done = self._done, []
         succeeded: list[Job] = []
+        results: dict[UUID, str] = {}
         failed: list[FailedAttempt] = []
+        durations = {job.pk: outcome.duration for job, outcome in done}
         try:
             for job, outcome in done:
                 if outcome.result is Result.SUCCEEDED:
                     succeeded.append(job)
+                    if outcome.result_json is not None:
+                        results[job.pk] = outcome.result_json
                 elif outcome.result is Result.ERROR:
                     assert outcome.failure is not None
                     failed.append((job, outcome.failure, outcome.permanent, outcome.delay))
                 else:  # the handler asked to run again later
-                    owned_retry = self.jobs.retry_later(job, outcome.delay)
-                    self._counts["retried" if owned_retry else "lost"] += 1
+                    owned = self.jobs.retry_later(job, outcome.delay)
                     self._in_flight.pop(job.pk, None)
+                    self._finished(job, "retried" if owned else "lost", outcome.duration)
+                    if owned:
+                        signals.send(
+                            signals.job_retried, job=job, duration=outcome.duration, error=None,
+                            delay=outcome.delay,
+                        )  # fmt: skip
             # The slots of the jobs recorded below are free for this claim.
             free = self._free_slots() + len(succeeded) + len(failed)
             claim = (
@@ -175,13 +204,14 @@ class Worker:
                 and free > 0
                 and (self._poll_now or time.monotonic() >= self._next_poll)
             )
+            wanted = min(free, self.options.batch_size) if claim else 0
             if not (claim or succeeded or failed):
                 return
             if claim:
                 self._poll_now = False
-            owned, statuses, jobs = self.jobs.finish_and_claim(
-                succeeded, failed, self.options.queues, worker=self.id,
-                limit=min(free, self.options.batch_size) if claim else 0, lease=self.lease,
+            owned_ids, statuses, jobs = self.jobs.finish_and_claim(
+                succeeded, failed, self._open_queues if claim else [], worker=self.id,
+                limit=wanted, lease=self.lease, results=results,
             )  # fmt: skip
         except DatabaseError:
             # Keep what was not recorded; it is tried again after the reconnect. Recording
@@ -191,13 +221,17 @@ class Worker:
             raise
         for job in succeeded:
             self._in_flight.pop(job.pk, None)
-        self._counts["done"] += len(owned)
-        self._counts["lost"] += len(succeeded) - len(owned)
-        for job, failure, _, _ in failed:
+            self._finished(job, "succeeded" if job.pk in owned_ids else "lost", durations[job.pk])
+        for job, failure, _, delay in failed:
             self._in_flight.pop(job.pk, None)
-            self._log_failure(job, failure, statuses.get(job.pk))
+            self._failed(job, failure, statuses.get(job.pk), durations[job.pk], delay)
         if claim:
-            self._take(jobs, min(free, self.options.batch_size))
+            for queue_name in self._limited_queues:
+                if len(jobs) < wanted:
+                    jobs += self.jobs.claim_limited(
+                        queue_name, worker=self.id, limit=wanted - len(jobs), lease=self.lease
+                    )
+            self._take(jobs, wanted)
 
     def _take(self, jobs: list[Job], wanted: int) -> None:
         """Hand claimed jobs to the handler threads, then schedule the next poll: at once after
@@ -205,6 +239,7 @@ class Worker:
         longer = [job for job in jobs if self._lease_of(job) > self.lease]
         if longer:
             self.jobs.heartbeat(longer, self._lease_of(longer[0]))
+        self._activity.claimed(jobs)
         for job in jobs:
             self._in_flight[job.pk] = job
             self._todo.put(job)
@@ -217,15 +252,39 @@ class Worker:
             self._poll_delay = min(self.options.poll_interval, max(0.05, self._poll_delay * 2))
         self._next_poll = time.monotonic() + self._poll_delay
 
-    def _log_failure(self, job: Job, failure: Failure, status: str | None) -> None:
+    def _finished(self, job: Job, outcome: str, duration: float) -> None:
+        """Count and announce one recorded outcome (nothing is announced for a lost job)."""
+        self._activity.finished(job, outcome)
+        if job.queue in self._limited_queues:
+            self._poll_now = True  # a slot under the queue's limit is free again
+        if outcome == "succeeded":
+            signals.send(signals.job_succeeded, job=job, duration=duration)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("job %s (%s) succeeded", job.pk, job.task, extra=_extra(job, duration))
+
+    def _failed(
+        self, job: Job, failure: Failure, status: str | None, duration: float, delay: float
+    ) -> None:
         if status is None:
-            self._counts["lost"] += 1
+            self._finished(job, "lost", duration)
+            return
+        extra = _extra(job, duration) | {"error": failure.summary, "status": status}
+        if status == Status.CANCELLED:
+            self._finished(job, "cancelled", duration)
+            signals.send(signals.job_cancelled, job=job, duration=duration)
+            logger.info("job %s (%s) cancelled", job.pk, job.task, extra=extra)
             return
         dead = status == Status.FAILED
-        self._counts["dead" if dead else "retried"] += 1
+        self._finished(job, "failed" if dead else "retried", duration)
+        if dead:
+            signals.send(signals.job_failed, job=job, duration=duration, error=failure)
+        else:
+            signals.send(
+                signals.job_retried, job=job, duration=duration, error=failure, delay=delay
+            )
         (logger.error if dead else logger.info)(
             "job %s (%s) attempt %d failed: %s%s", job.pk, job.task, job.attempts,
-            failure.summary, "; dead-lettered" if dead else "",
+            failure.summary, "; dead-lettered" if dead else "", extra=extra,
         )  # fmt: skip
 
     def _chores(self) -> None:
@@ -245,9 +304,25 @@ class Worker:
             # One bounded batch per turn of the loop while there is a backlog to prune.
             full = self.jobs.prune(max_batches=1) == get_settings().PRUNE_BATCH
             timers.prune = now if full else now + options.prune_interval
+            QueueStat.objects.using(self.db).filter(
+                at__lt=Now() - get_settings().STATS_RETENTION
+            ).delete()
         if now >= timers.stats + options.stats_interval:
-            self._log_stats(now - timers.stats)
+            self._report(now - timers.stats)
             timers.stats = now
+
+    def _read_controls(self) -> None:
+        """Which of our queues are paused or limited, as every worker sees it within a second."""
+        controls = Queue.objects.using(self.db).filter(name__in=self.options.queues)
+        paused = {queue.name for queue in controls if queue.paused}
+        limited = {queue.name for queue in controls if queue.max_running is not None}
+        before = set(self._open_queues)
+        self._open_queues = [q for q in self.options.queues if q not in paused | limited]
+        self._limited_queues = [q for q in self.options.queues if q in limited - paused]
+        if set(self._open_queues) - before:
+            self._poll_now = True  # a queue was resumed: look at once
+        if paused:
+            logger.debug("paused queues: %s", ", ".join(sorted(paused)))
 
     def _heartbeat(self) -> None:
         by_lease: dict[float, list[Job]] = {}
@@ -272,13 +347,23 @@ class Worker:
         except UnknownTask:
             return self.lease
 
-    def _log_stats(self, seconds: float) -> None:
-        counts, self._counts = self._counts, Counter()
-        if counts or self._in_flight:
+    def _report(self, seconds: float) -> None:
+        """Write what this worker did per queue since the last report (QueueStat rows), and
+        log it in one line."""
+        activity, self._activity = self._activity, Activity()
+        QueueStat.objects.using(self.db).bulk_create(
+            activity.rows(self.id, seconds, self.options.queues)
+        )
+        self._log_stats(activity, seconds)
+
+    def _log_stats(self, activity: Activity, seconds: float) -> None:
+        if activity.queues or self._in_flight:
+            done, dead = activity.total("succeeded"), activity.total("failed")
             logger.info(
-                "last %.0fs: done=%d retried=%d dead=%d lost=%d in_flight=%d (%.0f jobs/s)",
-                seconds, counts["done"], counts["retried"], counts["dead"], counts["lost"],
-                len(self._in_flight), (counts["done"] + counts["dead"]) / seconds,
+                "last %.0fs: done=%d retried=%d dead=%d cancelled=%d lost=%d in_flight=%d "
+                "(%.0f jobs/s)", seconds, done, activity.total("retried"), dead,
+                activity.total("cancelled"), activity.total("lost"), len(self._in_flight),
+                (done + dead) / seconds,
             )  # fmt: skip
 
     def _settle_due(self) -> bool:
@@ -329,7 +414,10 @@ class Worker:
         Django handles them per request."""
         while (job := self._todo.get()) is not None:
             close_old_connections()
+            signals.send(signals.job_started, job=job)
+            started = time.monotonic()
             outcome = execute.run(job)
+            outcome = replace(outcome, duration=time.monotonic() - started)
             close_old_connections()
             with self._lock:
                 if not self._done:
@@ -379,6 +467,10 @@ class Worker:
             logger.exception(
                 "could not release %d jobs; they return when their lease expires", len(left)
             )
-        self._log_stats(max(1e-3, time.monotonic() - self._timers.stats))
+        seconds = max(1e-3, time.monotonic() - self._timers.stats)
+        try:
+            self._report(seconds)
+        except DatabaseError:
+            self._log_stats(self._activity, seconds)
         connections.close_all()
         logger.info("worker %s stopped", self.id)

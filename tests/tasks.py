@@ -91,6 +91,25 @@ def record(n: int, seconds: float = 0.0) -> None:
     time.sleep(seconds)
 
 
+@task(max_attempts=5)
+def until_cancelled(n: int, timeout: float = 30.0) -> None:
+    """Write ledger row n, then wait for a cancellation request; when it comes, write row -n
+    (it was observed) and stop the way handlers are told to."""
+    import os
+    import time
+
+    from django_pgjobs import JobCancelled, cancel_requested
+    from tests.models import Execution
+
+    Execution.objects.create(n=n, pid=os.getpid())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cancel_requested():
+            Execution.objects.create(n=-n, pid=os.getpid())
+            raise JobCancelled("stopped on request")
+        time.sleep(0.02)
+
+
 seen_jobs: list[tuple[object, int, str | None]] = []
 
 

@@ -230,13 +230,18 @@ def test_run_now_makes_a_job_scheduled_for_later_due(admin_client, admin_user):
     assert log_for(job) == [(admin_user.username, CHANGE, "Run now.")]
 
 
-def test_cancel_cancels_ready_jobs_and_leaves_running_ones(admin_client, admin_user):
-    ready, running = JobFactory(), JobFactory(running=True)
-    page = act(admin_client, JOBS, "cancel", [ready, running], confirm=False)
-    assert page.context["count"] == 2
-    response = act(admin_client, JOBS, "cancel", [ready, running])
-    assert messages_of(response) == ["1 job cancelled. 1 skipped: only ready jobs are cancelled."]
-    assert (reload(ready).status, reload(running).status) == (Status.CANCELLED, Status.RUNNING)
+def test_cancel_cancels_ready_jobs_and_asks_running_ones_to_stop(admin_client, admin_user):
+    ready, running, done = JobFactory(), JobFactory(running=True), JobFactory(succeeded=True)
+    page = act(admin_client, JOBS, "cancel", [ready, running, done], confirm=False)
+    assert page.context["count"] == 3
+    response = act(admin_client, JOBS, "cancel", [ready, running, done])
+    assert messages_of(response) == [
+        "2 jobs cancelled (running ones stop if their handler checks, else finish). "
+        "1 skipped: only ready and running jobs are cancelled."
+    ]
+    running = reload(running)
+    assert (reload(ready).status, running.status) == (Status.CANCELLED, Status.RUNNING)
+    assert running.cancel_requested
     assert log_for(ready) == [(admin_user.username, CHANGE, "Cancelled.")]
 
 

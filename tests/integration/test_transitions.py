@@ -47,6 +47,24 @@ def test_complete_finishes_the_job():
     assert row.finished_at is not None
 
 
+def test_complete_keeps_a_result_only_when_given():
+    JobFactory.create_batch(3)
+    first, second, third = Job.objects.claim(["default"], worker="w1", limit=3)
+    assert Job.objects.complete(first, '{"total": 12.5, "items": [1, 2]}') is True
+    done, _, _ = Job.objects.finish_and_claim(
+        [second, third], [], [], worker="w1", limit=0, results={third.pk: '"ok"'}
+    )
+    assert done == {second.pk, third.pk}
+    results = dict(Job.objects.values_list("pk", "result"))
+    assert results == {first.pk: {"total": 12.5, "items": [1, 2]}, second.pk: None, third.pk: "ok"}
+
+
+def test_the_claim_records_when_the_attempt_started():
+    JobFactory()
+    job = claim_one()
+    assert job.started_at is not None and job.started_at >= job.run_at
+
+
 def test_a_stale_worker_cannot_complete_or_fail_the_newer_attempt():
     JobFactory()
     stale = claim_one("slow-worker")
@@ -260,14 +278,10 @@ def test_replay_skips_a_dead_letter_whose_unique_key_a_live_job_holds():
     assert Job.objects.filter(pk=dead.pk).replay() == []
 
 
-def test_cancel_only_touches_ready_jobs_and_run_now_makes_them_due():
-    ready, running = JobFactory(future=True), JobFactory(running=True)
+def test_run_now_makes_a_scheduled_job_due():
+    ready = JobFactory(future=True)
     assert Job.objects.filter(pk=ready.pk).run_now() == [ready.pk]
     assert claim_one().pk == ready.pk
-    later = JobFactory(future=True)
-    assert Job.objects.all().cancel() == [later.pk]
-    assert Job.objects.get(pk=later.pk).status == Status.CANCELLED
-    assert Job.objects.get(pk=running.pk).status == Status.RUNNING
 
 
 def test_a_transition_leaves_a_job_whose_status_changed_after_it_was_selected(other_connection):
