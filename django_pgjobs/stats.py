@@ -47,6 +47,8 @@ class Activity:
     failed: int
     #: Claims per latency bucket (see models.LATENCY_BUCKETS), summed over workers and rows.
     latency_buckets: list[int] = field(default_factory=list)
+    #: The seconds the rows cover: the window, or less when the first row began within it.
+    covered: float = 0.0
 
     @property
     def attempts(self) -> int:
@@ -54,8 +56,8 @@ class Activity:
 
     @property
     def throughput(self) -> float:
-        """Jobs finished (succeeded or dead-lettered) per second."""
-        return (self.succeeded + self.failed) / self.window
+        """Jobs finished (succeeded or dead-lettered) per second of the time covered."""
+        return (self.succeeded + self.failed) / max(self.covered or self.window, 1.0)
 
     @property
     def retry_rate(self) -> float:
@@ -155,7 +157,9 @@ def queue_stats(db: str | None = None, also: Iterable[str] = ()) -> list[QueueSt
 
 # Rows of the longest window only (the index on `at`), each counted in every window it is in.
 ACTIVITY_SQL = """
-    SELECT s.queue, w.seconds, sum(s.claimed), sum(s.succeeded), sum(s.retried), sum(s.failed)
+    SELECT s.queue, w.seconds, sum(s.claimed), sum(s.succeeded), sum(s.retried), sum(s.failed),
+           least(w.seconds,
+                 EXTRACT(EPOCH FROM now() - min(s.at - make_interval(secs => s.seconds))))
     FROM pgjobs_queuestat AS s
     JOIN unnest(%(windows)s::int[]) AS w(seconds)
       ON s.at > now() - make_interval(secs => w.seconds)
@@ -184,12 +188,19 @@ def activity_stats(db: str | None = None, windows: tuple[int, ...] = WINDOWS) ->
         for queue, window, n, count in cursor.fetchall():
             buckets.setdefault((queue, window), {})[n] = int(count)
     activity = []
-    for queue, window, claimed, succeeded, retried, failed in sorted(counts):
+    for queue, window, claimed, succeeded, retried, failed, covered in sorted(counts):
         by_n = buckets.get((queue, window), {})
         histogram = [by_n.get(n, 0) for n in range(1, max(by_n, default=0) + 1)]
         activity.append(
             Activity(
-                queue, window, int(claimed), int(succeeded), int(retried), int(failed), histogram
+                queue,
+                window,
+                int(claimed),
+                int(succeeded),
+                int(retried),
+                int(failed),
+                histogram,
+                float(covered),
             )
         )
     return activity

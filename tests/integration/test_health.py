@@ -20,10 +20,12 @@ from tests.factories import JobFactory
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def worker_row(queue: str = "default", ago: float = 0, worker: str = "host:1:aa", **counts):
-    """A QueueStat row as a worker writes it every interval, `ago` seconds in the past."""
+def worker_row(
+    queue: str = "default", ago: float = 0, worker: str = "host:1:aa", seconds=10, **counts
+):
+    """A QueueStat row as a worker writes it every `seconds`, `ago` seconds in the past."""
     return QueueStat.objects.create(
-        at=Now() - timedelta(seconds=ago), seconds=10, worker=worker, queue=queue, **counts
+        at=Now() - timedelta(seconds=ago), seconds=seconds, worker=worker, queue=queue, **counts
     )
 
 
@@ -78,7 +80,10 @@ def test_activity_sums_worker_rows_per_window_with_latency_percentiles():
     assert (minute.claimed, minute.succeeded, minute.retried) == (100, 90, 10)
     assert (quarter.claimed, quarter.succeeded) == (150, 140)
     assert minute.retry_rate == pytest.approx(0.1)
-    assert minute.throughput == pytest.approx(90 / 60)
+    # Rates are over the time the rows cover: 10 s for the minute, 610 s for the quarter.
+    assert minute.covered == pytest.approx(10, abs=1)
+    assert minute.throughput == pytest.approx(90 / 10, rel=0.1)
+    assert quarter.throughput == pytest.approx(140 / 610, rel=0.01)
     assert minute.latency(0.5) == pytest.approx(0.5 * 100 / 90 * 0.001)
     assert 0.5 < minute.latency(0.95) <= 1.0
 
@@ -215,7 +220,7 @@ def test_a_listener_stuck_in_a_transaction_fills_the_notify_queue(settings, othe
 
 def test_strain_at_high_throughput_is_past_the_design_envelope(settings):
     settings.PGJOBS = {"HEALTH": {"ENVELOPE_JOBS_PER_SECOND": 10}}
-    worker_row(claimed=9000, succeeded=9000)  # 10 jobs/s over 15 minutes
+    worker_row(claimed=9000, succeeded=9000, seconds=900)  # 10 jobs/s over 15 minutes
     backlog(5, waited=400)
     assert codes(reports.collect()) == {"workers_behind", "past_the_design_envelope"}
     settings.PGJOBS = {"HEALTH": {"ENVELOPE_JOBS_PER_SECOND": 11}}

@@ -106,10 +106,11 @@ def _workers(report: Report) -> str:
 
 def _table(report: Report) -> list[str]:
     t = report.table
-    indexes = ", ".join(f"{name} {_mib(size)}" for name, size in t.indexes.items())
+    largest = sorted(t.indexes.items(), key=lambda item: -item[1])
     return [
         f"table: {t.live_tuples} live, {t.dead_tuples} dead tuples; heap {_mib(t.table_bytes)}, "
-        f"indexes {_mib(t.index_bytes)} ({indexes})",
+        f"indexes {_mib(t.index_bytes)}",
+        "indexes: " + ", ".join(f"{name} {_mib(size)}" for name, size in largest),
         f"vacuum: last autovacuum {t.last_autovacuum or 'never'} ({t.autovacuum_count} runs), "
         f"last vacuum {t.last_vacuum or 'never'}; last autoanalyze "
         f"{t.last_autoanalyze or 'never'}, last analyze {t.last_analyze or 'never'}",
