@@ -9,7 +9,7 @@ from datetime import datetime
 
 from django.db import connections
 
-from django_pgjobs.stats import _db
+from django_pgjobs.stats import job_database
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class DatabaseStats:
 
 def table_stats(db: str | None = None) -> TableStats:
     """The job table's statistics (pg_stat_user_tables, pg_stat_user_indexes, sizes)."""
-    with connections[_db(db)].cursor() as cursor:
+    with connections[job_database(db)].cursor() as cursor:
         cursor.execute(
             """
             SELECT n_live_tup, n_dead_tup, pg_table_size(relid), pg_indexes_size(relid),
@@ -93,7 +93,7 @@ HORIZON_SQL = """
 def database_stats(db: str | None = None) -> DatabaseStats:
     """Connections, idle transactions, the oldest snapshot, prepared transactions, replication
     slots and the NOTIFY queue (pg_stat_activity and a few catalog views)."""
-    with connections[_db(db)].cursor() as cursor:
+    with connections[job_database(db)].cursor() as cursor:
         cursor.execute(
             """
             SELECT COALESCE(state, 'unknown'), count(*) FROM pg_stat_activity

@@ -98,8 +98,9 @@ class Verdict:
 
 
 def _reason(code: str, level: Level, summary: str, detail: str, *limits: str) -> Reason:
-    limit_values = thresholds()
-    used = ", ".join(f"{name} = {getattr(limit_values, name):g}" for name in limits)
+    """A reason, with the values of the thresholds named in `limits`."""
+    values = thresholds()
+    used = ", ".join(f"{name} = {getattr(values, name):g}" for name in limits)
     return Reason(code, level, summary, detail, used, f"{DOC}#{code.replace('_', '-')}")
 
 
@@ -148,6 +149,8 @@ def _behind(report: Report, previous: Report | None, limits: Thresholds) -> list
             )
         elif q.oldest_due_seconds >= limits.OLDEST_DUE_SECONDS:
             detail = f"{q.queue!r}: {q.due} due, the oldest waiting {q.oldest_due_seconds:.0f}s"
+            if q.max_running is not None:
+                detail += f"; at most {q.max_running} may run at once (Queue.max_running)"
             if q.queue in before:
                 was = before[q.queue]
                 detail += (

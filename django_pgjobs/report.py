@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -33,7 +33,7 @@ class Report:
 def collect(db: str | None = None, previous: Report | None = None) -> Report:
     """Take the report (a dozen cheap queries) and judge it; `previous` is the last sample of a
     --watch, which lets the verdict say how a backlog moved."""
-    db = stats._db(db)
+    db = stats.job_database(db)
     with connections[db].cursor() as cursor:
         cursor.execute("SELECT now()")
         (now,) = cursor.fetchone()
@@ -47,7 +47,7 @@ def collect(db: str | None = None, previous: Report | None = None) -> Report:
         table=dbstats.table_stats(db),
         database=dbstats.database_stats(db),
     )
-    return Report(**{**report.__dict__, "verdict": health.judge(report, previous)})
+    return replace(report, verdict=health.judge(report, previous))
 
 
 def as_dict(report: Report) -> dict[str, Any]:

@@ -93,7 +93,8 @@ def latency_quantile(buckets: list[int], quantile: float) -> float | None:
     return float(LATENCY_BUCKETS[-1])
 
 
-def _db(db: str | None) -> str:
+def job_database(db: str | None = None) -> str:
+    """`db`, or the database the job table is written to."""
     from django_pgjobs.models import Job
 
     return db or router.db_for_write(Job)
@@ -128,7 +129,7 @@ def queue_stats(db: str | None = None, also: Iterable[str] = ()) -> list[QueueSt
     in `also` (queues that workers serve or recently worked on)."""
     from django_pgjobs.models import Queue
 
-    db = _db(db)
+    db = job_database(db)
     with connections[db].cursor() as cursor:
         cursor.execute(QUEUES_SQL)
         rows = {row[0]: row for row in cursor.fetchall()}
@@ -180,7 +181,7 @@ BUCKETS_SQL = """
 def activity_stats(db: str | None = None, windows: tuple[int, ...] = WINDOWS) -> list[Activity]:
     """Per queue and window, what workers recorded in the QueueStat rows written within it."""
     params: dict[str, Any] = {"windows": list(windows), "longest": max(windows)}
-    with connections[_db(db)].cursor() as cursor:
+    with connections[job_database(db)].cursor() as cursor:
         cursor.execute(ACTIVITY_SQL, params)
         counts = cursor.fetchall()
         cursor.execute(BUCKETS_SQL, params)
@@ -220,7 +221,7 @@ def worker_stats(db: str | None = None) -> list[WorkerStats]:
     """Workers that wrote a QueueStat row in the last 15 minutes: the queues they serve, and
     whether they are alive (wrote a row within the last two of their intervals)."""
     params = {"intervals": ALIVE_INTERVALS, "slack": ALIVE_SLACK, "longest": max(WINDOWS)}
-    with connections[_db(db)].cursor() as cursor:
+    with connections[job_database(db)].cursor() as cursor:
         cursor.execute(WORKERS_SQL, params)
         return [
             WorkerStats(worker, list(queues), float(seen), bool(alive))

@@ -122,10 +122,12 @@ def test_an_empty_queue_with_a_live_worker_is_healthy_and_exits_zero():
 def test_a_backlog_older_than_the_threshold_means_workers_are_behind(settings):
     worker_row()
     backlog(5, waited=400)
+    Queue.objects.create(name="default", max_running=2)
     report = reports.collect()
     assert codes(report) == {"workers_behind"}
     (reason,) = report.verdict.reasons
     assert "5 due" in reason.detail and "OLDEST_DUE_SECONDS = 300" in reason.threshold
+    assert "at most 2 may run at once" in reason.detail
     assert reason.doc == "docs/howto/monitoring.md#workers-behind"
     code, out = jobstats()
     assert code == 1 and "workers are behind" in out
@@ -280,3 +282,22 @@ def test_the_report_reads_the_partial_indexes_and_recent_rows_not_the_history():
     for sql in (stats.ACTIVITY_SQL, stats.BUCKETS_SQL, stats.WORKERS_SQL):
         plan = explain(sql, params)
         assert "pgjobs_queuestat_at_idx" in plan and "Seq Scan" not in plan, plan
+
+
+def test_jobstats_watch_prints_a_sample_per_interval_until_interrupted(monkeypatch):
+    worker_row()
+    backlog(2, waited=400)
+    sleeps = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the second wait
+
+    monkeypatch.setattr("time.sleep", sleep)
+    code, out = jobstats("--watch", "0.5", "--json")
+    first, second = (json.loads(line) for line in out.splitlines())
+    assert sleeps == [0.5, 0.5]
+    assert code == 1  # the last sample's verdict: workers are behind
+    assert "since the previous sample" not in first["reasons"][0]["detail"]
+    assert "since the previous sample depth 2 → 2" in second["reasons"][0]["detail"]

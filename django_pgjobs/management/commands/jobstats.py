@@ -38,25 +38,29 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         interval = options["watch"]
-        previous: Report | None = None
-        while True:
-            report = reports.collect(previous=previous)
-            if options["json"]:
-                indent = None if interval else 2
-                self.stdout.write(json.dumps(reports.as_dict(report), default=str, indent=indent))
-            else:
-                if interval and self.stdout.isatty():
-                    self.stdout.write(CLEAR, ending="")
-                self.stdout.write(render(report))
-            if not interval:
-                break
-            previous = report
-            try:
+        report: Report | None = None
+        try:
+            while True:
+                report = reports.collect(previous=report)
+                self.show(report, options["json"], interval)
+                if not interval:
+                    break
                 time.sleep(interval)
-            except KeyboardInterrupt:
-                break
+        except KeyboardInterrupt:
+            if report is None:
+                raise
+        # The last sample's verdict, also after Ctrl-C ends a --watch.
         if report.verdict.exit_code:
             raise SystemExit(report.verdict.exit_code)
+
+    def show(self, report: Report, as_json: bool, interval: float | None) -> None:
+        if as_json:
+            indent = None if interval else 2  # one document per line when watching
+            self.stdout.write(json.dumps(reports.as_dict(report), default=str, indent=indent))
+            return
+        if interval and self.stdout.isatty():
+            self.stdout.write(CLEAR, ending="")
+        self.stdout.write(render(report))
 
 
 def render(report: Report) -> str:
