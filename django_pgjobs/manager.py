@@ -417,7 +417,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         sql = _finish_sql(
             db, queue_count, limit, bool(succeeded), bool(succeeded and results), bool(failed)
         )
-        with _cursor(db) as cursor:
+        # Binary results: uuids, timestamps and jsonb load in C rather than by parsing text.
+        with _cursor(db, binary=True) as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
         done = {row[1] for row in rows if row[0] == _DONE}
@@ -765,13 +766,21 @@ def _columns(model: type[Job]) -> tuple[str, ...]:
 
 @lru_cache(maxsize=8)
 def _loading(model: type[Job]) -> tuple[list[str], list[tuple[int, Any]]]:
-    """The model's attribute names, and the fields whose database values need converting."""
+    """The model's attribute names, and the fields whose database values need converting.
+
+    Rows come in binary, where psycopg has already loaded jsonb into Python objects, so JSON
+    fields need no converting (Django's converter parses only the text format)."""
     fields = model._meta.concrete_fields
-    converters = [(n, field) for n, field in enumerate(fields) if hasattr(field, "from_db_value")]
+    converters = [
+        (n, field)
+        for n, field in enumerate(fields)
+        if hasattr(field, "from_db_value") and not isinstance(field, models.JSONField)
+    ]
     return [field.attname for field in fields], converters
 
 
 def _from_rows(model: type[Job], db: str, rows: Iterable[Sequence[Any]]) -> list[Job]:
+    """Jobs from binary result rows with every concrete column in model order."""
     attnames, converters = _loading(model)
     connection = connections[db]
     jobs = []

@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 #: Longest a finished job's outcome waits for others to share its statement (see _settle_due).
 SETTLE_DELAY = 0.002
 
+#: A worker claims more jobs than it has threads only as many as those threads are expected to
+#: start within this many seconds (from the handlers' recent mean duration): fast jobs then never
+#: wait for a round trip to the database, and slow ones are never hoarded from other workers.
+PREFETCH_HORIZON = 0.05
+
 
 def _extra(job: Job, duration: float) -> dict[str, object]:
     """The fields of a job's log records, for structured (e.g. JSON) log handlers."""
@@ -102,6 +107,7 @@ class Worker:
         self._poll_now = True  # set by wake-ups: claim at the next turn of the loop
         self._next_poll = 0.0
         self._poll_delay = 0.0
+        self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._last_claim_empty = False
         self._activity = Activity()
         # From the Queue controls: queues claimed freely, and those claimed under their limit.
@@ -165,7 +171,14 @@ class Worker:
     # ---- the loop's steps ------------------------------------------------------------------
 
     def _free_slots(self) -> int:
-        return self.options.concurrency - len(self._in_flight)
+        return self.options.concurrency + self._prefetch() - len(self._in_flight)
+
+    def _prefetch(self) -> int:
+        """How many jobs beyond the threads to hold: what they start within PREFETCH_HORIZON."""
+        if self._mean_duration is None:
+            return 0
+        expected = self.options.concurrency * PREFETCH_HORIZON / max(self._mean_duration, 1e-6)
+        return min(self.options.batch_size, int(expected))
 
     def _settle_and_fetch(self) -> None:
         """Record finished handlers' outcomes and claim into the free slots, in one statement
@@ -179,6 +192,10 @@ class Worker:
         results: dict[UUID, str] = {}
         failed: list[FailedAttempt] = []
         durations = {job.pk: outcome.duration for job, outcome in done}
+        if durations:
+            mean = sum(durations.values()) / len(durations)
+            previous = self._mean_duration
+            self._mean_duration = mean if previous is None else 0.8 * previous + 0.2 * mean
         try:
             for job, outcome in done:
                 if outcome.result is Result.SUCCEEDED:
