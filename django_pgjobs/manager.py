@@ -93,37 +93,48 @@ _APPEND_ERROR = """
 _RUN_AT = """COALESCE(%s::timestamptz,
                       statement_timestamp() + make_interval(secs => COALESCE(%s::float8, 0)))"""
 
-# Enqueue. One job is a VALUES row, the cheapest statement to plan. ON CONFLICT only with a
-# unique_key: a speculative insertion costs more CPU and WAL than a plain one, and a NULL key
-# can never conflict.
+# Enqueue, keyed by (with a unique_key?, with a wake-up?). One job is a VALUES row, the
+# cheapest statement to plan. ON CONFLICT only with a unique_key: a speculative insertion costs
+# more CPU and WAL than a plain one, and a NULL key can never conflict. The wake-up is part of
+# the statement (see notify.to_send), sent only if a row was inserted.
 _INSERT = f"""
-    INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
-    VALUES (%s, %s, %s, %s::jsonb, %s, {_RUN_AT}, %s, %s)
-    {{on_conflict}}
-    RETURNING j.id, j.run_at, j.created_at
+    WITH inserted AS (
+        INSERT INTO pgjobs_job AS j
+            (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+        VALUES (%s, %s, %s, %s::jsonb, %s, {_RUN_AT}, %s, %s)
+        {{on_conflict}}
+        RETURNING j.id, j.run_at, j.created_at
+    )
+    SELECT id, run_at, created_at{{wake_up}} FROM inserted
 """
+_ON_CONFLICT = """ON CONFLICT (unique_key)
+    WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL DO NOTHING"""
+_WAKE_UP = ", pg_notify(%s, %s)"
 _INSERT_ONE = {
-    False: _INSERT.format(on_conflict=""),
-    True: _INSERT.format(
-        on_conflict="""ON CONFLICT (unique_key)
-            WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL DO NOTHING"""
-    ),
+    (unique, wake): _INSERT.format(
+        on_conflict=_ON_CONFLICT if unique else "", wake_up=_WAKE_UP if wake else ""
+    )
+    for unique in (False, True)
+    for wake in (False, True)
 }
 # Many jobs of one task with the same options (and no unique_key): their ids and payloads as
 # parallel arrays, the rest bound once. The arrays bind in binary (%b): text arrays would have
 # every JSON payload quoted and escaped by Python first. Every row gets the same run_at (one
 # statement_timestamp()) and created_at (the transaction's now()), so one row of them comes
 # back instead of a row per job.
-_INSERT_MANY = f"""
+_INSERT_MANY_TEMPLATE = f"""
     WITH inserted AS (
         INSERT INTO pgjobs_job AS j (id, queue, task, payload, priority, run_at, max_attempts)
         SELECT i.id, %s, %s, i.payload::jsonb, %s, {_RUN_AT}, %s
         FROM unnest(%b::uuid[], %b::text[]) AS i(id, payload)
         RETURNING j.run_at, j.created_at
     )
-    SELECT min(run_at), min(created_at), max(run_at) = min(run_at), count(*) FROM inserted
+    SELECT min(run_at), min(created_at), max(run_at) = min(run_at), count(*){{wake_up}}
+    FROM inserted
 """
+_INSERT_MANY = {  # by "with a wake-up?"
+    wake: _INSERT_MANY_TEMPLATE.format(wake_up=_WAKE_UP if wake else "") for wake in (False, True)
+}
 
 
 #: The fields of a newly enqueued Job, in model order (_insert builds rows in this order).
@@ -260,7 +271,6 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         while True:
             jobs = self._insert([row], [payload or {}])
             if jobs:
-                notify.after_enqueue(self._write_db(), [jobs[0].queue])
                 signals.send(signals.job_enqueued, jobs=jobs)
                 return jobs[0]
             existing: Job | None = self.filter(unique_key=unique_key, status__in=LIVE).first()
@@ -297,8 +307,6 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         for start in range(0, len(rows), batch_size):
             end = start + batch_size
             jobs.extend(self._insert(rows[start:end], checked[start:end]))
-        if jobs:
-            notify.after_enqueue(self._write_db(), [queue])
         signals.send(signals.job_enqueued, jobs=jobs)
         return jobs
 
@@ -337,19 +345,22 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         the checked payloads the rows' JSON was made from (the returned jobs hold them)."""
         db = self._write_db()
         _, queue, task, _, priority, run_at, delay, max_attempts, key = rows[0]
+        wake_up = [notify.CHANNEL, queue] if notify.to_send(db, [queue]) else []
         # Binary results: uuids and timestamps load in C rather than by parsing text.
         with _cursor(db, binary=True) as cursor:
             if len(rows) == 1:
-                cursor.execute(_INSERT_ONE[key is not None], rows[0])
-                inserted = {job_id: times for job_id, *times in cursor.fetchall()}
+                cursor.execute(_INSERT_ONE[key is not None, bool(wake_up)], [*rows[0], *wake_up])
+                inserted = {job_id: (at, created) for job_id, at, created, *_ in cursor.fetchall()}
             else:
                 assert key is None, "many jobs never share a unique_key"
                 ids = [row[0] for row in rows]
+                payloads_json = [row[3] for row in rows]
                 cursor.execute(
-                    _INSERT_MANY,
-                    [queue, task, priority, run_at, delay, max_attempts, ids, [r[3] for r in rows]],
-                )
-                first_run_at, created_at, same, count = cursor.fetchone()
+                    _INSERT_MANY[bool(wake_up)],
+                    [queue, task, priority, run_at, delay, max_attempts, ids, payloads_json,
+                     *wake_up],
+                )  # fmt: skip
+                first_run_at, created_at, same, count, *_ = cursor.fetchone()
                 assert same and count == len(rows), "one statement, one run_at"
                 inserted = dict.fromkeys(ids, (first_run_at, created_at))
         attnames = list(_ENQUEUED)

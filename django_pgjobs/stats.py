@@ -89,6 +89,7 @@ def table_stats(db: str | None = None) -> TableStats:
             SELECT COALESCE(EXTRACT(EPOCH FROM now() - xact_start), 0), left(query, 200)
             FROM pg_stat_activity
             WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+              AND datname = current_database()  -- only they hold back vacuum of this table
             ORDER BY age(backend_xmin) DESC LIMIT 1
             """
         )
