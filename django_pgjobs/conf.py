@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from functools import cache
 from typing import Any
@@ -32,6 +33,8 @@ class Settings:
     RETENTION: timedelta = timedelta(hours=1)
     #: Rows deleted per prune statement.
     PRUNE_BATCH: int = 1000
+    #: Periodic schedules by name: {"name": {"task": ..., "cron": ..., ...}} (see periodic.py).
+    PERIODIC: Mapping[str, Any] = field(default_factory=dict)
 
 
 DEFAULTS = Settings()

@@ -24,7 +24,7 @@ from django.db import (
     router,
 )
 
-from django_pgjobs import execute, notify, registry
+from django_pgjobs import execute, notify, periodic, registry
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.execute import Outcome, Result
@@ -66,6 +66,7 @@ class _Timers:
     reap: float = 0.0
     prune: float = 0.0
     stats: float = field(default_factory=time.monotonic)
+    periodic: float = 0.0
 
 
 class Worker:
@@ -91,6 +92,7 @@ class Worker:
         self._last_claim_empty = False
         self._counts: Counter[str] = Counter()
         self._timers = _Timers()
+        self._periodic = periodic.Scheduler(self.db)
         self._threads: list[threading.Thread] = []
 
     # ---- control ---------------------------------------------------------------------------
@@ -245,6 +247,9 @@ class Worker:
             # One bounded batch per turn of the loop while there is a backlog to prune.
             full = self.jobs.prune(max_batches=1) == get_settings().PRUNE_BATCH
             timers.prune = now if full else now + options.prune_interval
+        if now >= timers.periodic and not options.once:
+            # Returns when a tick may next be due: the worker wakes for it (_wait_time).
+            timers.periodic = now + self._periodic.enqueue_due()
         if now >= timers.stats + options.stats_interval:
             self._log_stats(now - timers.stats)
             timers.stats = now
@@ -299,6 +304,8 @@ class Worker:
     def _wait_time(self) -> float:
         """Until the next chore or poll; finishing handlers and wake-ups interrupt the wait."""
         deadlines = [self._timers.heartbeat, self._timers.reap]
+        if not self.options.once:
+            deadlines.append(self._timers.periodic)
         if self._done:
             deadlines.append(self._first_done_at + SETTLE_DELAY)
         if self._stopping:
