@@ -91,6 +91,12 @@ def record(n: int, seconds: float = 0.0) -> None:
     time.sleep(seconds)
 
 
+@task
+def periodic_tick(tick: str) -> None:
+    """The periodic tests' handler: scheduled with pass_tick=True, it receives its tick."""
+    _count("periodic_tick")
+
+
 seen_jobs: list[tuple[object, int, str | None]] = []
 
 
