@@ -23,6 +23,7 @@ from croniter import CroniterError, croniter
 from django.conf import settings as django_settings
 from django.core.checks import CheckMessage, Error, register
 from django.db import connections, transaction
+from django.db.models import DateTimeField, Func
 from django.db.models.functions import Now
 
 from django_pgjobs import registry, validation
@@ -329,7 +330,7 @@ class Scheduler:
 
         schedule = Schedule.objects.using(self.db).filter(name=periodic.name)
         with transaction.atomic(using=self.db):
-            row = schedule.annotate(now=Now()).values_list("last_tick", "now").first()
+            row = schedule.annotate(now=_STATEMENT_TIME).values_list("last_tick", "now").first()
             if row is None:  # the row was deleted: create it again, counting from now
                 self._synced = False
                 return
@@ -338,8 +339,8 @@ class Scheduler:
             ticks, latest = periodic.due(last, now)
             # The compare-and-set: of the workers that read `last`, only the first to write
             # moves the tick on; the others' UPDATE finds last_tick changed and matches nothing.
-            won = latest > last and schedule.filter(last_tick=last).update(
-                last_tick=latest, updated_at=Now()
+            won = latest > last and bool(
+                schedule.filter(last_tick=last).update(last_tick=latest, updated_at=Now())
             )
             if won:
                 jobs = Job.objects.db_manager(self.db)
@@ -350,7 +351,7 @@ class Scheduler:
                         queue=periodic.queue,
                         priority=periodic.priority,
                     )
-            else:
+            elif latest > last:  # another worker moved it on first: take its last tick
                 latest = schedule.values_list("last_tick", flat=True).first() or last
         self._next[periodic.name] = periodic.next_tick(latest)
         if won and ticks != [periodic.next_tick(last)]:
@@ -366,6 +367,9 @@ class Scheduler:
     def _now(self) -> datetime:
         return datetime.fromtimestamp(time.time() + self._offset, UTC)
 
+
+# The database's clock now (Now() is the transaction's start, older inside a long transaction).
+_STATEMENT_TIME = Func(function="statement_timestamp", output_field=DateTimeField())
 
 # New schedules start counting from now. An existing row takes the declaration's task, cron and
 # time zone; a changed cron or zone counts from now too (the old expression's ticks since the
