@@ -22,7 +22,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from croniter import CroniterError, croniter
 from django.conf import settings as django_settings
 from django.core.checks import CheckMessage, Error, register
-from django.db import connections, transaction
+from django.db import ProgrammingError, connections, transaction
 from django.db.models import DateTimeField, Func
 from django.db.models.functions import Now
 
@@ -287,7 +287,16 @@ class Scheduler:
         if not self.schedules:
             return MAX_WAIT
         if not self._synced:
-            self._sync()
+            try:
+                self._sync()
+            except ProgrammingError:
+                # New code before its migration (a deploy that migrates after starting workers):
+                # keep running jobs, and look again later.
+                logger.error(
+                    "periodic schedules are off until the pgjobs migrations are applied "
+                    "(manage.py migrate pgjobs); looking again in %gs", MAX_WAIT, exc_info=True,
+                )  # fmt: skip
+                return MAX_WAIT
         for name, periodic in self.schedules.items():
             if self._next[name] <= self._now():
                 self._enqueue(periodic)
