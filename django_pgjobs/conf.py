@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from functools import cache
 from typing import Any
@@ -34,6 +35,8 @@ class Settings:
     PRUNE_BATCH: int = 1000
     #: How long the workers' per-queue statistics (QueueStat rows) are kept.
     STATS_RETENTION: timedelta = timedelta(days=1)
+    #: Periodic schedules by name: {"name": {"task": ..., "cron": ..., ...}} (see periodic.py).
+    PERIODIC: Mapping[str, Any] = field(default_factory=dict)
 
 
 DEFAULTS = Settings()

@@ -24,7 +24,7 @@ from django.db import (
 )
 from django.db.models.functions import Now
 
-from django_pgjobs import execute, notify, registry, signals
+from django_pgjobs import execute, notify, periodic, registry, signals
 from django_pgjobs.activity import Activity
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import UnknownTask
@@ -85,6 +85,7 @@ class _Timers:
     prune: float = 0.0
     controls: float = 0.0
     stats: float = field(default_factory=time.monotonic)
+    periodic: float = 0.0
 
 
 class Worker:
@@ -114,6 +115,7 @@ class Worker:
         self._open_queues: list[str] = list(options.queues)
         self._limited_queues: list[str] = []
         self._timers = _Timers()
+        self._periodic = periodic.Scheduler(self.db)
         self._threads: list[threading.Thread] = []
 
     # ---- control ---------------------------------------------------------------------------
@@ -324,6 +326,9 @@ class Worker:
             QueueStat.objects.using(self.db).filter(
                 at__lt=Now() - get_settings().STATS_RETENTION
             ).delete()
+        if now >= timers.periodic and not options.once:
+            # Returns when a tick may next be due: the worker wakes for it (_wait_time).
+            timers.periodic = now + self._periodic.enqueue_due()
         if now >= timers.stats + options.stats_interval:
             self._report(now - timers.stats)
             timers.stats = now
@@ -401,6 +406,8 @@ class Worker:
     def _wait_time(self) -> float:
         """Until the next chore or poll; finishing handlers and wake-ups interrupt the wait."""
         deadlines = [self._timers.heartbeat, self._timers.reap]
+        if not self.options.once:
+            deadlines.append(self._timers.periodic)
         if self._done:
             deadlines.append(self._first_done_at + SETTLE_DELAY)
         if self._stopping:
