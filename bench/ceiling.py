@@ -56,9 +56,14 @@ def claim_complete(cluster: Cluster, batch: int, clients: int, jobs: int, repeat
     return statistics.median(results)
 
 
-def insert(cluster: Cluster, rows: int, clients: int, seconds: float, repeat: int) -> float:
-    """Jobs/s of INSERTs of `rows` jobs per transaction by `clients` connections."""
-    script = "insert_one.sql" if rows == 1 else "insert_batch.sql"
+def insert(
+    cluster: Cluster, rows: int, clients: int, seconds: float, repeat: int, explicit: bool = False
+) -> float:
+    """Jobs/s of INSERTs of `rows` jobs per transaction by `clients` connections; `explicit`:
+    one row in a BEGIN … COMMIT block instead of an autocommitted statement."""
+    script = "insert_one_txn.sql" if explicit else "insert_one.sql" if rows == 1 else (
+        "insert_batch.sql"
+    )  # fmt: skip
     results = []
     for _ in range(repeat):
         reset(cluster)

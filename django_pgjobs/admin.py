@@ -483,3 +483,6 @@ class DeadLetterAdmin(BaseJobAdmin):
             .order_by("-jobs", "task", "error_type")
         )
         return {"summary": list(groups[:20])}
+
+
+from django_pgjobs import admin_periodic  # noqa: E402, F401

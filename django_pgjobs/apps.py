@@ -12,6 +12,6 @@ class PgJobsConfig(AppConfig):
     verbose_name = "Jobs"
 
     def ready(self) -> None:
-        from django_pgjobs import checks  # noqa: F401  (registers the checks)
+        from django_pgjobs import checks, periodic  # noqa: F401  (registers the checks)
 
         autodiscover_modules("tasks")

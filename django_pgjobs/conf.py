@@ -38,6 +38,8 @@ class Settings:
     PRUNE_BATCH: int = 1000
     #: How long the workers' per-queue statistics (QueueStat rows) are kept.
     STATS_RETENTION: timedelta = timedelta(days=1)
+    #: Periodic schedules by name: {"name": {"task": ..., "cron": ..., ...}} (see periodic.py).
+    PERIODIC: Mapping[str, Any] = field(default_factory=dict)
     #: Thresholds of the health verdict, over health.Thresholds' defaults.
     HEALTH: Mapping[str, float] = field(default_factory=dict)
 

@@ -93,27 +93,47 @@ _APPEND_ERROR = """
 _RUN_AT = """COALESCE(%s::timestamptz,
                       statement_timestamp() + make_interval(secs => COALESCE(%s::float8, 0)))"""
 
-# Enqueue, keyed by (one job?, with a unique_key?). One job is a VALUES row, the cheapest
-# statement to plan; many jobs of one task with the same options are their ids and payloads as
-# parallel arrays with the rest bound once. ON CONFLICT only with a unique_key: a speculative
-# insertion costs more CPU and WAL than a plain one, and a NULL key can never conflict.
-_ONE_ROW = f"VALUES (%s, %s, %s, %s::jsonb, %s, {_RUN_AT}, %s, %s)"
-# The arrays bind in binary (%b): text arrays would have every JSON payload quoted and escaped
-# by Python first, which cost more than the rest of the statement's preparation.
-_MANY_ROWS = f"""SELECT i.id, %s, %s, i.payload::jsonb, %s, {_RUN_AT}, %s, %s
-    FROM unnest(%b::uuid[], %b::text[]) AS i(id, payload)"""
-_ON_CONFLICT = """ON CONFLICT (unique_key)
-    WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL DO NOTHING"""
-_INSERTS = {
-    (one, unique): f"""
+# Enqueue, keyed by (with a unique_key?, with a wake-up?). One job is a VALUES row, the
+# cheapest statement to plan. ON CONFLICT only with a unique_key: a speculative insertion costs
+# more CPU and WAL than a plain one, and a NULL key can never conflict. The wake-up is part of
+# the statement (see notify.to_send), sent only if a row was inserted.
+_INSERT = f"""
+    WITH inserted AS (
         INSERT INTO pgjobs_job AS j
             (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
-        {_ONE_ROW if one else _MANY_ROWS}
-        {_ON_CONFLICT if unique else ""}
+        VALUES (%s, %s, %s, %s::jsonb, %s, {_RUN_AT}, %s, %s)
+        {{on_conflict}}
         RETURNING j.id, j.run_at, j.created_at
-    """
-    for one in (True, False)
-    for unique in (True, False)
+    )
+    SELECT id, run_at, created_at{{wake_up}} FROM inserted
+"""
+_ON_CONFLICT = """ON CONFLICT (unique_key)
+    WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL DO NOTHING"""
+_WAKE_UP = ", pg_notify(%s, %s)"
+_INSERT_ONE = {
+    (unique, wake): _INSERT.format(
+        on_conflict=_ON_CONFLICT if unique else "", wake_up=_WAKE_UP if wake else ""
+    )
+    for unique in (False, True)
+    for wake in (False, True)
+}
+# Many jobs of one task with the same options (and no unique_key): their ids and payloads as
+# parallel arrays, the rest bound once. The arrays bind in binary (%b): text arrays would have
+# every JSON payload quoted and escaped by Python first. Every row gets the same run_at (one
+# statement_timestamp()) and created_at (the transaction's now()), so one row of them comes
+# back instead of a row per job.
+_INSERT_MANY_TEMPLATE = f"""
+    WITH inserted AS (
+        INSERT INTO pgjobs_job AS j (id, queue, task, payload, priority, run_at, max_attempts)
+        SELECT i.id, %s, %s, i.payload::jsonb, %s, {_RUN_AT}, %s
+        FROM unnest(%b::uuid[], %b::text[]) AS i(id, payload)
+        RETURNING j.run_at, j.created_at
+    )
+    SELECT min(run_at), min(created_at), max(run_at) = min(run_at), count(*){{wake_up}}
+    FROM inserted
+"""
+_INSERT_MANY = {  # by "with a wake-up?"
+    wake: _INSERT_MANY_TEMPLATE.format(wake_up=_WAKE_UP if wake else "") for wake in (False, True)
 }
 
 
@@ -266,9 +286,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """
         row = self._row(task, payload, queue, priority, run_at, delay, max_attempts, unique_key)
         while True:
-            jobs = self._insert([row])
+            jobs = self._insert([row], [payload or {}])
             if jobs:
-                notify.after_enqueue(self._write_db(), [jobs[0].queue])
                 signals.send(signals.job_enqueued, jobs=jobs)
                 return jobs[0]
             existing: Job | None = self.filter(unique_key=unique_key, status__in=LIVE).first()
@@ -295,15 +314,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             task, None, queue, priority, run_at, delay, max_attempts, None
         )
         limit = get_settings().MAX_PAYLOAD_BYTES
+        checked = [{} if payload is None else payload for payload in payloads]
         rows = [
             (uuid7(), queue, name, validation.payload_json(payload, limit), priority, run_at,
              delay, max_attempts, None)
-            for payload in payloads
+            for payload in checked
         ]  # fmt: skip
         jobs: list[Job] = []
         for start in range(0, len(rows), batch_size):
-            jobs.extend(self._insert(rows[start : start + batch_size]))
-        notify.after_enqueue(self._write_db(), {job.queue for job in jobs})
+            end = start + batch_size
+            jobs.extend(self._insert(rows[start:end], checked[start:end]))
         signals.send(signals.job_enqueued, jobs=jobs)
         return jobs
 
@@ -337,28 +357,39 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             None if unique_key is None else validation.check_unique_key(unique_key),
         )
 
-    def _insert(self, rows: list[tuple[Any, ...]]) -> list[Job]:
-        """Insert rows made by _row that differ only in their id and payload."""
+    def _insert(self, rows: list[tuple[Any, ...]], payloads: list[dict[str, Any]]) -> list[Job]:
+        """Insert rows made by _row that differ only in their id and payload; `payloads` are
+        the checked payloads the rows' JSON was made from (the returned jobs hold them)."""
         db = self._write_db()
         _, queue, task, _, priority, run_at, delay, max_attempts, key = rows[0]
-        if len(rows) == 1:
-            params = list(rows[0])
-        else:
-            params = [queue, task, priority, run_at, delay, max_attempts, key]
-            params += [[row[0] for row in rows], [row[3] for row in rows]]
+        wake_up = [notify.CHANNEL, queue] if notify.to_send(db, [queue]) else []
         # Binary results: uuids and timestamps load in C rather than by parsing text.
         with _cursor(db, binary=True) as cursor:
-            cursor.execute(_INSERTS[len(rows) == 1, key is not None], params)
-            inserted = {row[0]: row[1:] for row in cursor.fetchall()}
+            if len(rows) == 1:
+                cursor.execute(_INSERT_ONE[key is not None, bool(wake_up)], [*rows[0], *wake_up])
+                inserted = {job_id: (at, created) for job_id, at, created, *_ in cursor.fetchall()}
+            else:
+                assert key is None, "many jobs never share a unique_key"
+                ids = [row[0] for row in rows]
+                payloads_json = [row[3] for row in rows]
+                cursor.execute(
+                    _INSERT_MANY[bool(wake_up)],
+                    [queue, task, priority, run_at, delay, max_attempts, ids, payloads_json,
+                     *wake_up],
+                )  # fmt: skip
+                first_run_at, created_at, same, count, *_ = cursor.fetchone()
+                assert same and count == len(rows), "one statement, one run_at"
+                inserted = dict.fromkeys(ids, (first_run_at, created_at))
         attnames = list(_ENQUEUED)
         jobs = []
-        for job_id, queue, task, payload, priority, _run_at, _delay, max_attempts, key in rows:
+        for row, payload in zip(rows, payloads, strict=True):
+            job_id, queue, task, _json, priority, _run_at, _delay, max_attempts, key = row
             if job_id not in inserted:
                 continue  # unique_key already held by a live job
             run_at, created_at = inserted[job_id]
             # from_db with every field in order: the fast way to build a model instance.
             values: tuple[Any, ...] = (
-                job_id, queue, task, json.loads(payload), Status.READY.value, priority, run_at,
+                job_id, queue, task, payload, Status.READY.value, priority, run_at,
                 0, max_attempts, None, None, "", [], created_at, None, key, None, False, None,
             )  # fmt: skip
             jobs.append(self.model.from_db(db, attnames, values))
@@ -434,7 +465,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         sql = _finish_sql(
             db, queue_count, limit, bool(succeeded), bool(succeeded and results), bool(failed)
         )
-        with _cursor(db) as cursor:
+        # Binary results: uuids, timestamps and jsonb load in C rather than by parsing text.
+        with _cursor(db, binary=True) as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
         done = {row[1] for row in rows if row[0] == _DONE}
@@ -782,13 +814,21 @@ def _columns(model: type[Job]) -> tuple[str, ...]:
 
 @lru_cache(maxsize=8)
 def _loading(model: type[Job]) -> tuple[list[str], list[tuple[int, Any]]]:
-    """The model's attribute names, and the fields whose database values need converting."""
+    """The model's attribute names, and the fields whose database values need converting.
+
+    Rows come in binary, where psycopg has already loaded jsonb into Python objects, so JSON
+    fields need no converting (Django's converter parses only the text format)."""
     fields = model._meta.concrete_fields
-    converters = [(n, field) for n, field in enumerate(fields) if hasattr(field, "from_db_value")]
+    converters = [
+        (n, field)
+        for n, field in enumerate(fields)
+        if hasattr(field, "from_db_value") and not isinstance(field, models.JSONField)
+    ]
     return [field.attname for field in fields], converters
 
 
 def _from_rows(model: type[Job], db: str, rows: Iterable[Sequence[Any]]) -> list[Job]:
+    """Jobs from binary result rows with every concrete column in model order."""
     attnames, converters = _loading(model)
     connection = connections[db]
     jobs = []

@@ -1,4 +1,5 @@
-"""The Job table: one row per job, its statuses, constraints and indexes."""
+"""The tables: Job (one row per job, its statuses, constraints and indexes), the queues' controls,
+workers' statistics, and the periodic schedules' last ticks."""
 
 from __future__ import annotations
 
@@ -159,6 +160,30 @@ class QueueStat(models.Model):
 
     def __str__(self) -> str:
         return f"{self.queue} by {self.worker} at {self.at}"
+
+
+class Schedule(models.Model):
+    """A periodic schedule's shared state: the last tick handled, so that every worker can
+    enqueue due ticks and each tick is enqueued once (see django_pgjobs.periodic).
+
+    The declaration lives in settings or on the task; task, cron and timezone are copied here by
+    the workers for the admin, and a change of cron or timezone restarts the count from then.
+    """
+
+    name = models.CharField(max_length=200, primary_key=True)
+    task = models.CharField(max_length=200)
+    cron = models.CharField(max_length=200)
+    timezone = models.CharField(max_length=100)
+    #: The most recent tick handled: its job enqueued, or skipped by the missed-tick policy.
+    last_tick = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        verbose_name = _("periodic schedule")
+        verbose_name_plural = _("periodic schedules")
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class DeadLetter(Job):

@@ -1,4 +1,4 @@
-"""Wake-ups: NOTIFY after an enqueue commits, coalesced; LISTEN in the worker.
+"""Wake-ups: NOTIFY with an enqueue's commit, coalesced; LISTEN in the worker.
 
 A notification only says "look now": the table is the source of truth and workers poll as well,
 so a lost, suppressed or rolled-back notification delays a job by at most one poll interval.
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from django.db import DatabaseError, connections, transaction
+from django.db import connections
 
 from django_pgjobs.conf import get_settings
 
@@ -28,47 +28,22 @@ COALESCE_SECONDS = 0.005
 _last_sent: dict[tuple[str, str], float] = {}
 
 
-def after_enqueue(db: str, queues: Iterable[str]) -> None:
-    """Arrange one NOTIFY per queue for when the caller's transaction commits (or now)."""
+def to_send(db: str, queues: Iterable[str]) -> list[str]:
+    """The queues an enqueue about to run on `db` should announce: those this process has not
+    announced in the last COALESCE_SECONDS (none when PGJOBS["NOTIFY"] is off).
+
+    The enqueue's own statement sends them (pg_notify), so PostgreSQL delivers them when the
+    caller's transaction commits and drops them if it rolls back: no extra round trip, and the
+    wake-up arrives the moment the job is visible. A rolled-back transaction still counts as
+    having announced its queues, so a wake-up it suppressed costs at most one poll interval.
+    """
     if not get_settings().NOTIFY:
-        return
-    connection = connections[db]
-    if not connection.in_atomic_block:
-        _send(db, set(queues))
-        return
-    # At most one callback per transaction: later enqueues add their queues to its set.
-    pending: _Pending | None = getattr(connection, "_pgjobs_pending", None)
-    if pending is None or not any(entry[1] is pending for entry in connection.run_on_commit):
-        pending = _Pending(db)
-        connection._pgjobs_pending = pending  # type: ignore[attr-defined]
-        transaction.on_commit(pending, using=db, robust=True)
-    pending.queues.update(queues)
-
-
-class _Pending:
-    def __init__(self, db: str) -> None:
-        self.db = db
-        self.queues: set[str] = set()
-
-    def __call__(self) -> None:
-        _send(self.db, self.queues)
-
-
-def _send(db: str, queues: set[str]) -> None:
+        return []
     now = time.monotonic()
     due = [q for q in queues if now - _last_sent.get((db, q), -1.0) >= COALESCE_SECONDS]
-    if not due:
-        return
     for queue in due:
         _last_sent[(db, queue)] = now
-    try:
-        with connections[db].cursor() as cursor:
-            cursor.execute(
-                "SELECT pg_notify(%s, queue) FROM unnest(%s::text[]) AS queue", [CHANNEL, due]
-            )
-    except DatabaseError:
-        # The jobs are committed; without the wake-up they wait for the next poll.
-        logger.warning("could not send a wake-up for queues %s", due, exc_info=True)
+    return due
 
 
 def listen(

@@ -31,6 +31,8 @@ class Task:
     permanent_errors: tuple[type[BaseException], ...] = ()
     #: Payload keys shown as "[redacted]" in the admin and in logs.
     redact: frozenset[str] = field(default_factory=frozenset)
+    #: A cron expression: run periodically, in TIME_ZONE, with an empty payload (periodic.py).
+    cron: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.func(*args, **kwargs)
@@ -100,6 +102,7 @@ def task(
     lease: float | None = None,
     permanent_errors: Collection[type[BaseException]] = (),
     redact: Collection[str] = (),
+    cron: str | None = None,
 ) -> Callable[[Callable[..., Any]], Task]: ...
 def task(
     func: Callable[..., Any] | None = None,
@@ -113,10 +116,13 @@ def task(
     lease: float | None = None,
     permanent_errors: Collection[type[BaseException]] = (),
     redact: Collection[str] = (),
+    cron: str | None = None,
 ) -> Task | Callable[[Callable[..., Any]], Task]:
     """Register a function as a task, by default under its dotted path ``module.function``.
 
     Use bare (``@task``) or with options (``@task(queue="emails", max_attempts=10)``).
+    With ``cron="*/5 * * * *"`` the workers also enqueue it on that schedule (a periodic job
+    named after the task, with an empty payload).
     """
 
     def register(func: Callable[..., Any]) -> Task:
@@ -130,6 +136,10 @@ def task(
             )
         if max_attempts is not None and max_attempts < 1:
             raise ValueError(f"@task(max_attempts=...) must be 1 or more, got {max_attempts!r}.")
+        if cron is not None:
+            from django_pgjobs.periodic import check_cron
+
+            check_cron(cron, "@task(cron=...)")
         registered = Task(
             func=func,
             name=name or f"{func.__module__}.{func.__qualname__}",
@@ -140,6 +150,7 @@ def task(
             lease=lease,
             permanent_errors=tuple(permanent_errors),
             redact=frozenset(redact),
+            cron=cron,
         )
         existing = _registry.get(registered.name)
         if (

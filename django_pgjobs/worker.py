@@ -24,7 +24,7 @@ from django.db import (
 )
 from django.db.models.functions import Now
 
-from django_pgjobs import execute, notify, registry, signals
+from django_pgjobs import execute, notify, periodic, registry, signals
 from django_pgjobs.activity import Activity
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import UnknownTask
@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 #: Longest a finished job's outcome waits for others to share its statement (see _settle_due).
 SETTLE_DELAY = 0.002
+
+#: A worker claims more jobs than it has threads only as many as those threads are expected to
+#: start within this many seconds (from the handlers' recent mean duration): fast jobs then never
+#: wait for a round trip to the database, and slow ones are never hoarded from other workers.
+PREFETCH_HORIZON = 0.05
 
 
 def _extra(job: Job, duration: float) -> dict[str, object]:
@@ -80,6 +85,7 @@ class _Timers:
     prune: float = 0.0
     controls: float = 0.0
     stats: float = field(default_factory=time.monotonic)
+    periodic: float = 0.0
 
 
 class Worker:
@@ -102,12 +108,14 @@ class Worker:
         self._poll_now = True  # set by wake-ups: claim at the next turn of the loop
         self._next_poll = 0.0
         self._poll_delay = 0.0
+        self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._last_claim_empty = False
         self._activity = Activity()
         # From the Queue controls: queues claimed freely, and those claimed under their limit.
         self._open_queues: list[str] = list(options.queues)
         self._limited_queues: list[str] = []
         self._timers = _Timers()
+        self._periodic = periodic.Scheduler(self.db)
         self._threads: list[threading.Thread] = []
 
     # ---- control ---------------------------------------------------------------------------
@@ -165,7 +173,14 @@ class Worker:
     # ---- the loop's steps ------------------------------------------------------------------
 
     def _free_slots(self) -> int:
-        return self.options.concurrency - len(self._in_flight)
+        return self.options.concurrency + self._prefetch() - len(self._in_flight)
+
+    def _prefetch(self) -> int:
+        """How many jobs beyond the threads to hold: what they start within PREFETCH_HORIZON."""
+        if self._mean_duration is None:
+            return 0
+        expected = self.options.concurrency * PREFETCH_HORIZON / max(self._mean_duration, 1e-6)
+        return min(self.options.batch_size, int(expected))
 
     def _settle_and_fetch(self) -> None:
         """Record finished handlers' outcomes and claim into the free slots, in one statement
@@ -179,6 +194,10 @@ class Worker:
         results: dict[UUID, str] = {}
         failed: list[FailedAttempt] = []
         durations = {job.pk: outcome.duration for job, outcome in done}
+        if durations:
+            mean = sum(durations.values()) / len(durations)
+            previous = self._mean_duration
+            self._mean_duration = mean if previous is None else 0.8 * previous + 0.2 * mean
         try:
             for job, outcome in done:
                 if outcome.result is Result.SUCCEEDED:
@@ -307,6 +326,9 @@ class Worker:
             QueueStat.objects.using(self.db).filter(
                 at__lt=Now() - get_settings().STATS_RETENTION
             ).delete()
+        if now >= timers.periodic and not options.once:
+            # Returns when a tick may next be due: the worker wakes for it (_wait_time).
+            timers.periodic = now + self._periodic.enqueue_due()
         if now >= timers.stats + options.stats_interval:
             self._report(now - timers.stats)
             timers.stats = now
@@ -384,6 +406,8 @@ class Worker:
     def _wait_time(self) -> float:
         """Until the next chore or poll; finishing handlers and wake-ups interrupt the wait."""
         deadlines = [self._timers.heartbeat, self._timers.reap]
+        if not self.options.once:
+            deadlines.append(self._timers.periodic)
         if self._done:
             deadlines.append(self._first_done_at + SETTLE_DELAY)
         if self._stopping:

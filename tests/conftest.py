@@ -1,14 +1,15 @@
-"""Shared fixtures: a second database connection and waiting with a deadline."""
+"""Shared fixtures: a second connection, waiting with a deadline, threads released together."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, connections
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,3 +50,25 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {predicate}")
         time.sleep(interval)
+
+
+def run_together(count: int, work: Callable[[int], object]) -> list[object]:
+    """Run work(0..count-1) on threads released together, each with its own connection."""
+    start = threading.Barrier(count)
+    results: list[object] = [None] * count
+
+    def run(n: int) -> None:
+        try:
+            start.wait()
+            results[n] = work(n)
+        except BaseException as error:
+            results[n] = error
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from devdb import database_config
@@ -52,6 +53,9 @@ if os.environ.get("PGJOBS_PGBOUNCER"):
 STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05}
+# The schedules of the periodic crash tests' runjobs processes.
+if os.environ.get("PGJOBS_TEST_PERIODIC"):
+    PGJOBS["PERIODIC"] = json.loads(os.environ["PGJOBS_TEST_PERIODIC"])
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

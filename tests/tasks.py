@@ -110,6 +110,12 @@ def until_cancelled(n: int, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+@task
+def periodic_tick(tick: str) -> None:
+    """The periodic tests' handler: scheduled with pass_tick=True, it receives its tick."""
+    _count("periodic_tick")
+
+
 seen_jobs: list[tuple[object, int, str | None]] = []
 
 

@@ -8,6 +8,7 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from django_pgjobs import notify
 from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -38,13 +39,16 @@ def test_enqueue_in_a_committed_transaction_leaves_exactly_one_row():
     assert (row.status, row.attempts, row.payload) == (Status.READY, 0, {"to": "a@example.com"})
 
 
-def test_enqueue_is_one_statement_on_the_callers_connection(settings):
-    settings.PGJOBS = {**settings.PGJOBS, "NOTIFY": False}
+@pytest.mark.parametrize("wake_ups", [True, False])
+def test_enqueue_is_one_statement_on_the_callers_connection(settings, wake_ups):
+    settings.PGJOBS = {**settings.PGJOBS, "NOTIFY": wake_ups}
+    time.sleep(notify.COALESCE_SECONDS)  # so that this enqueue does announce its queue
     with CaptureQueriesContext(connection) as queries, transaction.atomic():
         Job.objects.enqueue("tests.tasks.noop")
     statements = [q["sql"] for q in queries if q["sql"] not in ("BEGIN", "COMMIT")]
     assert len(statements) == 1
-    assert statements[0].lstrip().startswith("INSERT INTO pgjobs_job")
+    assert "INSERT INTO pgjobs_job" in statements[0]
+    assert ("pg_notify" in statements[0]) is wake_ups
 
 
 def test_a_wake_up_is_sent_once_per_queue_after_commit_and_never_on_rollback(other_connection):
@@ -107,9 +111,9 @@ def test_bulk_enqueue_writes_every_job_in_few_statements():
     with CaptureQueriesContext(connection) as queries:
         jobs = Job.objects.bulk_enqueue(tasks.send_email, ({"to": f"{n}@x"} for n in range(12_000)))
     assert len(jobs) == Job.objects.filter(status=Status.READY).count() == 12_000
-    inserts = [q for q in queries if q["sql"].lstrip().startswith("INSERT")]
-    assert len(inserts) == 3  # 5,000 rows per statement
-    assert len(queries) == 4  # and one wake-up for the whole batch
+    inserts = [q for q in queries if "INSERT INTO pgjobs_job" in q["sql"]]
+    assert len(queries) == len(inserts) == 3  # 5,000 rows per statement, and nothing else
+    assert "pg_notify" in inserts[0]["sql"]  # one wake-up for the whole batch
     assert {job.queue for job in jobs} == {"emails"}
 
 

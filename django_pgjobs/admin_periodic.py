@@ -1,0 +1,56 @@
+"""The admin of periodic schedules: read-only, with each schedule's last and next tick."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING
+from zoneinfo import ZoneInfo
+
+from django.contrib import admin
+from django.http import HttpRequest
+from django.utils.translation import gettext_lazy as _
+
+from django_pgjobs import periodic
+from django_pgjobs.models import Schedule
+
+if TYPE_CHECKING:
+    ModelAdmin = admin.ModelAdmin[Schedule]
+else:
+    ModelAdmin = admin.ModelAdmin  # generic only in the type stubs
+
+
+@admin.register(Schedule)
+class ScheduleAdmin(ModelAdmin):
+    """Schedules are declared in code and settings, so nothing here changes them."""
+
+    list_display = ("name", "task", "cron", "timezone", "last_tick", "next_tick", "declared")
+    search_fields = ("name", "task")
+    ordering = ("name",)
+    fields = ("name", "task", "cron", "timezone", "last_tick", "next_tick", "declared")
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Schedule | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Schedule | None = None) -> bool:
+        return False
+
+    @admin.display(description=_("next tick"))
+    def next_tick(self, schedule: Schedule) -> datetime | None:
+        """When a worker will next enqueue it; none for a schedule no longer declared."""
+        if not self.declared(schedule):
+            return None
+        try:
+            return periodic.next_tick(
+                schedule.cron, ZoneInfo(schedule.timezone), schedule.last_tick
+            )
+        except (ValueError, KeyError):
+            return None
+
+    @admin.display(description=_("declared"), boolean=True)
+    def declared(self, schedule: Schedule) -> bool:
+        """Whether the settings and tasks still declare it (workers ignore other rows)."""
+        return schedule.name in periodic.declared_names()

@@ -1,0 +1,159 @@
+"""Periodic schedules against PostgreSQL: rows, compare-and-set, one job per tick, the admin."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
+
+import pytest
+from django.db import OperationalError, connection
+from django.db.models.functions import Now
+from django.urls import reverse
+
+from django_pgjobs.models import Job, Schedule
+from django_pgjobs.periodic import MAX_WAIT, Periodic, Scheduler
+from tests.conftest import run_together, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+YEARLY = "0 0 1 1 *"  # one tick a year: every "worker" of a test computes the same due tick
+
+
+def schedule(cron: str = YEARLY, name: str = "report", **options: object) -> Periodic:
+    return Periodic(name=name, task="tests.tasks.periodic_tick", cron=cron,
+                    timezone=ZoneInfo("UTC"), pass_tick=True, **options)  # type: ignore[arg-type]  # fmt: skip
+
+
+def rewind(name: str, by: timedelta) -> None:
+    """Move the schedule's last tick back, as if no worker had run for that long."""
+    Schedule.objects.filter(name=name).update(last_tick=Now() - by)
+
+
+def ticks() -> list[str]:
+    return sorted(Job.objects.values_list("payload__tick", flat=True))
+
+
+def this_years_tick() -> str:
+    return datetime(datetime.now(UTC).year, 1, 1, tzinfo=UTC).isoformat()
+
+
+def test_a_new_schedule_starts_counting_from_now_and_enqueues_nothing_yet():
+    wait = Scheduler("default", [schedule()]).enqueue_due()
+    row = Schedule.objects.annotate(now=Now()).get()
+    assert (row.name, row.task, row.cron, row.timezone) == (
+        "report", "tests.tasks.periodic_tick", YEARLY, "UTC",
+    )  # fmt: skip
+    assert timedelta(0) <= row.now - row.last_tick < timedelta(seconds=5)
+    assert wait == MAX_WAIT
+    assert not Job.objects.exists()
+
+
+def test_a_due_tick_is_enqueued_once_with_its_time():
+    Scheduler("default", [schedule()]).enqueue_due()
+    rewind("report", timedelta(days=400))
+    Scheduler("default", [schedule()]).enqueue_due()
+    assert ticks() == [this_years_tick()]
+    job = Job.objects.get()
+    assert (job.task, job.queue) == ("tests.tasks.periodic_tick", "default")
+    assert Schedule.objects.get().last_tick.isoformat() == this_years_tick()
+    Scheduler("default", [schedule()]).enqueue_due()  # a worker started later: nothing is due
+    assert Job.objects.count() == 1
+
+
+def test_looking_when_nothing_is_due_makes_no_query(django_assert_num_queries):
+    scheduler = Scheduler("default", [schedule()])
+    scheduler.enqueue_due()
+    with django_assert_num_queries(0):
+        assert scheduler.enqueue_due() == MAX_WAIT
+    with django_assert_num_queries(0):
+        assert Scheduler("default", []).enqueue_due() == MAX_WAIT
+
+
+def test_workers_looking_at_the_same_due_tick_at_once_enqueue_it_once():
+    Scheduler("default", [schedule()]).enqueue_due()
+    for round in range(1, 11):
+        rewind("report", timedelta(days=400))
+        results = run_together(4, lambda n: Scheduler("default", [schedule()]).enqueue_due())
+        assert not [result for result in results if isinstance(result, BaseException)]
+        assert Job.objects.count() == round
+    assert set(ticks()) == {this_years_tick()}
+
+
+def test_a_tick_and_its_job_commit_together(other_connection):
+    Scheduler("default", [schedule()]).enqueue_due()
+    rewind("report", timedelta(days=400))
+    before = Schedule.objects.get().last_tick
+    scheduler = Scheduler("default", [schedule()])
+    # The job's INSERT fails (here: its table is locked and we stop waiting) after the
+    # compare-and-set UPDATE succeeded: both roll back, and the tick stays due.
+    other_connection.execute("BEGIN")
+    other_connection.execute("LOCK TABLE pgjobs_job IN ACCESS EXCLUSIVE MODE")
+    with connection.cursor() as cursor:
+        cursor.execute("SET lock_timeout = '300ms'")
+    try:
+        with pytest.raises(OperationalError, match="lock timeout"):
+            scheduler.enqueue_due()
+    finally:
+        other_connection.execute("ROLLBACK")
+        with connection.cursor() as cursor:
+            cursor.execute("RESET lock_timeout")
+    assert Schedule.objects.get().last_tick == before
+    assert not Job.objects.exists()
+    scheduler.enqueue_due()  # the worker's next look, after its reconnect
+    assert ticks() == [this_years_tick()]
+
+
+def test_a_changed_cron_counts_from_the_change_and_catches_nothing_up():
+    Scheduler("default", [schedule()]).enqueue_due()
+    rewind("report", timedelta(days=400))
+    monthly = schedule("0 0 1 * *")
+    Scheduler("default", [monthly]).enqueue_due()
+    assert not Job.objects.exists()
+    assert Schedule.objects.get().cron == "0 0 1 * *"
+
+
+def test_missed_skip_passes_the_missed_tick_without_a_job():
+    Scheduler("default", [schedule(missed="skip")]).enqueue_due()
+    rewind("report", timedelta(days=400))
+    Scheduler("default", [schedule(missed="skip")]).enqueue_due()
+    assert not Job.objects.exists()
+    assert Schedule.objects.get().last_tick.isoformat() == this_years_tick()
+
+
+def test_a_deleted_row_is_created_again_at_the_next_tick():
+    scheduler = Scheduler("default", [schedule("* * * * * *")])
+    scheduler.enqueue_due()
+    Schedule.objects.all().delete()
+    wait_until(lambda: scheduler.enqueue_due() and Schedule.objects.exists(), timeout=5)
+
+
+def test_before_its_migration_a_worker_runs_without_schedules_and_looks_again(caplog):
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE pgjobs_schedule RENAME TO pgjobs_schedule_away")
+    try:
+        scheduler = Scheduler("default", [schedule()])
+        assert scheduler.enqueue_due() == MAX_WAIT
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE pgjobs_schedule_away RENAME TO pgjobs_schedule")
+    assert "periodic schedules are off until the pgjobs migrations are applied" in caplog.text
+    Job.objects.count()  # the connection is still usable
+    scheduler.enqueue_due()
+    assert Schedule.objects.filter(name="report").exists()
+
+
+def test_schedules_in_the_admin_are_read_only_with_their_next_tick(admin_client, settings):
+    settings.PGJOBS = {"PERIODIC": {"report": {"task": "tests.tasks.periodic_tick",
+                                               "cron": YEARLY, "pass_tick": True}}}  # fmt: skip
+    Scheduler("default").enqueue_due()
+    Schedule.objects.create(name="retired", task="tests.tasks.noop", cron="0 * * * *",
+                            timezone="UTC")  # fmt: skip
+    response = admin_client.get(reverse("admin:pgjobs_schedule_changelist"))
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "report" in page and "retired" in page and YEARLY in page
+    next_year = datetime.now(UTC).year + 1
+    assert f"Jan. 1, {next_year}" in page  # the next tick of the declared one
+    assert reverse("admin:pgjobs_schedule_add") not in page
+    detail = admin_client.get(reverse("admin:pgjobs_schedule_change", args=["report"]))
+    assert detail.status_code == 200 and 'name="_save"' not in detail.content.decode()
