@@ -57,7 +57,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         *_retention(settings.RETENTION),
         *_health(settings.HEALTH),
     ]
-    messages += [Error(problem, hint=SETTINGS_DOC, id="pgjobs.E002") for problem in problems]
+    messages += [Error(problem, hint=SETTINGS_DOC, id="pgjobs.E020") for problem in problems]
     if not problems:
         messages += _leases(settings.LEASE)
     return messages
@@ -109,12 +109,12 @@ def check_health_keys(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
 
     health: Any = get_settings().HEALTH
     if not isinstance(health, Mapping):
-        return []  # pgjobs.E002 says so
+        return []  # pgjobs.E020 says so
     return [
         Warning(
             f"PGJOBS['HEALTH'] has an unknown key {key!r}; it is ignored.",
             hint=f"The thresholds are {', '.join(sorted(THRESHOLD_NAMES))}.",
-            id="pgjobs.W002",
+            id="pgjobs.W020",
         )
         for key in sorted(set(health) - THRESHOLD_NAMES)
     ]
@@ -132,7 +132,7 @@ def _leases(default: float) -> list[CheckMessage]:
             "failover, a long garbage collection) loses its jobs to another worker while "
             "their handlers still run.",
             hint=f"Use a lease of {MIN_LEASE:g} seconds or more.",
-            id="pgjobs.W003",
+            id="pgjobs.W021",
         )
         for owner, lease in leases.items()
         if lease < MIN_LEASE
@@ -156,7 +156,7 @@ def check_pooler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
                 "PGJOBS['NOTIFY'] is on: every enqueue pays for a NOTIFY no worker hears.",
                 hint="Set PGJOBS['NOTIFY'] = False and run workers with --no-listen "
                 "(see docs/howto/pgbouncer.md).",
-                id="pgjobs.W004",
+                id="pgjobs.W022",
             )
         )
     if database.get("OPTIONS", {}).get("prepare_threshold") is not None:
@@ -167,7 +167,7 @@ def check_pooler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
                 "connection is missing on the next one.",
                 hint="Remove prepare_threshold, unless your PgBouncer is 1.21 or newer with "
                 "max_prepared_statements set.",
-                id="pgjobs.W005",
+                id="pgjobs.W023",
             )
         )
     return messages
@@ -213,7 +213,7 @@ def check_indexes(
                         hint=f"Rebuild it: REINDEX INDEX CONCURRENTLY {name}; or, if it is "
                         "missing, find which migration dropped it (manage.py showmigrations "
                         "pgjobs).",
-                        id="pgjobs.E003",
+                        id="pgjobs.E021",
                     )
                 )
     return messages
@@ -245,7 +245,7 @@ def check_served_queues(
             f"{', '.join(sorted(names))} use; their jobs will wait.",
             hint=f"The {len(alive)} running workers serve {', '.join(sorted(served))}. Start "
             f"one with --queue {queue}, or check the task's queue= for a typo.",
-            id="pgjobs.W006",
+            id="pgjobs.W024",
         )
         for queue, names in sorted(unserved.items())
     ]

@@ -49,7 +49,7 @@ THRESHOLD_NAMES = frozenset(field.name for field in fields(Thresholds))
 
 
 def thresholds() -> Thresholds:
-    """PGJOBS["HEALTH"] over the defaults (unknown keys are reported by check pgjobs.W002)."""
+    """PGJOBS["HEALTH"] over the defaults (unknown keys are reported by check pgjobs.W020)."""
     overrides = get_settings().HEALTH
     return Thresholds(**{k: float(v) for k, v in overrides.items() if k in THRESHOLD_NAMES})
 

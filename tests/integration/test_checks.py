@@ -53,19 +53,19 @@ def test_the_default_settings_pass_every_check():
 )
 def test_a_settings_value_of_the_wrong_kind_is_an_error_naming_the_key(settings, pgjobs, message):
     settings.PGJOBS = pgjobs
-    (found,) = messages_with("pgjobs.E002")
+    (found,) = messages_with("pgjobs.E020")
     assert message in found
 
 
 def test_an_unknown_health_threshold_is_warned_about(settings):
     settings.PGJOBS = {"HEALTH": {"OLDEST_DUE": 60}}
-    (found,) = messages_with("pgjobs.W002")
+    (found,) = messages_with("pgjobs.W020")
     assert "'OLDEST_DUE'" in found
 
 
 def test_a_lease_shorter_than_ten_seconds_is_warned_about(settings):
     settings.PGJOBS = {"LEASE": 3}
-    (found,) = messages_with("pgjobs.W003")
+    (found,) = messages_with("pgjobs.W021")
     assert "The lease of PGJOBS['LEASE'] is 3s" in found
 
 
@@ -73,9 +73,9 @@ def test_notify_and_prepared_statements_through_a_transaction_pooler_are_warned_
     database = {**settings.DATABASES["default"], "DISABLE_SERVER_SIDE_CURSORS": True}
     database["OPTIONS"] = {**database.get("OPTIONS", {}), "prepare_threshold": 5}
     with mock.patch.dict(connection.settings_dict, database):
-        assert {"pgjobs.W004", "pgjobs.W005"} <= set(ids_of())
+        assert {"pgjobs.W022", "pgjobs.W023"} <= set(ids_of())
         settings.PGJOBS = {"NOTIFY": False}
-        assert "pgjobs.W004" not in ids_of()
+        assert "pgjobs.W022" not in ids_of()
 
 
 @pytest.mark.django_db
@@ -87,18 +87,18 @@ def test_a_missing_or_invalid_claim_index_is_an_error():
             "UPDATE pg_index SET indisvalid = false "
             "WHERE indexrelid = 'pgjobs_job_dead_idx'::regclass"
         )
-    errors = messages_with("pgjobs.E003", databases=["default"])
+    errors = messages_with("pgjobs.E021", databases=["default"])
     assert len(errors) == 2
     assert "pgjobs_job_claim_idx of pgjobs_job is missing" in errors[0]
     assert "pgjobs_job_dead_idx of pgjobs_job is invalid" in errors[1]
-    assert messages_with("pgjobs.E003") == []  # without --database it does not look
+    assert messages_with("pgjobs.E021") == []  # without --database it does not look
 
 
 @pytest.mark.django_db
 def test_a_deploy_check_names_the_tasks_whose_queue_no_running_worker_serves():
-    assert messages_with("pgjobs.W006", databases=["default"], include_deployment_checks=True) == []
+    assert messages_with("pgjobs.W024", databases=["default"], include_deployment_checks=True) == []
     QueueStat.objects.create(seconds=10, worker="host:1:aa", queue="default")
-    warnings = messages_with("pgjobs.W006", databases=["default"], include_deployment_checks=True)
+    warnings = messages_with("pgjobs.W024", databases=["default"], include_deployment_checks=True)
     emails = next(w for w in warnings if "'emails'" in w)
     assert "tests.tasks.send_email" in emails
     assert not any("'default'" in w for w in warnings)
