@@ -87,15 +87,17 @@ def _run_django_task(job: Job) -> Outcome:
     """Run a job of Django's Tasks framework: its Task with the payload's args and kwargs (and a
     TaskContext first when the Task takes one), sending the framework's task signals. The return
     value is kept as the job's result; one that does not survive JSON fails the job."""
-    from django_pgjobs import backend
-
     try:
-        task = registry.get_django_task(job.task)
+        task = registry.get_django_task(job.task)  # UnknownTask if the framework is missing
+        from django_pgjobs import backend
+
         result = backend.running(job, task)
         args = [backend.context(result), *result.args] if task.takes_context else result.args
         _check_arguments(task.func, task.module_path, args, result.kwargs)
     except (UnknownTask, PayloadMismatch) as error:
         return Outcome(Result.ERROR, failure=_failure(error, with_traceback=False), permanent=True)
+    except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed
+        return _error(job, error, None, (), time.perf_counter())
     backend.started(result)
     token = _current_job.set(job)
     started = time.perf_counter()

@@ -209,6 +209,7 @@ DJANGO_TASK_PREFIX = "django.tasks:"
 
 
 def is_django_task(name: str) -> bool:
+    """Whether a job's `task` names a Task of Django's Tasks framework (see get_django_task)."""
     return name.startswith(DJANGO_TASK_PREFIX)
 
 
@@ -220,8 +221,13 @@ def get_django_task(name: str) -> Any:
     the attribute is accepted only when it is a Task of Django's Tasks framework whose backend
     alias is configured with django-pgjobs' backend.
     """
-    from django_pgjobs.backend import is_pgjobs_task
-
+    try:
+        from django_pgjobs.backend import is_pgjobs_task
+    except ImportError as error:
+        raise UnknownTask(
+            f"{name!r} is a Django Task, but Django's Tasks framework cannot be imported "
+            f"({error}); on Django 5.2 install django-pgjobs[tasks]."
+        ) from None
     path = name.removeprefix(DJANGO_TASK_PREFIX)
     module_name, _, attribute = path.rpartition(".")
     if not module_name or not _importable(module_name):

@@ -8,6 +8,7 @@ workers that only ever run Tasks of this backend.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -501,6 +502,19 @@ def test_a_row_that_names_no_task_of_ours_is_a_dead_letter_and_runs_nothing(task
     assert [j.status for j in run.jobs] == [Status.FAILED]
     job.refresh_from_db()
     assert job.errors[-1]["type"] == f"django_pgjobs.errors.{error}"
+
+
+def test_without_the_tasks_framework_a_tasks_job_is_a_dead_letter_saying_what_to_install(
+    monkeypatch,
+):
+    result = tasks.noop.enqueue()
+    monkeypatch.setitem(sys.modules, "django_pgjobs.backend", None)  # import fails
+
+    run_jobs()
+
+    job = job_of(result)
+    assert job.status == Status.FAILED
+    assert "install django-pgjobs[tasks]" in job.last_error
 
 
 @pytest.mark.django_db(transaction=True)
