@@ -85,3 +85,16 @@ def of_another_backend() -> None:
 
 def not_a_task() -> None:
     """A plain function: a job naming it must never run."""
+
+
+@task(backend="retrying")
+def record(n: int, seconds: float = 0.0) -> int:
+    """Write a ledger row, then take `seconds`; returns the worker's pid."""
+    import os
+    import time
+
+    from tests.models import Execution
+
+    Execution.objects.create(n=n, pid=os.getpid())
+    time.sleep(seconds)
+    return os.getpid()
