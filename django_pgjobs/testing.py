@@ -147,7 +147,9 @@ def _run_one(job: Job, db: str) -> execute.Outcome:
     return outcome
 
 
-def enqueued(task: Any = None, *args: Any, using: str | None = None, **payload: Any) -> list[Job]:
+def enqueued(
+    task: Any = None, /, *args: Any, using: str | None = None, **payload: Any
+) -> list[Job]:
     """Ready jobs (due or scheduled), oldest first: of `task` (a ``@task`` function, a Django
     Task or a task name) when given, whose payload has these values.
 
@@ -161,7 +163,7 @@ def enqueued(task: Any = None, *args: Any, using: str | None = None, **payload: 
     return [job for job in ready if _matches(job, args, payload)]
 
 
-def assert_enqueued(task: Any, *args: Any, using: str | None = None, **payload: Any) -> Job:
+def assert_enqueued(task: Any, /, *args: Any, using: str | None = None, **payload: Any) -> Job:
     """Assert that a ready job of `task` has this payload (the keys given; others may differ),
     and return the newest such job. The failure message lists what is enqueued."""
     found = enqueued(task, *args, using=using, **payload)
@@ -173,7 +175,7 @@ def assert_enqueued(task: Any, *args: Any, using: str | None = None, **payload: 
     return found[-1]
 
 
-def assert_not_enqueued(task: Any, *args: Any, using: str | None = None, **payload: Any) -> None:
+def assert_not_enqueued(task: Any, /, *args: Any, using: str | None = None, **payload: Any) -> None:
     """Assert that no ready job of `task` has this payload (with no payload: no job of `task`)."""
     found = enqueued(task, *args, using=using, **payload)
     if found:

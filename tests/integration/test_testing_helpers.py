@@ -22,6 +22,7 @@ from django_pgjobs.testing import (
 )
 from tests import framework_tasks
 from tests import tasks as t
+from tests.factories import JobFactory
 from tests.models import Execution
 
 pytestmark = pytest.mark.django_db
@@ -165,6 +166,13 @@ def test_assert_enqueued_matches_the_keys_given_and_returns_the_newest_job():
     assert assert_enqueued("tests.tasks.send_email", subject="first").payload["subject"] == "first"
     assert assert_enqueued(t.send_email) == newest
     assert len(enqueued(t.send_email, to="a@example.com")) == 2
+
+
+def test_payload_keys_may_share_the_helpers_parameter_names():
+    JobFactory(task="tests.tasks.noop", payload={"task": "x"})
+
+    assert assert_enqueued(t.noop, task="x").payload == {"task": "x"}
+    assert_not_enqueued(t.noop, task="y")
 
 
 def test_assert_enqueued_fails_listing_what_is_enqueued():
