@@ -20,6 +20,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.db import transaction
 from django.test import override_settings
+from django.urls import reverse
 from django.utils import timezone
 
 from django_pgjobs import registry
@@ -315,6 +316,20 @@ def test_a_job_whose_lease_expired_shows_the_lost_worker_as_an_error():
     assert result.status == TaskResultStatus.FAILED  # max_attempts 1: no attempt left
     assert [error.exception_class for error in result.errors] == [WorkerLost]
     assert result.worker_ids == ["w1"]
+
+
+def test_the_admin_lists_and_shows_a_tasks_job_with_its_name_and_arguments(admin_client):
+    result = tasks.noop.enqueue("<b>x</b>", n=1)
+    name = PREFIX + "tests.framework_tasks.noop"
+
+    listed = admin_client.get(reverse("admin:pgjobs_job_changelist"), {"task": name})
+    detail = admin_client.get(reverse("admin:pgjobs_job_change", args=[result.id]))
+
+    assert [str(job.pk) for job in listed.context["cl"].result_list] == [result.id]
+    page = detail.content.decode()
+    assert name in page
+    assert "&quot;&lt;b&gt;x&lt;/b&gt;&quot;" in page  # the arguments, escaped
+    assert "&quot;backend&quot;: &quot;default&quot;" in page
 
 
 # ---- running -------------------------------------------------------------------------------
