@@ -237,8 +237,10 @@ def get_django_task(name: str) -> Any:
         )
     try:
         found = getattr(importlib.import_module(module_name), attribute, None)
-    except ImportError as error:
-        raise UnknownTask(f"{name!r}: its module cannot be imported ({error}).") from None
+    except Exception as error:  # ImportError, or whatever the module raised while importing
+        raise UnknownTask(
+            f"{name!r}: its module cannot be imported ({type(error).__name__}: {error})."
+        ) from None
     if not is_pgjobs_task(found):
         raise UnknownTask(
             f"{name!r} is not a Django Task (a function decorated with @task from django.tasks "
