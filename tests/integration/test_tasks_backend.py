@@ -494,6 +494,7 @@ def test_run_after_and_priority_decide_when_and_in_which_order_tasks_run():
         # Not in an installed app, and not imported.
         ("antigravity.fly", {"args": [], "kwargs": {}}, "UnknownTask"),
         ("tests.no_such_module.task", {"args": [], "kwargs": {}}, "UnknownTask"),
+        ("tests.unimportable.task", {"args": [], "kwargs": {}}, "UnknownTask"),
         # Our Task, with a payload that is not a Task's, or names an alias that is not ours.
         ("tests.framework_tasks.noop", {"to": "x"}, "PayloadMismatch"),
         ("tests.framework_tasks.noop", {"args": [], "kwargs": {}}, "PayloadMismatch"),
