@@ -133,18 +133,25 @@ def run_jobs(
 
 
 def _run_one(job: Job, db: str) -> execute.Outcome:
-    if not connections[db].in_atomic_block:
-        outcome = execute.run(job)
-        execute.settle(job, outcome)
-        return outcome
-    savepoint = transaction.savepoint(using=db)
-    outcome = execute.run(job)
-    if outcome.result is Result.SUCCEEDED:
-        transaction.savepoint_commit(savepoint, using=db)
+    if connections[db].in_atomic_block:
+        try:
+            with transaction.atomic(using=db):  # a savepoint
+                outcome = execute.run(job)
+                if outcome.result is not Result.SUCCEEDED:
+                    raise _Undo(outcome)
+        except _Undo as undo:
+            outcome = undo.outcome
     else:
-        transaction.savepoint_rollback(savepoint, using=db)
+        outcome = execute.run(job)
     execute.settle(job, outcome)
     return outcome
+
+
+class _Undo(Exception):
+    """Rolls back the savepoint of a job that raised, keeping its outcome."""
+
+    def __init__(self, outcome: execute.Outcome) -> None:
+        self.outcome = outcome
 
 
 def enqueued(
