@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import json
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import Enum
@@ -15,7 +17,7 @@ from asgiref.sync import async_to_sync
 
 from django_pgjobs import registry
 from django_pgjobs.conf import get_settings
-from django_pgjobs.errors import PayloadMismatch, Retry, UnknownTask
+from django_pgjobs.errors import PayloadMismatch, PermanentError, Retry, UnknownTask
 from django_pgjobs.manager import Failure
 from django_pgjobs.retry import ExponentialBackoff, is_permanent
 
@@ -56,36 +58,90 @@ def current_job() -> Job | None:
 
 def run(job: Job) -> Outcome:
     """Call the job's registered handler with its payload as keyword arguments. Never raises:
-    whatever the handler raises, SystemExit and KeyboardInterrupt included, becomes an Outcome."""
+    whatever the handler raises, SystemExit and KeyboardInterrupt included, becomes an Outcome.
+
+    A job of Django's Tasks framework (see backend.py) is dispatched to its Task instead."""
+    if registry.is_django_task(job.task):
+        return _run_django_task(job)
     try:
         task = registry.get_task(job.task)
-    except UnknownTask as error:
+        _check_arguments(task.func, task.name, (), job.payload)
+    except (UnknownTask, PayloadMismatch) as error:
         # Never import by name from table data: an unknown task is a dead letter.
         return Outcome(Result.ERROR, failure=_failure(error, with_traceback=False), permanent=True)
-    try:
-        _check_arguments(task, job.payload)
-    except PayloadMismatch as error:
-        return Outcome(Result.ERROR, failure=_failure(error, with_traceback=False), permanent=True)
     token = _current_job.set(job)
+    started = time.perf_counter()
     try:
         if task.is_async:
             async_to_sync(task.func)(**job.payload)
         else:
             task.func(**job.payload)
-    except Retry as retry:
-        return Outcome(Result.RETRY, delay=retry.delay)
     except BaseException as error:
-        settings = get_settings()
-        backoff = task.backoff or ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX)
-        return Outcome(
-            Result.ERROR,
-            delay=backoff(job.attempts),
-            failure=_failure(error),
-            permanent=is_permanent(error, task.permanent_errors),
-        )
+        return _error(job, error, task.backoff, task.permanent_errors, started)
     finally:
         _current_job.reset(token)
-    return SUCCEEDED
+    return Outcome(Result.SUCCEEDED, duration=time.perf_counter() - started)
+
+
+def _run_django_task(job: Job) -> Outcome:
+    """Run a job of Django's Tasks framework: its Task with the payload's args and kwargs (and a
+    TaskContext first when the Task takes one), sending the framework's task signals. The return
+    value is kept as the job's result; one that does not survive JSON fails the job."""
+    try:
+        task = registry.get_django_task(job.task)  # UnknownTask if the framework is missing
+        from django_pgjobs import backend
+
+        result = backend.running(job, task)
+        args = [backend.context(result), *result.args] if task.takes_context else result.args
+        _check_arguments(task.func, task.module_path, args, result.kwargs)
+    except (UnknownTask, PayloadMismatch) as error:
+        return Outcome(Result.ERROR, failure=_failure(error, with_traceback=False), permanent=True)
+    except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed
+        return _error(job, error, None, (), time.perf_counter())
+    backend.started(result)
+    token = _current_job.set(job)
+    started = time.perf_counter()
+    try:
+        value = task.call(*args, **result.kwargs)
+        try:
+            result_json = backend.result_json(value)
+        except (TypeError, ValueError) as error:
+            raise PermanentError(f"{task.module_path}: {error}") from error
+    except BaseException as error:
+        outcome = _error(job, error, None, (), started)
+        if outcome.result is Result.ERROR and (
+            outcome.permanent or job.attempts >= job.max_attempts
+        ):
+            backend.finished(result, error=error)
+        return outcome
+    finally:
+        _current_job.reset(token)
+    duration = time.perf_counter() - started
+    backend.finished(result, json.loads(result_json))
+    return Outcome(Result.SUCCEEDED, duration=duration, result_json=result_json)
+
+
+def _error(
+    job: Job,
+    error: BaseException,
+    backoff: registry.Backoff | None,
+    permanent_errors: tuple[type[BaseException], ...],
+    started: float,
+) -> Outcome:
+    """The outcome of a handler that raised: Retry asks to run again later; anything else is an
+    error, permanent or retried after a backoff."""
+    duration = time.perf_counter() - started
+    if isinstance(error, Retry):
+        return Outcome(Result.RETRY, delay=error.delay, duration=duration)
+    settings = get_settings()
+    backoff = backoff or ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX)
+    return Outcome(
+        Result.ERROR,
+        delay=backoff(job.attempts),
+        failure=_failure(error),
+        permanent=is_permanent(error, permanent_errors),
+        duration=duration,
+    )
 
 
 def settle(job: Job, outcome: Outcome) -> bool:
@@ -103,15 +159,17 @@ def settle(job: Job, outcome: Outcome) -> bool:
     return status is not None
 
 
-def _check_arguments(task: registry.Task, payload: object) -> None:
-    if not isinstance(payload, dict):
+def _check_arguments(
+    func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: object
+) -> None:
+    if not isinstance(kwargs, dict):
         raise PayloadMismatch(
-            f"payload must be a JSON object of keyword arguments, got {type(payload).__name__}"
+            f"payload must be a JSON object of keyword arguments, got {type(kwargs).__name__}"
         )
     try:
-        _signature(task.func).bind(**payload)
+        _signature(func).bind(*args, **kwargs)
     except TypeError as error:
-        raise PayloadMismatch(f"payload does not fit {task.name}(): {error}") from None
+        raise PayloadMismatch(f"payload does not fit {name}(): {error}") from None
 
 
 @lru_cache(maxsize=1024)

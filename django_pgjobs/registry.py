@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -189,6 +191,8 @@ def get_task(name: str) -> Task:
 
 def resolve(task_or_name: Task | str) -> Task:
     if isinstance(task_or_name, Task):
+        if is_django_task(task_or_name.name):
+            return task_or_name  # built by backend.PgJobsBackend; looked up again when it runs
         return get_task(task_or_name.name)
     if isinstance(task_or_name, str):
         return get_task(task_or_name)
@@ -206,3 +210,60 @@ def _known() -> str:
     names = sorted(_registry)
     shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
     return shown or "none"
+
+
+# ---- Django's Tasks framework ------------------------------------------------------------------
+
+#: The `task` of a job enqueued through Django's Tasks framework (backend.PgJobsBackend) is this
+#: prefix followed by the Task's module path, e.g. ``django.tasks:shop.tasks.send_receipt``.
+DJANGO_TASK_PREFIX = "django.tasks:"
+
+
+def is_django_task(name: str) -> bool:
+    """Whether a job's `task` names a Task of Django's Tasks framework (see get_django_task)."""
+    return name.startswith(DJANGO_TASK_PREFIX)
+
+
+def get_django_task(name: str) -> Any:
+    """The Django Task object a job's `task` names; UnknownTask unless it is one our backend runs.
+
+    A job row must not be able to make a worker call an arbitrary importable function, so the
+    module is imported only when it belongs to an installed app (or is imported already), and
+    the attribute is accepted only when it is a Task of Django's Tasks framework whose backend
+    alias is configured with django-pgjobs' backend.
+    """
+    try:
+        from django_pgjobs.backend import is_pgjobs_task
+    except ImportError as error:
+        raise UnknownTask(
+            f"{name!r} is a Django Task, but Django's Tasks framework cannot be imported "
+            f"({error}); on Django 5.2 install django-pgjobs[tasks]."
+        ) from None
+    path = name.removeprefix(DJANGO_TASK_PREFIX)
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name or not _importable(module_name):
+        raise UnknownTask(
+            f"{name!r} does not name a Django Task in an installed app's module; "
+            "only Tasks defined in installed apps (or in modules already imported) are run."
+        )
+    try:
+        found = getattr(importlib.import_module(module_name), attribute, None)
+    except Exception as error:  # ImportError, or whatever the module raised while importing
+        raise UnknownTask(
+            f"{name!r}: its module cannot be imported ({type(error).__name__}: {error})."
+        ) from None
+    if not is_pgjobs_task(found):
+        raise UnknownTask(
+            f"{name!r} is not a Django Task (a function decorated with @task from django.tasks "
+            "or django_tasks) whose backend is django_pgjobs.backend.PgJobsBackend."
+        )
+    return found
+
+
+def _importable(module_name: str) -> bool:
+    from django.apps import apps
+
+    return module_name in sys.modules or any(
+        module_name == app.name or module_name.startswith(f"{app.name}.")
+        for app in apps.get_app_configs()
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,15 @@ def other_connection(transactional_db: None) -> Iterator[psycopg.Connection[Any]
     """A second, independent session on the test database (autocommit)."""
     with psycopg.connect(**connection_kwargs(), autocommit=True) as other:
         yield other
+
+
+@pytest.fixture
+def signal_handlers_restored() -> Iterator[None]:
+    """runjobs installs SIGTERM/SIGINT handlers; give pytest its own back afterwards."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:

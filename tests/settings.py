@@ -50,6 +50,27 @@ if os.environ.get("PGJOBS_CHAOS"):
     DATABASES["default"].setdefault("OPTIONS", {})["application_name"] = f"chaos:{os.getpid()}"
 if os.environ.get("PGJOBS_PGBOUNCER"):
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+try:  # Django's Tasks framework: built in from Django 6, else the django-tasks backport
+    import django.tasks  # noqa: F401
+
+    IMMEDIATE_BACKEND = "django.tasks.backends.immediate.ImmediateBackend"
+except ImportError:
+    INSTALLED_APPS.append("django_tasks")
+    IMMEDIATE_BACKEND = "django_tasks.backends.immediate.ImmediateBackend"
+TASKS = {
+    "default": {
+        "BACKEND": "django_pgjobs.backend.PgJobsBackend",
+        "QUEUES": ["default", "queue-1"],
+    },
+    # Retries, for Tasks that say so; any queue.
+    "retrying": {
+        "BACKEND": "django_pgjobs.backend.PgJobsBackend",
+        "QUEUES": [],
+        "OPTIONS": {"max_attempts": 3},
+    },
+    # Not ours: a job naming one of its Tasks must not run.
+    "immediate": {"BACKEND": IMMEDIATE_BACKEND},
+}
 STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05}

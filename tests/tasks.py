@@ -128,6 +128,37 @@ def reports_its_job() -> None:
     seen_jobs.append((job.pk, job.attempts, job.worker))
 
 
+@task(max_attempts=3, backoff=lambda attempts: 600.0)
+def fails_and_waits() -> None:
+    """Fails; each retry is due ten minutes later."""
+    raise RuntimeError("try again later")
+
+
+@task
+def countdown(n: int) -> None:
+    """Enqueues countdown(n - 1) until 0: jobs that enqueue jobs."""
+    _count("countdown")
+    if n > 0:
+        countdown.enqueue(n=n - 1)
+
+
+@task
+def enqueues_itself() -> None:
+    enqueues_itself.enqueue()
+
+
+@task
+def writes_then_breaks_the_transaction(n: int) -> None:
+    """Writes a row, then makes PostgreSQL abort the transaction (division by zero)."""
+    from django.db import connection
+
+    from tests.models import Execution
+
+    Execution.objects.create(n=n, pid=0)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1 / 0")
+
+
 # The chaos suite's tasks live beside it; importing them here registers them (only installed
 # apps' `tasks` modules are autodiscovered).
 from tests.chaos import tasks as chaos_tasks  # noqa: E402, F401

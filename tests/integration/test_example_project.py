@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -127,15 +125,6 @@ def test_a_warehouse_timeout_is_a_transient_error(monkeypatch):
 
     assert not is_permanent(raised.value, tasks.notify_warehouse.permanent_errors)
     assert Order.objects.get(pk=order.pk).shipped_at is None
-
-
-@pytest.fixture
-def signal_handlers_restored() -> Iterator[None]:
-    """runjobs installs SIGTERM/SIGINT handlers; give pytest its own back afterwards."""
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
 
 
 @pytest.mark.usefixtures("signal_handlers_restored")

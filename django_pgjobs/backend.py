@@ -1,0 +1,336 @@
+"""A backend for Django's Tasks framework: @task functions become jobs that runjobs runs.
+
+``TASKS = {"default": {"BACKEND": "django_pgjobs.backend.PgJobsBackend"}}`` works with
+``django.tasks`` (Django 6) and with the ``django-tasks`` backport (Django 5.2). A Task's job has
+``task = "django.tasks:<module path>"`` and ``payload = {"args": [...], "kwargs": {...},
+"backend": <alias>}``; its return value is kept in ``Job.result``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import traceback
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from django.apps import apps
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.dispatch import Signal
+from django.utils import timezone
+
+from django_pgjobs import registry, validation
+from django_pgjobs.conf import get_settings
+from django_pgjobs.errors import EnqueueError, PayloadMismatch, UnknownTask
+from django_pgjobs.status import Status
+
+if TYPE_CHECKING:
+    from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task_backends
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import TaskError
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.signals import task_enqueued, task_finished, task_started
+
+    from django_pgjobs.models import Job
+else:
+    try:  # Django 6 and later
+        from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task_backends
+        from django.tasks.backends.base import BaseTaskBackend
+        from django.tasks.base import TaskError
+        from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+        from django.tasks.signals import task_enqueued, task_finished, task_started
+    except ImportError:  # Django 5.2 with the django-tasks backport (the "tasks" extra)
+        from django_tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
+        from django_tasks.backends.base import BaseTaskBackend
+        from django_tasks.base import Task, TaskError
+        from django_tasks.exceptions import InvalidTaskError as InvalidTask
+        from django_tasks.exceptions import TaskResultDoesNotExist
+        from django_tasks.signals import task_enqueued, task_finished, task_started
+
+__all__ = ["PgJobsBackend", "WorkerLost"]
+
+logger = logging.getLogger(__name__)
+
+#: The backend's OPTIONS and their defaults.
+DEFAULT_OPTIONS: dict[str, Any] = {
+    # The framework has no retries: by default an exception makes the result FAILED at once.
+    "max_attempts": 1,
+}
+
+_STATUSES = {
+    Status.READY: TaskResultStatus.READY,
+    Status.RUNNING: TaskResultStatus.RUNNING,
+    Status.SUCCEEDED: TaskResultStatus.SUCCESSFUL,
+    Status.FAILED: TaskResultStatus.FAILED,
+    # The framework has no "cancelled" (Django 6.0); FAILED means "raised, or could not start".
+    Status.CANCELLED: getattr(TaskResultStatus, "CANCELLED", TaskResultStatus.FAILED),
+}
+
+
+class WorkerLost(Exception):
+    """The error history's "lease expired" entry: the worker running the task died or hung."""
+
+
+class PgJobsBackend(BaseTaskBackend):
+    """Django Tasks stored as django-pgjobs jobs, in the caller's transaction.
+
+    OPTIONS: ``max_attempts`` (default 1): how many times a Task runs before its result is
+    FAILED; exceptions django-pgjobs knows to be permanent fail it at once.
+    """
+
+    supports_defer = True
+    supports_async_task = True
+    supports_get_result = True
+    supports_priority = True
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        unknown = sorted(set(self.options) - set(DEFAULT_OPTIONS))
+        if unknown:
+            raise ImproperlyConfigured(
+                f"TASKS[{alias!r}]['OPTIONS'] has unknown keys {unknown}; "
+                f"PgJobsBackend reads {sorted(DEFAULT_OPTIONS)}."
+            )
+        self.max_attempts = self.options.get("max_attempts", DEFAULT_OPTIONS["max_attempts"])
+        try:
+            validation.check_max_attempts(self.max_attempts)
+            for queue in sorted(self.queues):
+                validation.check_queue(queue)
+        except EnqueueError as error:
+            raise ImproperlyConfigured(f"TASKS[{alias!r}]: {error}") from None
+
+    def enqueue(self, task: Task[Any, Any], args: Any, kwargs: Any) -> TaskResult[Any, Any]:
+        """One job, written by a plain INSERT in the caller's transaction: it commits or rolls
+        back with the caller's own writes (there is no waiting for on_commit)."""
+        from django_pgjobs.models import Job
+
+        self.validate_task(task)
+        try:
+            payload = {
+                "args": _jsonable(list(args)),
+                "kwargs": _jsonable(dict(kwargs)),
+                "backend": self.alias,
+            }
+            job = Job.objects.enqueue(
+                registry.Task(task.func, registry.DJANGO_TASK_PREFIX + task.module_path),
+                payload,
+                queue=task.queue_name,
+                priority=task.priority,
+                run_at=task.run_after,
+                max_attempts=self.max_attempts,
+            )
+        except EnqueueError as error:
+            raise EnqueueError(f"{task.module_path}: {error}") from None
+        result = to_task_result(job, task)
+        task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def get_result(self, result_id: str) -> TaskResult[Any, Any]:
+        """The result of a Task enqueued through this backend alias, read in one query."""
+        from django_pgjobs.models import Job
+
+        try:
+            pk = UUID(str(result_id))
+        except ValueError:
+            raise TaskResultDoesNotExist(result_id) from None
+        job = Job.objects.filter(
+            pk=pk, task__startswith=registry.DJANGO_TASK_PREFIX, payload__backend=self.alias
+        ).first()
+        if job is None:
+            raise TaskResultDoesNotExist(result_id)
+        try:
+            return to_task_result(job)
+        except (UnknownTask, PayloadMismatch) as error:
+            raise TaskResultDoesNotExist(f"{result_id}: {error}") from None
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        if apps.is_installed("django_pgjobs"):
+            return []
+        return [
+            checks.Error(
+                f"TASKS[{self.alias!r}] uses PgJobsBackend, but django_pgjobs is not installed.",
+                hint="Add 'django_pgjobs' to INSTALLED_APPS and run migrate.",
+                id="pgjobs.E002",
+            )
+        ]
+
+
+def is_pgjobs_task(value: object) -> bool:
+    """True for a Django Task whose backend alias is configured with PgJobsBackend."""
+    return isinstance(value, Task) and _is_our_alias(value.backend)
+
+
+def _is_our_alias(alias: object) -> bool:
+    try:
+        return isinstance(alias, str) and isinstance(task_backends[alias], PgJobsBackend)
+    except ImproperlyConfigured:  # no such alias, or its backend cannot be loaded
+        return False
+
+
+def to_task_result(job: Job, task: Task[Any, Any] | None = None) -> TaskResult[Any, Any]:
+    """The job as the framework's TaskResult, for `task` (by default the Task the job names, with
+    the job's priority, queue and run_at). PayloadMismatch for a job that is not a Django Task's,
+    UnknownTask when the Task it names is not one of ours."""
+    args, kwargs, alias = _arguments(job)
+    if task is None:
+        task = _as_enqueued(registry.get_django_task(job.task), job, alias)
+    status = Status(job.status)
+    result: TaskResult[Any, Any] = TaskResult(
+        task=task,
+        id=str(job.pk),
+        status=_STATUSES[status],
+        enqueued_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        last_attempted_at=job.started_at,
+        args=args,
+        kwargs=kwargs,
+        backend=alias,
+        errors=[_task_error(entry) for entry in job.errors if isinstance(entry, Mapping)],
+        worker_ids=_worker_ids(job),
+    )
+    if status == Status.SUCCEEDED:
+        object.__setattr__(result, "_return_value", job.result)
+    return result
+
+
+def running(job: Job, task: Task[Any, Any]) -> TaskResult[Any, Any]:
+    """The TaskResult a claimed job's Task sees (in its TaskContext and in task_started)."""
+    alias = _arguments(job)[2]
+    return to_task_result(job, _as_enqueued(task, job, alias))
+
+
+def finished(
+    result: TaskResult[Any, Any], value: Any = None, error: BaseException | None = None
+) -> None:
+    """Mark `result` SUCCESSFUL (with `value`) or FAILED (with `error`) and send task_finished."""
+    object.__setattr__(result, "finished_at", timezone.now())
+    if error is None:
+        object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+        object.__setattr__(result, "_return_value", value)
+    else:
+        object.__setattr__(result, "status", TaskResultStatus.FAILED)
+        kind = type(error)
+        result.errors.append(
+            TaskError(
+                exception_class_path=f"{kind.__module__}.{kind.__qualname__}",
+                traceback="".join(traceback.format_exception(error)),
+            )
+        )
+    send(task_finished, result)
+
+
+def started(result: TaskResult[Any, Any]) -> None:
+    """Send task_started for a claimed job about to run."""
+    send(task_started, result)
+
+
+def context(result: TaskResult[Any, Any]) -> TaskContext[Any, Any]:
+    """The first argument of a Task declared with takes_context=True."""
+    return TaskContext(task_result=result)
+
+
+def send(signal: Signal, result: TaskResult[Any, Any]) -> None:
+    """Send a task signal from the worker: a receiver that raises is logged, never propagated."""
+    sender = type(task_backends[result.backend])
+    for receiver, response in signal.send_robust(sender, task_result=result):
+        if isinstance(response, Exception):
+            logger.error("a receiver of a task signal raised: %r", receiver, exc_info=response)
+
+
+def result_json(value: Any) -> str:
+    """A Task's return value as JSON text for Job.result; TypeError or ValueError saying what
+    does not survive JSON (tuples become lists and bytes text, as the framework does)."""
+    value = _jsonable(value)
+    try:
+        validation._check_value(value, "the return value")
+    except EnqueueError as error:
+        raise TypeError(str(error)) from None
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    size, limit = len(text.encode()), get_settings().MAX_PAYLOAD_BYTES
+    if size > limit:
+        raise ValueError(
+            f"the return value is {size:,} bytes of JSON, over the limit of {limit:,} "
+            "(PGJOBS['MAX_PAYLOAD_BYTES']); store large results elsewhere and return their id."
+        )
+    return text
+
+
+def _arguments(job: Job) -> tuple[list[Any], dict[str, Any], str]:
+    payload = job.payload
+    if isinstance(payload, Mapping):
+        args, kwargs, alias = payload.get("args"), payload.get("kwargs"), payload.get("backend")
+        if isinstance(args, list) and isinstance(kwargs, dict) and _is_our_alias(alias):
+            return args, kwargs, str(alias)
+    raise PayloadMismatch(
+        "a Django Task's job needs the payload {'args': [...], 'kwargs': {...}, 'backend': "
+        f"<a TASKS alias that uses PgJobsBackend>}}, got {_shape(payload)}"
+    )
+
+
+def _as_enqueued(task: Task[Any, Any], job: Job, alias: str) -> Task[Any, Any]:
+    """`task` with the options the job was enqueued with, as the framework's results carry."""
+    # run_at equals created_at unless the job was deferred (both are the INSERT's clock).
+    run_after = None if job.run_at == job.created_at else job.run_at
+    try:
+        return task.using(
+            priority=job.priority, queue_name=job.queue, run_after=run_after, backend=alias
+        )
+    except InvalidTask:  # e.g. replayed into a queue the backend's QUEUES do not list
+        return task
+
+
+def _task_error(entry: Mapping[str, Any]) -> TaskError:
+    kind = str(entry.get("type") or "Exception")
+    message = str(entry.get("message") or "")
+    return TaskError(
+        exception_class_path=_class_path(kind),
+        traceback=str(entry.get("traceback") or (f"{kind}: {message}" if message else kind)),
+    )
+
+
+def _class_path(kind: str) -> str:
+    """An importable path, as TaskError.exception_class needs: the history names builtins
+    without their module, and the reaper's entries "WorkerLost"."""
+    if "." in kind:
+        return kind
+    if isinstance(getattr(builtins, kind, None), type):
+        return f"builtins.{kind}"
+    return f"{__name__}.WorkerLost" if kind == "WorkerLost" else "builtins.Exception"
+
+
+def _worker_ids(job: Job) -> list[str]:
+    """One worker per attempt, from the error history and the job's last worker; attempts
+    older than the kept history are "unknown"."""
+    by_attempt = {
+        entry.get("attempt"): str(entry.get("worker") or "unknown")
+        for entry in job.errors
+        if isinstance(entry, Mapping)
+    }
+    if job.attempts and job.worker:
+        by_attempt.setdefault(job.attempts, job.worker)
+    return [by_attempt.get(attempt, "unknown") for attempt in range(1, job.attempts + 1)]
+
+
+def _jsonable(value: Any) -> Any:
+    """Tuples as lists and UTF-8 bytes as text, as the framework's normalize_json does;
+    anything else is left to the JSON checks, which say what does not fit and where."""
+    if isinstance(value, tuple | list):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return value
+    return value
+
+
+def _shape(payload: Any) -> str:
+    if isinstance(payload, Mapping):
+        return "{" + ", ".join(f"{key!r}: {type(v).__name__}" for key, v in payload.items()) + "}"
+    return type(payload).__name__

@@ -1,0 +1,100 @@
+"""Tasks of Django's Tasks framework (django.tasks, or the django-tasks backport on Django 5.2),
+run through django_pgjobs.backend.PgJobsBackend."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from django.utils import timezone
+
+try:
+    from django.tasks import TaskContext, task
+except ImportError:
+    from django_tasks import TaskContext, task  # type: ignore[no-redef]
+
+
+@task
+def noop(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+@task
+async def noop_async(*args: Any, **kwargs: Any) -> None:
+    await asyncio.sleep(0)
+
+
+@task
+def calculate_meaning_of_life() -> int:
+    return 42
+
+
+@task
+def echo(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return {"args": args, "kwargs": kwargs}
+
+
+@task
+async def add_async(a: int, b: int) -> int:
+    await asyncio.sleep(0)
+    return a + b
+
+
+@task(priority=10, queue_name="queue-1")
+def important(n: int = 0) -> int:
+    return n
+
+
+@task
+def failing_value_error() -> None:
+    raise ValueError("This task failed due to ValueError")
+
+
+@task
+def exit_task() -> None:
+    raise SystemExit(1)
+
+
+@task
+def returns_a_datetime() -> object:
+    return timezone.now()
+
+
+@task(takes_context=True)
+def sees_its_context(context: TaskContext[Any, Any], value: str) -> dict[str, Any]:
+    return {
+        "attempt": context.attempt,
+        "id": context.task_result.id,
+        "status": str(context.task_result.status),
+        "value": value,
+        "worker_ids": context.task_result.worker_ids,
+    }
+
+
+@task(takes_context=True, backend="retrying")
+def succeeds_on_the_third_attempt(context: TaskContext[Any, Any]) -> int:
+    if context.attempt < 3:
+        raise ConnectionError(f"attempt {context.attempt} failed")
+    return context.attempt
+
+
+@task(backend="immediate")
+def of_another_backend() -> None:
+    pass
+
+
+def not_a_task() -> None:
+    """A plain function: a job naming it must never run."""
+
+
+@task(backend="retrying")
+def record(n: int, seconds: float = 0.0) -> int:
+    """Write a ledger row, then take `seconds`; returns the worker's pid."""
+    import os
+    import time
+
+    from tests.models import Execution
+
+    Execution.objects.create(n=n, pid=os.getpid())
+    time.sleep(seconds)
+    return os.getpid()

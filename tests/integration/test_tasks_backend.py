@@ -1,0 +1,570 @@
+"""PgJobsBackend against the contract of Django's Tasks framework.
+
+Modelled on the framework's own backend tests (enqueue, results, refresh, run_after, priority,
+queues, failures, context, signals, rows that must not run), with our guarantees on top:
+enqueue in the caller's transaction, retries when the backend's OPTIONS ask for them, and
+workers that only ever run Tasks of this backend.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.db import transaction
+from django.test import override_settings
+from django.urls import reverse
+from django.utils import timezone
+
+from django_pgjobs import registry
+from django_pgjobs.backend import PgJobsBackend, WorkerLost
+from django_pgjobs.errors import EnqueueError
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+from django_pgjobs.testing import run_jobs
+from tests import framework_tasks as tasks
+from tests.factories import JobFactory
+
+try:
+    from django.tasks import TaskResultStatus, default_task_backend, task_backends
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
+    from django.tasks.signals import task_enqueued, task_finished, task_started
+except ImportError:
+    from django_tasks import TaskResultStatus, default_task_backend, task_backends
+    from django_tasks.exceptions import InvalidTaskError as InvalidTask
+    from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
+    from django_tasks.signals import task_enqueued, task_finished, task_started
+
+pytestmark = pytest.mark.django_db
+
+PREFIX = registry.DJANGO_TASK_PREFIX
+
+
+def job_of(result: Any) -> Job:
+    return Job.objects.get(pk=result.id)
+
+
+@pytest.fixture
+def signals() -> Iterator[list[tuple[str, str, Any]]]:
+    """(signal, status, task_result) for each task signal sent, in order."""
+    sent: list[tuple[str, str, Any]] = []
+    receivers = {}
+    for name, sig in [
+        ("enqueued", task_enqueued),
+        ("started", task_started),
+        ("finished", task_finished),
+    ]:
+
+        def receiver(sender: Any, task_result: Any, name: str = name, **kwargs: Any) -> None:
+            assert sender is PgJobsBackend
+            sent.append((name, str(task_result.status), task_result))
+
+        sig.connect(receiver)
+        receivers[sig] = receiver
+    yield sent
+    for sig, receiver in receivers.items():
+        sig.disconnect(receiver)
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+def test_the_configured_backend_is_ours_and_supports_everything_the_framework_offers():
+    backend = task_backends["default"]
+
+    assert default_task_backend.alias == "default"
+    assert isinstance(backend, PgJobsBackend)
+    assert (
+        backend.supports_defer,
+        backend.supports_async_task,
+        backend.supports_get_result,
+        backend.supports_priority,
+    ) == (True, True, True, True)
+    assert backend.check() == []
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"OPTIONS": {"max_attempt": 3}}, "unknown keys ['max_attempt']"),
+        ({"OPTIONS": {"max_attempts": 0}}, "max_attempts=0 must be an integer of 1 or more"),
+        ({"QUEUES": ["default", "bad queue"]}, "queue='bad queue' is not a valid queue name"),
+    ],
+)
+def test_a_misconfigured_backend_says_what_is_wrong(params, message):
+    with pytest.raises(ImproperlyConfigured, match=message.replace("[", r"\[")):
+        PgJobsBackend("broken", {"BACKEND": "django_pgjobs.backend.PgJobsBackend", **params})
+
+
+def test_the_check_asks_for_django_pgjobs_in_installed_apps(settings):
+    settings.INSTALLED_APPS = [app for app in settings.INSTALLED_APPS if app != "django_pgjobs"]
+
+    errors = task_backends["default"].check()
+
+    assert [error.id for error in errors] == ["pgjobs.E002"]
+    assert "INSTALLED_APPS" in errors[0].hint
+
+
+# ---- enqueue -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", [tasks.noop, tasks.noop_async])
+def test_enqueue_writes_one_job_and_returns_a_ready_result(task, django_assert_num_queries):
+    with django_assert_num_queries(1):
+        result = task.enqueue(1, two=3)
+
+    assert result.status == TaskResultStatus.READY
+    assert (result.started_at, result.finished_at, result.last_attempted_at) == (None, None, None)
+    assert result.enqueued_at is not None and result.enqueued_at <= timezone.now()
+    assert (result.task, result.args, result.kwargs, result.backend) == (
+        task,
+        [1],
+        {"two": 3},
+        "default",
+    )
+    assert (result.errors, result.worker_ids, result.attempts, result.is_finished) == (
+        [],
+        [],
+        0,
+        False,
+    )
+    with pytest.raises(ValueError, match="Task has not finished yet"):
+        result.return_value  # noqa: B018
+    job = job_of(result)
+    assert (job.task, job.queue, job.priority, job.status, job.max_attempts) == (
+        PREFIX + task.module_path,
+        "default",
+        0,
+        Status.READY,
+        1,
+    )
+    assert job.payload == {"args": [1], "kwargs": {"two": 3}, "backend": "default"}
+
+
+def test_aenqueue_and_aget_result_work_from_async_code():
+    result = async_to_sync(tasks.noop.aenqueue)("a", b=2)
+    fetched = async_to_sync(tasks.noop.aget_result)(result.id)
+
+    assert fetched == result
+    assert job_of(result).payload["kwargs"] == {"b": 2}
+
+
+def test_tuples_become_lists_as_the_framework_normalises_them():
+    result = tasks.noop.enqueue((1, 2), pair=(3, (4, 5)))
+
+    assert (result.args, result.kwargs) == ([[1, 2]], {"pair": [3, [4, 5]]})
+    assert tasks.noop.get_result(result.id) == result
+
+
+def test_priority_queue_and_run_after_are_written_to_the_job():
+    run_after = timezone.now() + timedelta(hours=10)
+
+    result = tasks.important.using(run_after=run_after).enqueue(n=1)
+
+    job = job_of(result)
+    assert (job.priority, job.queue, job.run_at) == (10, "queue-1", run_after)
+    assert result.task.run_after == run_after
+    assert tasks.important.get_result(result.id) == result
+
+
+@pytest.mark.parametrize(
+    ("make_task", "error", "message"),
+    [
+        (lambda: tasks.noop.using(queue_name="elsewhere"), InvalidTask, "Queue 'elsewhere'"),
+        (lambda: tasks.noop.using(priority=101), InvalidTask, "priority must be"),
+        (
+            lambda: tasks.noop.using(run_after=timezone.now().replace(tzinfo=None)),
+            InvalidTask,
+            "aware datetime",
+        ),
+    ],
+)
+def test_tasks_the_backend_cannot_run_are_refused_when_they_are_made(make_task, error, message):
+    with pytest.raises(error, match=message):
+        make_task()
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((timezone.now(),), {}, r"payload\['args'\]\[0\] is a datetime"),
+        ((), {"when": {"at": object()}}, r"payload\['kwargs'\]\['when'\]\['at'\] is a object"),
+        ((float("nan"),), {}, "which JSON cannot represent"),
+        (("a\x00b",), {}, "NUL character"),
+    ],
+)
+def test_arguments_that_do_not_survive_json_are_refused_naming_where_they_are(
+    args, kwargs, message
+):
+    with pytest.raises(EnqueueError, match=message) as raised:
+        tasks.noop.enqueue(*args, **kwargs)
+
+    assert str(raised.value).startswith("tests.framework_tasks.noop: ")
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_is_part_of_the_callers_transaction(other_connection):
+    def jobs_seen_by_others() -> int:
+        with other_connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pgjobs_job")
+            return int(cursor.fetchone()[0])
+
+    with transaction.atomic():
+        result = tasks.noop.enqueue()
+        # Written now (enqueued_at is set), visible to workers when the transaction commits.
+        assert result.enqueued_at is not None
+        assert jobs_seen_by_others() == 0
+    assert jobs_seen_by_others() == 1
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        tasks.noop.enqueue()
+        raise RuntimeError("the view failed")
+    assert jobs_seen_by_others() == 1
+
+
+def test_task_enqueued_is_sent_with_the_ready_result(signals):
+    result = tasks.noop.enqueue()
+
+    assert signals == [("enqueued", "READY", result)]
+
+
+# ---- results -------------------------------------------------------------------------------
+
+
+def test_get_result_reads_the_same_result_in_one_query(django_assert_num_queries):
+    result = default_task_backend.enqueue(tasks.calculate_meaning_of_life, [], {})
+
+    with django_assert_num_queries(1):
+        fetched = default_task_backend.get_result(result.id)
+
+    assert fetched == result
+
+
+def test_refresh_reads_the_status_the_worker_wrote():
+    result = tasks.calculate_meaning_of_life.enqueue()
+    run_jobs()
+
+    assert result.status == TaskResultStatus.READY
+    result.refresh()
+
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 42
+    assert result.enqueued_at <= result.started_at <= result.finished_at
+    assert result.last_attempted_at == result.started_at
+    assert result.attempts == 1
+
+
+def test_arefresh_works_from_async_code():
+    result = tasks.calculate_meaning_of_life.enqueue()
+    run_jobs()
+
+    async_to_sync(result.arefresh)()
+
+    assert result.return_value == 42
+
+
+@pytest.mark.parametrize("result_id", ["123", str(uuid.uuid4()), ""])
+def test_a_missing_or_malformed_id_is_a_result_that_does_not_exist(result_id):
+    with pytest.raises(TaskResultDoesNotExist):
+        default_task_backend.get_result(result_id)
+    with pytest.raises(TaskResultDoesNotExist):
+        async_to_sync(default_task_backend.aget_result)(result_id)
+
+
+def test_plain_jobs_and_other_aliases_results_are_not_this_backends_results():
+    plain = JobFactory()
+    other = tasks.succeeds_on_the_third_attempt.enqueue()  # the "retrying" alias
+
+    for result_id in [str(plain.pk), other.id]:
+        with pytest.raises(TaskResultDoesNotExist):
+            default_task_backend.get_result(result_id)
+    assert task_backends["retrying"].get_result(other.id) == other
+
+
+def test_a_tasks_get_result_refuses_the_result_of_another_task():
+    result = tasks.noop.enqueue()
+
+    with pytest.raises(TaskResultMismatch):
+        tasks.calculate_meaning_of_life.get_result(result.id)
+
+
+def test_a_cancelled_job_is_a_failed_result():
+    result = tasks.noop.enqueue()
+    Job.objects.filter(pk=result.id).cancel()
+
+    result.refresh()
+
+    assert result.status == TaskResultStatus.FAILED
+    assert result.is_finished and result.finished_at is not None
+
+
+def test_a_job_whose_lease_expired_shows_the_lost_worker_as_an_error():
+    result = tasks.noop.enqueue()
+    Job.objects.claim(["default"], worker="w1", lease=0)
+    Job.objects.reap()
+
+    result.refresh()
+
+    assert result.status == TaskResultStatus.FAILED  # max_attempts 1: no attempt left
+    assert [error.exception_class for error in result.errors] == [WorkerLost]
+    assert result.worker_ids == ["w1"]
+
+
+def test_the_admin_lists_and_shows_a_tasks_job_with_its_name_and_arguments(admin_client):
+    result = tasks.noop.enqueue("<b>x</b>", n=1)
+    name = PREFIX + "tests.framework_tasks.noop"
+
+    listed = admin_client.get(reverse("admin:pgjobs_job_changelist"), {"task": name})
+    detail = admin_client.get(reverse("admin:pgjobs_job_change", args=[result.id]))
+
+    assert [str(job.pk) for job in listed.context["cl"].result_list] == [result.id]
+    page = detail.content.decode()
+    assert name in page
+    assert "&quot;&lt;b&gt;x&lt;/b&gt;&quot;" in page  # the arguments, escaped
+    assert "&quot;backend&quot;: &quot;default&quot;" in page
+
+
+# ---- running -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("task", "args", "value"),
+    [
+        (tasks.calculate_meaning_of_life, (), 42),
+        (tasks.add_async, (2, 3), 5),
+        (tasks.echo, ((1, "a"), b"bytes"), {"args": [[1, "a"], "bytes"], "kwargs": {}}),
+    ],
+)
+def test_a_run_task_is_successful_and_keeps_its_return_value_as_json(task, args, value):
+    result = task.enqueue(*args)
+
+    assert len(run_jobs()) == 1
+
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == value
+    assert job_of(result).result == value
+    assert result.worker_ids == [job_of(result).worker]
+
+
+def test_a_task_that_raises_fails_with_its_exception_and_traceback():
+    result = tasks.failing_value_error.enqueue()
+
+    run_jobs()
+
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert job_of(result).status == Status.FAILED  # max_attempts 1: no retry
+    [error] = result.errors
+    assert error.exception_class is ValueError
+    assert error.traceback.endswith("ValueError: This task failed due to ValueError\n")
+    with pytest.raises(ValueError, match="Task failed"):
+        result.return_value  # noqa: B018
+
+
+def test_a_task_that_exits_fails_and_the_worker_carries_on():
+    result = tasks.exit_task.enqueue()
+    after = tasks.noop.enqueue()
+
+    run_jobs()
+
+    result.refresh()
+    after.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert result.errors[0].exception_class is SystemExit
+    assert after.status == TaskResultStatus.SUCCESSFUL
+
+
+def test_a_return_value_that_does_not_survive_json_fails_the_task_saying_why():
+    result = tasks.returns_a_datetime.enqueue()
+
+    run_jobs()
+
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert "the return value is a datetime, which does not survive JSON" in (
+        job_of(result).last_error
+    )
+
+
+def test_a_task_that_takes_context_sees_its_running_result():
+    result = tasks.sees_its_context.enqueue("x")
+
+    run_jobs()
+
+    result.refresh()
+    job = job_of(result)
+    assert result.return_value == {
+        "attempt": 1,
+        "id": result.id,
+        "status": "RUNNING",
+        "value": "x",
+        "worker_ids": [job.worker],
+    }
+
+
+def test_with_max_attempts_an_exception_is_retried_and_the_errors_are_kept():
+    result = tasks.succeeds_on_the_third_attempt.enqueue()
+
+    run = run_jobs(advance=timedelta(minutes=5))  # past the retries' backoff
+
+    assert [job.status for job in run.jobs] == ["ready", "ready", "succeeded"]
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 3
+    assert [error.exception_class for error in result.errors] == [ConnectionError] * 2
+    assert result.attempts == 3
+
+
+def test_signals_are_sent_as_the_framework_sends_them(signals):
+    ok = tasks.calculate_meaning_of_life.enqueue()
+    failing = tasks.failing_value_error.enqueue()
+    signals.clear()
+
+    run_jobs()
+
+    assert [(name, status, result.id) for name, status, result in signals] == [
+        ("started", "RUNNING", ok.id),
+        ("finished", "SUCCESSFUL", ok.id),
+        ("started", "RUNNING", failing.id),
+        ("finished", "FAILED", failing.id),
+    ]
+    assert signals[1][2].return_value == 42
+
+
+def test_an_attempt_that_will_be_retried_sends_no_task_finished(signals):
+    tasks.succeeds_on_the_third_attempt.enqueue()
+    signals.clear()
+
+    run_jobs(advance=timedelta(minutes=5))
+
+    assert [(name, status) for name, status, _ in signals] == [
+        ("started", "RUNNING"),
+        ("started", "RUNNING"),
+        ("started", "RUNNING"),
+        ("finished", "SUCCESSFUL"),
+    ]
+
+
+def test_a_receiver_that_raises_does_not_fail_the_task(caplog):
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    task_started.connect(broken)
+    try:
+        result = tasks.calculate_meaning_of_life.enqueue()
+        run_jobs()
+    finally:
+        task_started.disconnect(broken)
+
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert "a receiver of a task signal raised" in caplog.text
+
+
+def test_run_after_and_priority_decide_when_and_in_which_order_tasks_run():
+    later = tasks.noop.using(run_after=timezone.now() + timedelta(hours=2)).enqueue()
+    low = tasks.noop.using(priority=-2).enqueue()
+    high = tasks.noop.using(priority=10).enqueue()
+    middle = tasks.noop.enqueue()
+
+    ran = [str(job.pk) for job in run_jobs().jobs]
+
+    assert ran == [high.id, middle.id, low.id]
+    later.refresh()
+    assert later.status == TaskResultStatus.READY
+
+
+@pytest.mark.parametrize(
+    ("task", "payload", "error"),
+    [
+        # Importable, but not a Task: a row must never run an arbitrary function.
+        ("subprocess.check_output", {"args": [["true"]], "kwargs": {}}, "UnknownTask"),
+        ("tests.framework_tasks.not_a_task", {"args": [], "kwargs": {}}, "UnknownTask"),
+        # A Task of a backend that is not ours.
+        ("tests.framework_tasks.of_another_backend", {"args": [], "kwargs": {}}, "UnknownTask"),
+        # Not in an installed app, and not imported.
+        ("antigravity.fly", {"args": [], "kwargs": {}}, "UnknownTask"),
+        ("tests.no_such_module.task", {"args": [], "kwargs": {}}, "UnknownTask"),
+        ("tests.unimportable.task", {"args": [], "kwargs": {}}, "UnknownTask"),
+        # Our Task, with a payload that is not a Task's, or names an alias that is not ours.
+        ("tests.framework_tasks.noop", {"to": "x"}, "PayloadMismatch"),
+        ("tests.framework_tasks.noop", {"args": [], "kwargs": {}}, "PayloadMismatch"),
+        (
+            "tests.framework_tasks.noop",
+            {"args": [], "kwargs": {}, "backend": "immediate"},
+            "PayloadMismatch",
+        ),
+        (
+            "tests.framework_tasks.calculate_meaning_of_life",
+            {"args": [1], "kwargs": {}, "backend": "default"},
+            "PayloadMismatch",
+        ),
+    ],
+)
+def test_a_row_that_names_no_task_of_ours_is_a_dead_letter_and_runs_nothing(task, payload, error):
+    job = JobFactory(task=PREFIX + task, payload=payload)
+
+    run = run_jobs()
+
+    assert [j.status for j in run.jobs] == [Status.FAILED]
+    job.refresh_from_db()
+    assert job.errors[-1]["type"] == f"django_pgjobs.errors.{error}"
+
+
+def test_without_the_tasks_framework_a_tasks_job_is_a_dead_letter_saying_what_to_install(
+    monkeypatch,
+):
+    result = tasks.noop.enqueue()
+    monkeypatch.setitem(sys.modules, "django_pgjobs.backend", None)  # import fails
+
+    run_jobs()
+
+    job = job_of(result)
+    assert job.status == Status.FAILED
+    assert "install django-pgjobs[tasks]" in job.last_error
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("signal_handlers_restored")
+def test_runjobs_runs_tasks_of_the_queues_it_serves_in_its_handler_threads():
+    default = tasks.calculate_meaning_of_life.enqueue()
+    queue_1 = tasks.important.enqueue(n=7)
+    failing = tasks.failing_value_error.enqueue()
+
+    call_command("runjobs", "--once", "--queue", "default", verbosity=0)
+
+    for result in (default, queue_1, failing):
+        result.refresh()
+    assert (default.status, default.return_value) == (TaskResultStatus.SUCCESSFUL, 42)
+    assert failing.status == TaskResultStatus.FAILED
+    assert queue_1.status == TaskResultStatus.READY
+
+    call_command("runjobs", "--once", "--queue", "queue-1", verbosity=0)
+
+    queue_1.refresh()
+    assert (queue_1.status, queue_1.return_value) == (TaskResultStatus.SUCCESSFUL, 7)
+    assert queue_1.worker_ids == [job_of(queue_1).worker]
+    assert queue_1.worker_ids != default.worker_ids  # two runjobs processes, two workers
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("signal_handlers_restored")
+@override_settings(
+    TASKS={"default": {"BACKEND": "django_pgjobs.backend.PgJobsBackend", "QUEUES": []}}
+)
+def test_a_backend_without_queues_accepts_any_valid_queue_name():
+    result = tasks.noop.using(queue_name="anything").enqueue()
+
+    call_command("runjobs", "--once", "--queue", "anything", verbosity=0)
+
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
