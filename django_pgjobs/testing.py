@@ -7,7 +7,6 @@ inside it), in ``TransactionTestCase`` and in pytest-django tests, as plain func
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -136,7 +135,6 @@ def run_jobs(
 def _run_one(job: Job, db: str) -> execute.Outcome:
     """Run and record one claimed job, sending the lifecycle signals the worker sends."""
     signals.send(signals.job_started, job=job)
-    started = time.monotonic()
     if connections[db].in_atomic_block:
         try:
             with transaction.atomic(using=db):  # a savepoint
@@ -147,11 +145,11 @@ def _run_one(job: Job, db: str) -> execute.Outcome:
             outcome = undo.outcome
     else:
         outcome = execute.run(job)
-    duration = time.monotonic() - started
     if execute.settle(job, outcome):
         status = Job.objects.db_manager(db).filter(pk=job.pk).values_list("status", flat=True)
         signals.announce(
-            job, signals.OUTCOME_OF_STATUS.get(status.first() or "", "lost"), duration=duration,
+            job, signals.OUTCOME_OF_STATUS.get(status.first() or "", "lost"),
+            duration=outcome.duration,
             error=outcome.failure, delay=outcome.delay,
         )  # fmt: skip
     return outcome

@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from uuid import UUID
 
 from django.db import (
@@ -429,9 +429,7 @@ class Worker:
         while (job := self._todo.get()) is not None:
             close_old_connections()
             signals.send(signals.job_started, job=job)
-            started = time.monotonic()
-            outcome = execute.run(job)
-            outcome = replace(outcome, duration=time.monotonic() - started)
+            outcome = execute.run(job)  # its duration is the handler's own
             close_old_connections()
             with self._lock:
                 if not self._done:
