@@ -43,8 +43,6 @@ class Outcome:
     result_json: str | None = None
 
 
-SUCCEEDED = Outcome(Result.SUCCEEDED)
-
 _current_job: ContextVar[Job | None] = ContextVar("pgjobs_current_job", default=None)
 
 

@@ -96,16 +96,13 @@ _RUN_AT = """COALESCE(%s::timestamptz,
 # Enqueue, keyed by (with a unique_key?, with a wake-up?). One job is a VALUES row, the
 # cheapest statement to plan. ON CONFLICT only with a unique_key: a speculative insertion costs
 # more CPU and WAL than a plain one, and a NULL key can never conflict. The wake-up is part of
-# the statement (see notify.to_send), sent only if a row was inserted.
+# the statement (see notify.to_send), evaluated only for an inserted row.
 _INSERT = f"""
-    WITH inserted AS (
-        INSERT INTO pgjobs_job AS j
-            (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
-        VALUES (%s, %s, %s, %s::jsonb, %s, {_RUN_AT}, %s, %s)
-        {{on_conflict}}
-        RETURNING j.id, j.run_at, j.created_at
-    )
-    SELECT id, run_at, created_at{{wake_up}} FROM inserted
+    INSERT INTO pgjobs_job AS j
+        (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+    VALUES (%s, %s, %s, %s::jsonb, %s, {_RUN_AT}, %s, %s)
+    {{on_conflict}}
+    RETURNING j.id, j.run_at, j.created_at{{wake_up}}
 """
 _ON_CONFLICT = """ON CONFLICT (unique_key)
     WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL DO NOTHING"""

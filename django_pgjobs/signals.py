@@ -20,9 +20,13 @@ Outcomes a worker could not record because it had lost the job's lease send noth
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.dispatch import Signal
+
+if TYPE_CHECKING:
+    from django_pgjobs.manager import Failure
+    from django_pgjobs.models import Job
 
 logger = logging.getLogger(__name__)
 
@@ -43,3 +47,39 @@ def send(signal: Signal, **kwargs: Any) -> None:
     for receiver, response in signal.send_robust(sender=Job, **kwargs):
         if isinstance(response, Exception):
             logger.error("signal receiver %r raised", receiver, exc_info=response)
+
+
+#: The outcome an attempt had, by the status it left the job in.
+OUTCOME_OF_STATUS = {
+    "succeeded": "succeeded",
+    "ready": "retried",
+    "failed": "failed",
+    "cancelled": "cancelled",
+}
+_SIGNAL_OF_OUTCOME = {
+    "succeeded": job_succeeded,
+    "retried": job_retried,
+    "failed": job_failed,
+    "cancelled": job_cancelled,
+}
+
+
+def announce(
+    job: Job,
+    outcome: str,
+    *,
+    duration: float,
+    error: Failure | None = None,
+    delay: float | None = None,
+) -> None:
+    """Send the signal of an attempt's recorded `outcome` (succeeded, retried, failed,
+    cancelled; "lost" sends nothing): the worker and ``testing.run_jobs`` both use it."""
+    signal = _SIGNAL_OF_OUTCOME.get(outcome)
+    if signal is None or not signal.receivers:
+        return
+    arguments: dict[str, Any] = {"job": job, "duration": duration}
+    if signal is job_retried:
+        arguments |= {"error": error, "delay": delay}
+    elif signal is job_failed:
+        arguments["error"] = error
+    send(signal, **arguments)

@@ -16,7 +16,7 @@ from typing import Any
 from django.db import connections, router, transaction
 from django.db.models.functions import Now
 
-from django_pgjobs import execute, registry
+from django_pgjobs import execute, registry, signals
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.execute import Result
 from django_pgjobs.models import Job
@@ -133,6 +133,8 @@ def run_jobs(
 
 
 def _run_one(job: Job, db: str) -> execute.Outcome:
+    """Run and record one claimed job, sending the lifecycle signals the worker sends."""
+    signals.send(signals.job_started, job=job)
     if connections[db].in_atomic_block:
         try:
             with transaction.atomic(using=db):  # a savepoint
@@ -143,7 +145,13 @@ def _run_one(job: Job, db: str) -> execute.Outcome:
             outcome = undo.outcome
     else:
         outcome = execute.run(job)
-    execute.settle(job, outcome)
+    if execute.settle(job, outcome):
+        status = Job.objects.db_manager(db).filter(pk=job.pk).values_list("status", flat=True)
+        signals.announce(
+            job, signals.OUTCOME_OF_STATUS.get(status.first() or "", "lost"),
+            duration=outcome.duration,
+            error=outcome.failure, delay=outcome.delay,
+        )  # fmt: skip
     return outcome
 
 

@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from uuid import UUID
 
 from django.db import (
@@ -31,7 +31,6 @@ from django_pgjobs.errors import UnknownTask
 from django_pgjobs.execute import Outcome, Result
 from django_pgjobs.manager import FailedAttempt, Failure
 from django_pgjobs.models import Job, Queue, QueueStat
-from django_pgjobs.status import Status
 
 logger = logging.getLogger(__name__)
 
@@ -210,12 +209,9 @@ class Worker:
                 else:  # the handler asked to run again later
                     owned = self.jobs.retry_later(job, outcome.delay)
                     self._in_flight.pop(job.pk, None)
-                    self._finished(job, "retried" if owned else "lost", outcome.duration)
-                    if owned:
-                        signals.send(
-                            signals.job_retried, job=job, duration=outcome.duration, error=None,
-                            delay=outcome.delay,
-                        )  # fmt: skip
+                    self._finished(
+                        job, "retried" if owned else "lost", outcome.duration, delay=outcome.delay
+                    )
             # The slots of the jobs recorded below are free for this claim.
             free = self._free_slots() + len(succeeded) + len(failed)
             claim = (
@@ -271,36 +267,30 @@ class Worker:
             self._poll_delay = min(self.options.poll_interval, max(0.05, self._poll_delay * 2))
         self._next_poll = time.monotonic() + self._poll_delay
 
-    def _finished(self, job: Job, outcome: str, duration: float) -> None:
+    def _finished(
+        self, job: Job, outcome: str, duration: float, error: Failure | None = None,
+        delay: float | None = None,
+    ) -> None:  # fmt: skip
         """Count and announce one recorded outcome (nothing is announced for a lost job)."""
         self._activity.finished(job, outcome)
         if job.queue in self._limited_queues:
             self._poll_now = True  # a slot under the queue's limit is free again
-        if outcome == "succeeded":
-            signals.send(signals.job_succeeded, job=job, duration=duration)
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("job %s (%s) succeeded", job.pk, job.task, extra=_extra(job, duration))
+        signals.announce(job, outcome, duration=duration, error=error, delay=delay)
+        if outcome == "succeeded" and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("job %s (%s) succeeded", job.pk, job.task, extra=_extra(job, duration))
 
     def _failed(
         self, job: Job, failure: Failure, status: str | None, duration: float, delay: float
     ) -> None:
-        if status is None:
-            self._finished(job, "lost", duration)
+        outcome = signals.OUTCOME_OF_STATUS.get(status or "", "lost")
+        self._finished(job, outcome, duration, failure, delay)
+        if outcome == "lost":
             return
         extra = _extra(job, duration) | {"error": failure.summary, "status": status}
-        if status == Status.CANCELLED:
-            self._finished(job, "cancelled", duration)
-            signals.send(signals.job_cancelled, job=job, duration=duration)
+        if outcome == "cancelled":
             logger.info("job %s (%s) cancelled", job.pk, job.task, extra=extra)
             return
-        dead = status == Status.FAILED
-        self._finished(job, "failed" if dead else "retried", duration)
-        if dead:
-            signals.send(signals.job_failed, job=job, duration=duration, error=failure)
-        else:
-            signals.send(
-                signals.job_retried, job=job, duration=duration, error=failure, delay=delay
-            )
+        dead = outcome == "failed"
         (logger.error if dead else logger.info)(
             "job %s (%s) attempt %d failed: %s%s", job.pk, job.task, job.attempts,
             failure.summary, "; dead-lettered" if dead else "", extra=extra,
@@ -439,9 +429,7 @@ class Worker:
         while (job := self._todo.get()) is not None:
             close_old_connections()
             signals.send(signals.job_started, job=job)
-            started = time.monotonic()
-            outcome = execute.run(job)
-            outcome = replace(outcome, duration=time.monotonic() - started)
+            outcome = execute.run(job)  # its duration is the handler's own
             close_old_connections()
             with self._lock:
                 if not self._done:

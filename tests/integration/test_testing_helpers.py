@@ -257,3 +257,33 @@ class RunJobsInATransactionTestCase(TransactionTestCase):
 
         assert run.counts == {"succeeded": 1}
         assert Job.objects.get().status == Status.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_jobs_sends_the_lifecycle_signals_the_worker_sends():
+    from django_pgjobs import signals
+
+    seen: list[tuple[str, str]] = []
+
+    def on(name: str):
+        def receiver(sender, job, **kwargs):
+            seen.append((name, job.task))
+
+        return receiver
+
+    receivers = {name: on(name) for name in ("job_started", "job_succeeded", "job_failed")}
+    for name, receiver in receivers.items():
+        getattr(signals, name).connect(receiver)
+    try:
+        Job.objects.enqueue("tests.tasks.noop")
+        Job.objects.enqueue("tests.tasks.fails_permanently")
+        run_jobs()
+    finally:
+        for name, receiver in receivers.items():
+            getattr(signals, name).disconnect(receiver)
+    assert sorted(seen) == [
+        ("job_failed", "tests.tasks.fails_permanently"),
+        ("job_started", "tests.tasks.fails_permanently"),
+        ("job_started", "tests.tasks.noop"),
+        ("job_succeeded", "tests.tasks.noop"),
+    ]
