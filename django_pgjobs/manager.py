@@ -637,9 +637,10 @@ def _claim_select(db: str, queue_count: int, limit: int) -> tuple[str, tuple[Any
     """The SELECT of due job ids that the claim locks, compiled by the ORM once per shape.
 
     One subquery per queue, each ordered like the claim index so it is an index range scan that
-    stops after `limit` rows; with several queues, the few rows they return are merged by the
-    same order. Queue names stay bound parameters (placeholders for them are returned as
-    _QUEUE and filled in by _bind_queues).
+    stops after `limit` rows. With several queues, their few rows are taken in turns — every
+    queue's best job, then every queue's second best, and so on (ties by the claim order) — so
+    a backlog of old jobs in one queue never starves the others. Queue names stay bound
+    parameters (placeholders for them are returned as _QUEUE and filled in by _bind_queues).
     """
     from django_pgjobs.models import Job
 
@@ -662,10 +663,15 @@ def _claim_select(db: str, queue_count: int, limit: int) -> tuple[str, tuple[Any
     part_sql, part_params = per_queue(["id", "priority", "run_at"])
     names = [f"q{n}" for n in range(queue_count)]
     ctes = ", ".join(f"{name} AS ({part_sql})" for name in names)
-    union = " UNION ALL ".join(f"SELECT * FROM {name}" for name in names)
+    union = " UNION ALL ".join(
+        f"SELECT {n} AS queue, * FROM {name}" for n, name in enumerate(names)
+    )
+    order = "priority DESC, run_at, id"
     sql = (
-        f"WITH {ctes} SELECT id FROM ({union}) AS due(id, priority, run_at) "
-        f"ORDER BY priority DESC, run_at, id LIMIT {int(limit)}"
+        f"WITH {ctes} SELECT id FROM ("
+        f"SELECT *, row_number() OVER (PARTITION BY queue ORDER BY {order}) AS turn "
+        f"FROM ({union}) AS due(queue, id, priority, run_at)"
+        f") AS turns ORDER BY turn, {order} LIMIT {int(limit)}"
     )
     return sql, part_params * queue_count
 

@@ -61,12 +61,24 @@ def test_a_batch_comes_back_in_claim_order_across_queues():
     assert [job.pk for job in claimed] == [b.pk, c.pk, a.pk]
 
 
-def test_claim_across_queues_takes_the_best_jobs_of_all_queues_up_to_the_limit():
+def test_claims_across_queues_take_turns_so_no_queue_starves():
+    now = timezone.now()
+    backlog = [JobFactory(queue="a", run_at=now - timedelta(hours=1, seconds=n)) for n in range(20)]
+    newer = JobFactory.create_batch(2, queue="b")
+    claimed = Job.objects.claim(["a", "b"], worker="w1", limit=6)
+    # Turn by turn: each queue's best job, then each queue's second best, then the rest of a.
+    assert {job.pk for job in claimed} == {
+        *(job.pk for job in newer),
+        *(job.pk for job in backlog[-4:]),
+    }
+    assert Job.objects.filter(status=Status.RUNNING).count() == 6
+
+
+def test_within_a_turn_across_queues_higher_priority_goes_first():
     JobFactory.create_batch(3, queue="a", priority=0)
-    best = JobFactory.create_batch(2, queue="b", priority=50)
-    claimed = Job.objects.claim(["a", "b"], worker="w1", limit=2)
-    assert {job.pk for job in claimed} == {job.pk for job in best}
-    assert Job.objects.filter(status=Status.RUNNING).count() == 2
+    best = JobFactory(queue="b", priority=50)
+    claimed = Job.objects.claim(["a", "b"], worker="w1", limit=1)
+    assert [job.pk for job in claimed] == [best.pk]
 
 
 def test_future_jobs_are_not_claimed():
