@@ -34,7 +34,8 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from django_pgjobs import admin_health, registry  # noqa: F401  (admin_health registers Queue)
+# admin_health and admin_periodic register the Queue and Schedule admins when imported.
+from django_pgjobs import admin_health, admin_periodic, registry  # noqa: F401
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.manager import JobQuerySet
@@ -169,15 +170,18 @@ class BaseJobAdmin(ModelAdmin):
     actions = ["replay", "run_now", "cancel", "delete_jobs"]
     fieldsets = [
         (None, {"fields": ["id", "task", "queue", "status", "priority", "attempts_display"]}),
-        (gettext_lazy("Times"), {"fields": ["run_at", "created_at", "finished_at"]}),
-        (gettext_lazy("Lease"), {"fields": ["worker", "leased_until", "unique_key"]}),
-        (gettext_lazy("Payload"), {"fields": ["payload_display"]}),
+        (gettext_lazy("Times"), {"fields": ["run_at", "created_at", "started_at", "finished_at"]}),
+        (
+            gettext_lazy("Lease"),
+            {"fields": ["worker", "leased_until", "cancel_requested", "unique_key"]},
+        ),
+        (gettext_lazy("Payload and result"), {"fields": ["payload_display", "result_display"]}),
         (gettext_lazy("Errors"), {"fields": ["last_error", "error_history"]}),
     ]
     readonly_fields = [
         "id", "task", "queue", "status", "priority", "attempts_display", "run_at",
-        "created_at", "finished_at", "worker", "leased_until", "unique_key",
-        "payload_display", "last_error", "error_history",
+        "created_at", "started_at", "finished_at", "worker", "leased_until", "cancel_requested",
+        "unique_key", "payload_display", "result_display", "last_error", "error_history",
     ]  # fmt: skip
 
     # ---- permissions: the proxy (dead letters) answers with the Job permissions ---------------
@@ -254,8 +258,12 @@ class BaseJobAdmin(ModelAdmin):
             payload = registry.get_task(job.task).redacted(job.payload)
         except UnknownTask:
             payload = job.payload
-        pretty = json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=False)
-        return format_html('<pre class="pgjobs-json">{}</pre>', pretty)
+        return _pretty_json(payload)
+
+    @admin.display(description=gettext_lazy("result"))
+    def result_display(self, job: Job) -> str:
+        """The handler's return value, for tasks that keep it (e.g. Django Tasks)."""
+        return "—" if job.result is None else _pretty_json(job.result)
 
     @admin.display(description=gettext_lazy("error history"))
     def error_history(self, job: Job) -> str:
@@ -485,4 +493,6 @@ class DeadLetterAdmin(BaseJobAdmin):
         return {"summary": list(groups[:20])}
 
 
-from django_pgjobs import admin_periodic  # noqa: E402, F401
+def _pretty_json(value: Any) -> str:
+    pretty = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+    return format_html('<pre class="pgjobs-json">{}</pre>', pretty)

@@ -392,3 +392,13 @@ def test_job_data_containing_markup_is_escaped_on_every_page(admin_client):
         assert not [tag for tag in parsed.tags if tag.startswith("xss-")]  # ...never as markup
         assert "data-xss" not in parsed.attributes
         assert not [script for script in parsed.scripts if "xss" in script]
+
+
+def test_the_detail_page_shows_the_kept_result_and_when_the_attempt_started(admin_client):
+    JobFactory()
+    (job,) = Job.objects.claim(["default"], worker="w1", limit=1)
+    Job.objects.complete(job, '{"total": 42}')
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[job.pk]))
+    content = page.content.decode()
+    assert "&quot;total&quot;: 42" in content
+    assert "Started at" in content
