@@ -7,6 +7,7 @@ what it changed. Times are the database's (``statement_timestamp()``), never the
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,12 +24,16 @@ from django.db.models.functions import Now
 from django_pgjobs import notify, registry, signals, validation
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.ids import uuid7
+from django_pgjobs.ids import uuid7, uuid7_floor
 from django_pgjobs.status import LIVE, Status
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
     from django_pgjobs.registry import Task
+
+#: How far ahead of the database's clock an enqueuing process's clock may run before pruning
+#: its jobs is delayed (see JobQuerySet.prunable).
+ID_CLOCK_MARGIN = timedelta(minutes=10)
 
 #: A failed attempt to record: (job, failure, permanent?, seconds before the retry).
 FailedAttempt = tuple["Job", "Failure", bool, float]
@@ -225,7 +230,15 @@ class JobQuerySet(models.QuerySet["Job"]):
         for status, age in kept.items():
             if age is not None:
                 old |= models.Q(status=status, finished_at__lt=Now() - age)
-        return self.filter(old)
+        ages = [age for age in kept.values() if age is not None]
+        if not ages:
+            return self.filter(old)
+        # Ids are UUIDv7s made at enqueue, so a job finished before the cutoff has an id from
+        # before it: bounding the id makes this a range of the primary key instead of a scan of
+        # every finished job. The bound is the enqueuer's clock (with a margin); the database's
+        # finished_at still decides, so a skewed clock can delay pruning, never hasten it.
+        newest = time.time() - min(ages).total_seconds() + ID_CLOCK_MARGIN.total_seconds()
+        return self.filter(old, pk__lt=uuid7_floor(newest))
 
     def prune(
         self,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import factory
 from django.utils import timezone
 
+from django_pgjobs.ids import uuid7
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 
@@ -20,8 +22,14 @@ class JobFactory(factory.django.DjangoModelFactory):
     payload = factory.LazyFunction(dict)
     max_attempts = 3
     priority = 0
+    # Ids are UUIDv7s whose leading bits are the enqueue time; a test of old jobs (pruning)
+    # passes enqueued_ago=<seconds> so that its ids are as old as the jobs pretend to be.
+    id = factory.LazyAttribute(
+        lambda o: uuid7(None if o.enqueued_ago is None else time.time() - o.enqueued_ago)
+    )
 
     class Params:
+        enqueued_ago = None
         running = factory.Trait(
             status=Status.RUNNING,
             attempts=1,

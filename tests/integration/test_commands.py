@@ -52,8 +52,8 @@ def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
 
 
 def test_prunejobs_deletes_old_finished_jobs_and_keeps_dead_letters():
-    JobFactory.create_batch(4, succeeded=True)
-    JobFactory(dead=True)
+    JobFactory.create_batch(4, succeeded=True, enqueued_ago=2 * 86400)
+    JobFactory(dead=True, enqueued_ago=2 * 86400)
     with connection.cursor() as cursor:
         cursor.execute("UPDATE pgjobs_job SET finished_at = now() - interval '1 day'")
     assert run("prunejobs", "--older-than", "3600").strip() == "pruned 4 finished jobs"
@@ -116,7 +116,8 @@ def test_prune_keeps_each_final_status_for_its_own_retention(settings):
 
 
 def test_prunejobs_dry_run_counts_by_status_and_deletes_nothing():
-    for job in [*JobFactory.create_batch(3, succeeded=True), JobFactory(dead=True)]:
+    old = {"enqueued_ago": 2 * 86400}
+    for job in [*JobFactory.create_batch(3, succeeded=True, **old), JobFactory(dead=True, **old)]:
         finished_ago(job, 86400)
     out = run("prunejobs", "--dry-run")
     assert "succeeded: 3 would be pruned (retention 3600s)" in out

@@ -319,8 +319,12 @@ def test_discard_deletes_the_selection_except_running_jobs():
 
 def test_prune_deletes_old_finished_jobs_in_bounded_batches(settings):
     settings.PGJOBS = {**settings.PGJOBS, "PRUNE_BATCH": 10}
-    JobFactory.create_batch(25, succeeded=True)
-    keep = [JobFactory(dead=True), JobFactory(), JobFactory(running=True)]
+    JobFactory.create_batch(25, succeeded=True, enqueued_ago=3 * 3600)
+    keep = [
+        JobFactory(dead=True, enqueued_ago=3 * 3600),
+        JobFactory(enqueued_ago=3 * 3600),
+        JobFactory(running=True, enqueued_ago=3 * 3600),
+    ]
     with connection.cursor() as cursor:
         cursor.execute(
             "UPDATE pgjobs_job SET finished_at = now() - interval '2 hours' "
@@ -344,9 +348,25 @@ def test_a_handler_can_see_which_job_and_attempt_it_is_running():
 
 
 def test_prune_skips_rows_another_pruner_has_locked(other_connection):
-    old = JobFactory.create_batch(3, succeeded=True)
+    old = JobFactory.create_batch(3, succeeded=True, enqueued_ago=3 * 3600)
     with connection.cursor() as cursor:
         cursor.execute("UPDATE pgjobs_job SET finished_at = now() - interval '2 hours'")
     with other_connection.transaction():
         other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [old[0].pk])
         assert Job.objects.prune() == 2
+
+
+def test_finding_prunable_jobs_reads_a_range_of_ids_not_every_finished_job():
+    Job.objects.bulk_enqueue(tasks.noop, ({} for _ in range(20_000)))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET status = 'succeeded', finished_at = now(), attempts = 1"
+        )
+        cursor.execute("ANALYZE pgjobs_job")
+        sql, params = Job.objects.prunable().values("pk").query.sql_with_params()
+        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", params)
+        plan = cursor.fetchone()[0][0]["Plan"]
+    # None is old enough: the ids (UUIDv7, enqueue time first) bound the search to nothing.
+    assert plan["Node Type"] in ("Index Scan", "Index Only Scan", "Bitmap Heap Scan"), plan
+    assert plan["Actual Rows"] == 0
+    assert plan.get("Rows Removed by Filter", 0) == 0
