@@ -432,10 +432,15 @@ class Worker:
             outcome = execute.run(job)  # its duration is the handler's own
             close_old_connections()
             with self._lock:
-                if not self._done:
+                first = not self._done
+                if first:
                     self._first_done_at = time.monotonic()
                 self._done.append((job, outcome))
-            self._wake.set()
+                # Wake the main thread for the first outcome (it then waits at most
+                # SETTLE_DELAY) and when the outcomes are due, not for every one of them.
+                wake = first or self._settle_due()
+            if wake:
+                self._wake.set()
         connections.close_all()
 
     def _on_notify(self, queue_name: str) -> None:
