@@ -111,6 +111,9 @@ def main() -> None:
     parser.add_argument("--hold-seconds", type=float, help="W6 snapshot hold (full: 300)")
     parser.add_argument("--repeat", type=int, help="runs per noisy figure; the median is shown")
     parser.add_argument(
+        "--naptime", help="the cluster's autovacuum_naptime (default 10s), e.g. 1s: W6 with it"
+    )
+    parser.add_argument(
         "--only", default="ceiling,w1,w2,w3,w4,w5,w6,heartbeat",
         help="comma-separated sections to run (the ceiling is always measured for ratios)",
     )  # fmt: skip
@@ -128,6 +131,8 @@ def main() -> None:
 
     from bench.cluster import SETTINGS, Cluster
 
+    if options.naptime:
+        SETTINGS["autovacuum_naptime"] = options.naptime
     cluster = Cluster()
     cluster.start()
     try:

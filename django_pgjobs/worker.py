@@ -241,12 +241,14 @@ class Worker:
             self._in_flight.pop(job.pk, None)
             self._failed(job, failure, statuses.get(job.pk), durations[job.pk], delay)
         if claim:
-            for queue_name in self._limited_queues:
-                if len(jobs) < wanted:
-                    jobs += self.jobs.claim_limited(
-                        queue_name, worker=self.id, limit=wanted - len(jobs), lease=self.lease
-                    )
-            self._take(jobs, wanted)
+            try:
+                for queue_name in self._limited_queues:
+                    if len(jobs) < wanted:
+                        jobs += self.jobs.claim_limited(
+                            queue_name, worker=self.id, limit=wanted - len(jobs), lease=self.lease
+                        )
+            finally:  # what was claimed runs, even if a limited queue's claim failed
+                self._take(jobs, wanted)
 
     def _take(self, jobs: list[Job], wanted: int) -> None:
         """Hand claimed jobs to the handler threads, then schedule the next poll: at once after
