@@ -215,8 +215,10 @@ class BaseJobAdmin(ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return JobChangeList
 
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
-        actions = super().get_actions(request)
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # Django 6.1 passes where the actions are shown; Django 5.2 and 6.0 do not.
+        location = {} if action_location is None else {"action_location": action_location}
+        actions = super().get_actions(request, **location)
         actions.pop("delete_selected", None)  # lists every object; ours confirms with a count
         return actions
 
