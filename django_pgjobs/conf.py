@@ -29,7 +29,7 @@ class Settings:
     MAX_PAYLOAD_BYTES: int = 1_000_000
     #: How many attempts' errors a job keeps in its history.
     ERRORS_KEPT: int = 5
-    #: Wake idle workers with NOTIFY after an enqueue commits.
+    #: Wake idle workers with a NOTIFY that an enqueue's INSERT sends (delivered at commit).
     NOTIFY: bool = True
     #: How long finished jobs stay before they are pruned: one timedelta for succeeded and
     #: cancelled jobs, or a dict by final status (see retention()).
