@@ -9,9 +9,6 @@ from dataclasses import dataclass, field
 
 from django_pgjobs.models import LATENCY_BUCKETS, Job, QueueStat
 
-#: What became of a finished attempt; `lost` when the worker no longer owned the job.
-OUTCOMES = ("succeeded", "retried", "failed", "cancelled", "lost")
-
 
 @dataclass
 class Counts:

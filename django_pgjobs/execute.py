@@ -20,6 +20,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import PayloadMismatch, PermanentError, Retry, UnknownTask
 from django_pgjobs.manager import Failure
 from django_pgjobs.retry import ExponentialBackoff, is_permanent
+from django_pgjobs.signals import OUTCOME_OF_STATUS
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
@@ -142,19 +143,20 @@ def _error(
     )
 
 
-def settle(job: Job, outcome: Outcome) -> bool:
-    """Record one outcome through the manager; False when the job's lease was lost meanwhile."""
+def settle(job: Job, outcome: Outcome) -> str:
+    """Record one outcome through the manager. Returns what was recorded, as the worker counts
+    it: succeeded, retried, failed, cancelled, or lost when the job's lease was lost meanwhile."""
     from django_pgjobs.models import Job
 
     if outcome.result is Result.SUCCEEDED:
-        return Job.objects.complete(job, outcome.result_json)
+        return "succeeded" if Job.objects.complete(job, outcome.result_json) else "lost"
     if outcome.result is Result.RETRY:
-        return Job.objects.retry_later(job, outcome.delay)
+        return "retried" if Job.objects.retry_later(job, outcome.delay) else "lost"
     assert outcome.failure is not None
     status = Job.objects.fail(
         job, outcome.failure, permanent=outcome.permanent, delay=outcome.delay
     )
-    return status is not None
+    return OUTCOME_OF_STATUS.get(status or "", "lost")
 
 
 def _check_arguments(

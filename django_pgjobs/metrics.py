@@ -37,12 +37,7 @@ DURATION = Histogram(
     buckets=DURATION_BUCKETS,
 )
 
-_OUTCOMES = {
-    "succeeded": signals.job_succeeded,
-    "retried": signals.job_retried,
-    "failed": signals.job_failed,
-    "cancelled": signals.job_cancelled,
-}
+_OUTCOMES = signals.SIGNAL_OF_OUTCOME
 
 
 def _counter(outcome: str) -> Any:

@@ -56,7 +56,8 @@ OUTCOME_OF_STATUS = {
     "failed": "failed",
     "cancelled": "cancelled",
 }
-_SIGNAL_OF_OUTCOME = {
+#: The signal of each outcome ("lost" has none).
+SIGNAL_OF_OUTCOME = {
     "succeeded": job_succeeded,
     "retried": job_retried,
     "failed": job_failed,
@@ -74,7 +75,7 @@ def announce(
 ) -> None:
     """Send the signal of an attempt's recorded `outcome` (succeeded, retried, failed,
     cancelled; "lost" sends nothing): the worker and ``testing.run_jobs`` both use it."""
-    signal = _SIGNAL_OF_OUTCOME.get(outcome)
+    signal = SIGNAL_OF_OUTCOME.get(outcome)
     if signal is None or not signal.receivers:
         return
     arguments: dict[str, Any] = {"job": job, "duration": duration}

@@ -145,13 +145,10 @@ def _run_one(job: Job, db: str) -> execute.Outcome:
             outcome = undo.outcome
     else:
         outcome = execute.run(job)
-    if execute.settle(job, outcome):
-        status = Job.objects.db_manager(db).filter(pk=job.pk).values_list("status", flat=True)
-        signals.announce(
-            job, signals.OUTCOME_OF_STATUS.get(status.first() or "", "lost"),
-            duration=outcome.duration,
-            error=outcome.failure, delay=outcome.delay,
-        )  # fmt: skip
+    recorded = execute.settle(job, outcome)
+    signals.announce(
+        job, recorded, duration=outcome.duration, error=outcome.failure, delay=outcome.delay
+    )
     return outcome
 
 
