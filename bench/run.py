@@ -177,7 +177,7 @@ def say(message: str) -> None:
 
 def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]:
     from bench import ceiling, workloads
-    from django_pgjobs.worker import Options
+    from django_pgjobs.runtime.worker import Options
 
     rows: list[Row] = []
     repeat = sizes.repeat

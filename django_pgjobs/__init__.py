@@ -13,14 +13,15 @@ if TYPE_CHECKING:
 
 def current_job() -> Job | None:
     """The Job whose handler is running in this thread, else None (see execute.current_job)."""
-    from django_pgjobs.execute import current_job
+    # Imported when called: the package loads before Django's models can (see apps.py).
+    from django_pgjobs.runtime.execute import current_job
 
     return current_job()
 
 
 def cancel_requested() -> bool:
-    """Whether a cancellation of the running job was requested (see cancellation.py)."""
-    from django_pgjobs.cancellation import cancel_requested
+    """Whether a cancellation of the running job was requested (see runtime/cancellation.py)."""
+    from django_pgjobs.runtime.cancellation import cancel_requested
 
     return cancel_requested()
 

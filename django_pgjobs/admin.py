@@ -37,8 +37,8 @@ from django.utils.translation import gettext_lazy, ngettext
 # admin_health and admin_periodic register the Queue and Schedule admins when imported.
 from django_pgjobs import admin_health, admin_periodic, registry  # noqa: F401
 from django_pgjobs.conf import get_settings
+from django_pgjobs.data.jobs import JobQuerySet
 from django_pgjobs.errors import EnqueueError, UnknownTask
-from django_pgjobs.manager import JobQuerySet
 from django_pgjobs.models import DeadLetter, Job
 from django_pgjobs.status import Status
 from django_pgjobs.validation import check_queue

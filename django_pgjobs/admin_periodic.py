@@ -11,6 +11,7 @@ from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
 from django_pgjobs import periodic
+from django_pgjobs.cron import next_tick
 from django_pgjobs.models import Schedule
 
 if TYPE_CHECKING:
@@ -44,9 +45,7 @@ class ScheduleAdmin(ModelAdmin):
         if not self.declared(schedule):
             return None
         try:
-            return periodic.next_tick(
-                schedule.cron, ZoneInfo(schedule.timezone), schedule.last_tick
-            )
+            return next_tick(schedule.cron, ZoneInfo(schedule.timezone), schedule.last_tick)
         except (ValueError, KeyError):
             return None
 

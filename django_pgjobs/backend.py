@@ -9,11 +9,14 @@
 from __future__ import annotations
 
 import builtins
+import importlib
 import json
 import logging
+import sys
+import time
 import traceback
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 from uuid import UUID
 
 from django.apps import apps
@@ -24,7 +27,10 @@ from django.utils import timezone
 
 from django_pgjobs import registry, validation
 from django_pgjobs.conf import get_settings
-from django_pgjobs.errors import EnqueueError, PayloadMismatch, UnknownTask
+from django_pgjobs.errors import EnqueueError, PayloadMismatch, PermanentError, UnknownTask
+from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Handled, Verdict
+from django_pgjobs.runtime import execute
 from django_pgjobs.status import Status
 
 if TYPE_CHECKING:
@@ -33,8 +39,6 @@ if TYPE_CHECKING:
     from django.tasks.base import TaskError
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
     from django.tasks.signals import task_enqueued, task_finished, task_started
-
-    from django_pgjobs.models import Job
 else:
     try:  # Django 6 and later
         from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task_backends
@@ -105,13 +109,11 @@ class PgJobsBackend(BaseTaskBackend):
     def enqueue(self, task: Task[Any, Any], args: Any, kwargs: Any) -> TaskResult[Any, Any]:
         """One job, written by a plain INSERT in the caller's transaction: it commits or rolls
         back with the caller's own writes (there is no waiting for on_commit)."""
-        from django_pgjobs.models import Job
-
         self.validate_task(task)
         try:
             payload = {
-                "args": _jsonable(list(args)),
-                "kwargs": _jsonable(dict(kwargs)),
+                "args": validation.jsonable(list(args)),
+                "kwargs": validation.jsonable(dict(kwargs)),
                 "backend": self.alias,
             }
             job = Job.objects.enqueue(
@@ -130,8 +132,6 @@ class PgJobsBackend(BaseTaskBackend):
 
     def get_result(self, result_id: str) -> TaskResult[Any, Any]:
         """The result of a Task enqueued through this backend alias, read in one query."""
-        from django_pgjobs.models import Job
-
         try:
             pk = UUID(str(result_id))
         except ValueError:
@@ -158,7 +158,78 @@ class PgJobsBackend(BaseTaskBackend):
         ]
 
 
-def is_pgjobs_task(value: object) -> bool:
+def run(job: Job) -> Handled:
+    """Run a job of Django's Tasks framework (the runner registered for DJANGO_TASK_PREFIX):
+    its Task with the payload's args and kwargs (and a TaskContext first when the Task takes
+    one), sending the framework's task signals. The return value is kept as the job's result;
+    one that does not survive JSON fails the job."""
+    try:
+        task = get_django_task(job.task)
+        result = running(job, task)
+        args = [context(result), *result.args] if task.takes_context else result.args
+        execute.check_arguments(task.func, task.module_path, args, result.kwargs)
+    except (UnknownTask, PayloadMismatch) as error:
+        return execute.refused(error)
+    except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed
+        return execute.raised(job, error, None, (), time.perf_counter())
+    started(result)
+    with execute.running(job):
+        began = time.perf_counter()
+        try:
+            value = task.call(*args, **result.kwargs)
+            try:
+                kept = result_json(value)
+            except EnqueueError as error:
+                raise PermanentError(f"{task.module_path}: {error}") from error
+        except BaseException as error:
+            handled = execute.raised(job, error, None, (), began)
+            if handled.verdict is Verdict.ERROR and (
+                handled.permanent or job.attempts >= job.max_attempts
+            ):
+                finished(result, error=error)
+            return handled
+    duration = time.perf_counter() - began
+    finished(result, json.loads(kept))
+    return Handled(Verdict.SUCCEEDED, duration=duration, result_json=kept)
+
+
+def get_django_task(name: str) -> Task[Any, Any]:
+    """The Django Task object a job's `task` names; UnknownTask unless it is one we run.
+
+    A job row must not be able to make a worker call an arbitrary importable function, so the
+    module is imported only when it belongs to an installed app (or is imported already), and
+    the attribute is accepted only when it is a Task of Django's Tasks framework whose backend
+    alias is configured with django-pgjobs' backend.
+    """
+    path = name.removeprefix(registry.DJANGO_TASK_PREFIX)
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name or not _importable(module_name):
+        raise UnknownTask(
+            f"{name!r} does not name a Django Task in an installed app's module; "
+            "only Tasks defined in installed apps (or in modules already imported) are run."
+        )
+    try:
+        found = getattr(importlib.import_module(module_name), attribute, None)
+    except Exception as error:  # ImportError, or whatever the module raised while importing
+        raise UnknownTask(
+            f"{name!r}: its module cannot be imported ({type(error).__name__}: {error})."
+        ) from None
+    if not is_pgjobs_task(found):
+        raise UnknownTask(
+            f"{name!r} is not a Django Task (a function decorated with @task from django.tasks "
+            "or django_tasks) whose backend is django_pgjobs.backend.PgJobsBackend."
+        )
+    return found
+
+
+def _importable(module_name: str) -> bool:
+    return module_name in sys.modules or any(
+        module_name == app.name or module_name.startswith(f"{app.name}.")
+        for app in apps.get_app_configs()
+    )
+
+
+def is_pgjobs_task(value: object) -> TypeGuard[Task[Any, Any]]:
     """True for a Django Task whose backend alias is configured with PgJobsBackend."""
     return isinstance(value, Task) and _is_our_alias(value.backend)
 
@@ -176,7 +247,7 @@ def to_task_result(job: Job, task: Task[Any, Any] | None = None) -> TaskResult[A
     UnknownTask when the Task it names is not one of ours."""
     args, kwargs, alias = _arguments(job)
     if task is None:
-        task = _as_enqueued(registry.get_django_task(job.task), job, alias)
+        task = _as_enqueued(get_django_task(job.task), job, alias)
     status = Status(job.status)
     result: TaskResult[Any, Any] = TaskResult(
         task=task,
@@ -242,21 +313,14 @@ def send(signal: Signal, result: TaskResult[Any, Any]) -> None:
 
 
 def result_json(value: Any) -> str:
-    """A Task's return value as JSON text for Job.result; TypeError or ValueError saying what
-    does not survive JSON (tuples become lists and bytes text, as the framework does)."""
-    value = _jsonable(value)
-    try:
-        validation._check_value(value, "the return value")
-    except EnqueueError as error:
-        raise TypeError(str(error)) from None
-    text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    size, limit = len(text.encode()), get_settings().MAX_PAYLOAD_BYTES
-    if size > limit:
-        raise ValueError(
-            f"the return value is {size:,} bytes of JSON, over the limit of {limit:,} "
-            "(PGJOBS['MAX_PAYLOAD_BYTES']); store large results elsewhere and return their id."
-        )
-    return text
+    """A Task's return value as JSON text for Job.result; EnqueueError (a ValueError) saying
+    what does not survive JSON (tuples become lists and bytes text, as the framework does)."""
+    return validation.json_text(
+        validation.jsonable(value),
+        "the return value",
+        get_settings().MAX_PAYLOAD_BYTES,
+        "Store large results elsewhere and return their id.",
+    )
 
 
 def _arguments(job: Job) -> tuple[list[Any], dict[str, Any], str]:
@@ -315,22 +379,10 @@ def _worker_ids(job: Job) -> list[str]:
     return [by_attempt.get(attempt, "unknown") for attempt in range(1, job.attempts + 1)]
 
 
-def _jsonable(value: Any) -> Any:
-    """Tuples as lists and UTF-8 bytes as text, as the framework's normalize_json does;
-    anything else is left to the JSON checks, which say what does not fit and where."""
-    if isinstance(value, tuple | list):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, bytes):
-        try:
-            return value.decode()
-        except UnicodeDecodeError:
-            return value
-    return value
-
-
 def _shape(payload: Any) -> str:
     if isinstance(payload, Mapping):
         return "{" + ", ".join(f"{key!r}: {type(v).__name__}" for key, v in payload.items()) + "}"
     return type(payload).__name__
+
+
+registry.add_runner(registry.DJANGO_TASK_PREFIX, run)

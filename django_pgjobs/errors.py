@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django_pgjobs.delays import as_seconds
+
 
 class PermanentError(Exception):
     """Raise from a handler to fail the job at once, with no further attempts."""
@@ -16,9 +18,7 @@ class Retry(Exception):
     """
 
     def __init__(self, delay: float | timedelta = 0) -> None:
-        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-        if not seconds >= 0:  # also refuses NaN
-            raise ValueError(f"Retry(delay=...) must be zero or more seconds, got {delay!r}.")
+        seconds = as_seconds(delay, "Retry(delay=...)")
         super().__init__(f"retry in {seconds:g}s")
         self.delay = seconds
 

@@ -10,8 +10,9 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
+from django_pgjobs.data.jobs import JobManager
+from django_pgjobs.data.sql import CLAIM_ORDER
 from django_pgjobs.ids import uuid7
-from django_pgjobs.manager import CLAIM_ORDER, JobManager
 from django_pgjobs.status import FINISHED, LIVE, Status
 from django_pgjobs.validation import MAX_PRIORITY, MIN_PRIORITY
 

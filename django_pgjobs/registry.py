@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, overload
 
+from django.apps import apps
+
+from django_pgjobs.cron import check_cron
 from django_pgjobs.errors import EnqueueError, UnknownTask
+from django_pgjobs.validation import check_queue
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
+    from django_pgjobs.outcomes import Handled
 
 Backoff = Callable[[int], float]
 """Seconds to wait before the next try, given the number of attempts made so far."""
@@ -83,9 +86,10 @@ class TaskCall:
     options: dict[str, Any] = field(default_factory=dict)
 
     def enqueue(self, **kwargs: Any) -> Job:
-        from django_pgjobs.models import Job
-
-        return Job.objects.enqueue(self.task, kwargs, **self.options)
+        # Looked up by label: this module loads with the package, before the models can.
+        jobs = apps.get_model("pgjobs", "Job").objects
+        job: Job = jobs.enqueue(self.task, kwargs, **self.options)
+        return job
 
 
 _registry: dict[str, Task] = {}
@@ -129,8 +133,6 @@ def task(
 
     def register(func: Callable[..., Any]) -> Task:
         if queue is not None:
-            from django_pgjobs.validation import check_queue
-
             check_queue(queue)
         if lease is not None and not lease > 0:
             raise ValueError(
@@ -139,8 +141,6 @@ def task(
         if max_attempts is not None and max_attempts < 1:
             raise ValueError(f"@task(max_attempts=...) must be 1 or more, got {max_attempts!r}.")
         if cron is not None:
-            from django_pgjobs.periodic import check_cron
-
             check_cron(cron, "@task(cron=...)")
         registered = Task(
             func=func,
@@ -183,6 +183,12 @@ def get_task(name: str) -> Task:
     try:
         return _registry[name]
     except KeyError:
+        if is_django_task(name):
+            raise UnknownTask(
+                f"{name!r} is a Task of Django's Tasks framework, but no TASKS backend in this "
+                "process uses django_pgjobs.backend.PgJobsBackend (on Django 5.2, install "
+                "django-pgjobs[tasks])."
+            ) from None
         raise UnknownTask(
             f"No task is registered as {name!r}. Decorate the function with @task in an "
             f"installed app's tasks module (registered tasks: {_known()})."
@@ -191,8 +197,8 @@ def get_task(name: str) -> Task:
 
 def resolve(task_or_name: Task | str) -> Task:
     if isinstance(task_or_name, Task):
-        if is_django_task(task_or_name.name):
-            return task_or_name  # built by backend.PgJobsBackend; looked up again when it runs
+        if runner_for(task_or_name.name):
+            return task_or_name  # an integration's (e.g. backend.py); found again when it runs
         return get_task(task_or_name.name)
     if isinstance(task_or_name, str):
         return get_task(task_or_name)
@@ -212,58 +218,34 @@ def _known() -> str:
     return shown or "none"
 
 
-# ---- Django's Tasks framework ------------------------------------------------------------------
-
-#: The `task` of a job enqueued through Django's Tasks framework (backend.PgJobsBackend) is this
-#: prefix followed by the Task's module path, e.g. ``django.tasks:shop.tasks.send_receipt``.
+#: The task names of jobs enqueued through Django's Tasks framework (backend.PgJobsBackend):
+#: this prefix and the Task's module path, e.g. ``django.tasks:shop.tasks.send_receipt``.
 DJANGO_TASK_PREFIX = "django.tasks:"
 
 
 def is_django_task(name: str) -> bool:
-    """Whether a job's `task` names a Task of Django's Tasks framework (see get_django_task)."""
+    """Whether a job's `task` names a Task of Django's Tasks framework."""
     return name.startswith(DJANGO_TASK_PREFIX)
 
 
-def get_django_task(name: str) -> Any:
-    """The Django Task object a job's `task` names; UnknownTask unless it is one our backend runs.
+# ---- runners ---------------------------------------------------------------------------------
 
-    A job row must not be able to make a worker call an arbitrary importable function, so the
-    module is imported only when it belongs to an installed app (or is imported already), and
-    the attribute is accepted only when it is a Task of Django's Tasks framework whose backend
-    alias is configured with django-pgjobs' backend.
-    """
-    try:
-        from django_pgjobs.backend import is_pgjobs_task
-    except ImportError as error:
-        raise UnknownTask(
-            f"{name!r} is a Django Task, but Django's Tasks framework cannot be imported "
-            f"({error}); on Django 5.2 install django-pgjobs[tasks]."
-        ) from None
-    path = name.removeprefix(DJANGO_TASK_PREFIX)
-    module_name, _, attribute = path.rpartition(".")
-    if not module_name or not _importable(module_name):
-        raise UnknownTask(
-            f"{name!r} does not name a Django Task in an installed app's module; "
-            "only Tasks defined in installed apps (or in modules already imported) are run."
-        )
-    try:
-        found = getattr(importlib.import_module(module_name), attribute, None)
-    except Exception as error:  # ImportError, or whatever the module raised while importing
-        raise UnknownTask(
-            f"{name!r}: its module cannot be imported ({type(error).__name__}: {error})."
-        ) from None
-    if not is_pgjobs_task(found):
-        raise UnknownTask(
-            f"{name!r} is not a Django Task (a function decorated with @task from django.tasks "
-            "or django_tasks) whose backend is django_pgjobs.backend.PgJobsBackend."
-        )
-    return found
+#: Runs a job whose task is not a registered @task but belongs to an integration (e.g. Django's
+#: Tasks framework, see backend.py), and says how its handler ended.
+Runner = Callable[["Job"], "Handled"]
+
+_runners: dict[str, Runner] = {}
 
 
-def _importable(module_name: str) -> bool:
-    from django.apps import apps
+def add_runner(prefix: str, runner: Runner) -> None:
+    """Let `runner` run the jobs whose task name starts with `prefix` (an integration calls
+    this when it is imported: see backend.py)."""
+    _runners[prefix] = runner
 
-    return module_name in sys.modules or any(
-        module_name == app.name or module_name.startswith(f"{app.name}.")
-        for app in apps.get_app_configs()
-    )
+
+def runner_for(name: str) -> Runner | None:
+    """The runner of an integration's job (see add_runner), else None."""
+    for prefix, runner in _runners.items():
+        if name.startswith(prefix):
+            return runner
+    return None

@@ -24,8 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from django.dispatch import Signal
 
+from django_pgjobs.outcomes import Outcome
+
 if TYPE_CHECKING:
-    from django_pgjobs.manager import Failure
+    from django.db.models import Model
+
+    from django_pgjobs.data.records import Failure
     from django_pgjobs.models import Job
 
 logger = logging.getLogger(__name__)
@@ -38,43 +42,35 @@ job_failed = Signal()
 job_cancelled = Signal()
 
 
-def send(signal: Signal, **kwargs: Any) -> None:
-    """Send `signal` with sender=Job; a receiver's exception is logged, never raised."""
+def send(signal: Signal, sender: type[Model], **kwargs: Any) -> None:
+    """Send `signal` from `sender` (the Job model); a receiver's exception is logged, never
+    raised."""
     if not signal.receivers:
         return
-    from django_pgjobs.models import Job
-
-    for receiver, response in signal.send_robust(sender=Job, **kwargs):
+    for receiver, response in signal.send_robust(sender=sender, **kwargs):
         if isinstance(response, Exception):
             logger.error("signal receiver %r raised", receiver, exc_info=response)
 
 
-#: The outcome an attempt had, by the status it left the job in.
-OUTCOME_OF_STATUS = {
-    "succeeded": "succeeded",
-    "ready": "retried",
-    "failed": "failed",
-    "cancelled": "cancelled",
-}
-#: The signal of each outcome ("lost" has none).
+#: The signal of each recorded outcome (LOST has none).
 SIGNAL_OF_OUTCOME = {
-    "succeeded": job_succeeded,
-    "retried": job_retried,
-    "failed": job_failed,
-    "cancelled": job_cancelled,
+    Outcome.SUCCEEDED: job_succeeded,
+    Outcome.RETRIED: job_retried,
+    Outcome.FAILED: job_failed,
+    Outcome.CANCELLED: job_cancelled,
 }
 
 
 def announce(
     job: Job,
-    outcome: str,
+    outcome: Outcome,
     *,
     duration: float,
     error: Failure | None = None,
     delay: float | None = None,
 ) -> None:
-    """Send the signal of an attempt's recorded `outcome` (succeeded, retried, failed,
-    cancelled; "lost" sends nothing): the worker and ``testing.run_jobs`` both use it."""
+    """Send the signal of an attempt's recorded `outcome` (LOST sends nothing): the worker and
+    ``testing.run_jobs`` both use it."""
     signal = SIGNAL_OF_OUTCOME.get(outcome)
     if signal is None or not signal.receivers:
         return
@@ -83,4 +79,4 @@ def announce(
         arguments |= {"error": error, "delay": delay}
     elif signal is job_failed:
         arguments["error"] = error
-    send(signal, **arguments)
+    send(signal, type(job)._meta.concrete_model or type(job), **arguments)

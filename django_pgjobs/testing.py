@@ -16,10 +16,11 @@ from typing import Any
 from django.db import connections, router, transaction
 from django.db.models.functions import Now
 
-from django_pgjobs import execute, registry, signals
+from django_pgjobs import registry, signals, validation
 from django_pgjobs.errors import UnknownTask
-from django_pgjobs.execute import Result
 from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Handled, Verdict
+from django_pgjobs.runtime import execute
 from django_pgjobs.status import Status
 
 __all__ = ["JobError", "JobsRun", "assert_enqueued", "assert_not_enqueued", "enqueued", "run_jobs"]
@@ -123,7 +124,7 @@ def run_jobs(
             outcome = _run_one(job, db)
             job.refresh_from_db()
             run.jobs.append(job)
-            if raise_errors and outcome.result is Result.ERROR:
+            if raise_errors and outcome.verdict is Verdict.ERROR:
                 assert outcome.failure is not None
                 jobs.release(mine[n + 1 :])
                 raise JobError(
@@ -132,14 +133,14 @@ def run_jobs(
                 )
 
 
-def _run_one(job: Job, db: str) -> execute.Outcome:
+def _run_one(job: Job, db: str) -> Handled:
     """Run and record one claimed job, sending the lifecycle signals the worker sends."""
-    signals.send(signals.job_started, job=job)
+    signals.send(signals.job_started, Job, job=job)
     if connections[db].in_atomic_block:
         try:
             with transaction.atomic(using=db):  # a savepoint
                 outcome = execute.run(job)
-                if outcome.result is not Result.SUCCEEDED:
+                if outcome.verdict is not Verdict.SUCCEEDED:
                     raise _Undo(outcome)
         except _Undo as undo:
             outcome = undo.outcome
@@ -155,7 +156,7 @@ def _run_one(job: Job, db: str) -> execute.Outcome:
 class _Undo(Exception):
     """Rolls back the savepoint of a job that raised, keeping its outcome."""
 
-    def __init__(self, outcome: execute.Outcome) -> None:
+    def __init__(self, outcome: Handled) -> None:
         self.outcome = outcome
 
 
@@ -211,21 +212,15 @@ def _task_name(task: Any) -> str:
 def _matches(job: Job, args: tuple[Any, ...], payload: Mapping[str, Any]) -> bool:
     values = job.payload if isinstance(job.payload, dict) else {}
     if registry.is_django_task(job.task):
-        if args and values.get("args") != _json_like(args):
+        if args and values.get("args") != validation.jsonable(args):
             return False
         values = values.get("kwargs") or {}
     elif args:
         return False
-    return all(key in values and values[key] == _json_like(value) for key, value in payload.items())
-
-
-def _json_like(value: Any) -> Any:
-    """How a value reads back from jsonb: tuples are lists."""
-    if isinstance(value, tuple | list):
-        return [_json_like(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _json_like(item) for key, item in value.items()}
-    return value
+    return all(
+        key in values and values[key] == validation.jsonable(value)
+        for key, value in payload.items()
+    )
 
 
 def _describe(args: tuple[Any, ...], payload: Mapping[str, Any]) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
+from django_pgjobs.delays import as_seconds
 from django_pgjobs.errors import EnqueueError
 
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
@@ -52,12 +53,10 @@ def check_run_at(run_at: Any) -> datetime:
 
 
 def check_delay(delay: Any) -> float:
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise EnqueueError(f"delay={delay!r} must be seconds (a number) or a timedelta.")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise EnqueueError(f"delay={delay!r} must be a finite, non-negative number of seconds.")
-    return float(seconds)
+    try:
+        return as_seconds(delay, "delay")
+    except ValueError as error:
+        raise EnqueueError(f"{error} Use run_at for a fixed time.") from None
 
 
 def check_unique_key(unique_key: Any) -> str:
@@ -76,15 +75,37 @@ def payload_json(payload: Any, max_bytes: int) -> str:
             "payload must be a JSON object (a dict of keyword arguments), "
             f"got {type(payload).__name__}."
         )
-    _check_value(payload, "payload")
-    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return json_text(payload, "payload", max_bytes, "Store large data elsewhere and pass its id.")
+
+
+def json_text(value: Any, what: str, max_bytes: int, too_big: str) -> str:
+    """`value` as compact JSON text, once it is known to survive a round trip through jsonb
+    and to be at most `max_bytes`; EnqueueError naming `what` (and, when too big, saying
+    `too_big`) otherwise."""
+    _check_value(value, what)
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     size = len(text.encode())
     if size > max_bytes:
         raise EnqueueError(
-            f"payload is {size:,} bytes of JSON, over the limit of {max_bytes:,} "
-            "(PGJOBS['MAX_PAYLOAD_BYTES']). Store large data elsewhere and pass its id."
+            f"{what} is {size:,} bytes of JSON, over the limit of {max_bytes:,} "
+            f"(PGJOBS['MAX_PAYLOAD_BYTES']). {too_big}"
         )
     return text
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as it reads back from jsonb: tuples as lists and UTF-8 bytes as text (as Django's
+    Tasks framework normalises arguments); anything else is left to the JSON checks."""
+    if isinstance(value, tuple | list):
+        return [jsonable(item) for item in value]
+    if isinstance(value, dict):
+        return {key: jsonable(item) for key, item in value.items()}
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return value
+    return value
 
 
 def _check_value(value: Any, path: str) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import Counter
 from datetime import timedelta
@@ -9,8 +10,10 @@ import pytest
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from psycopg import sql as psql
 
-from django_pgjobs.manager import Failure
+from django_pgjobs.data import sql
+from django_pgjobs.data.records import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
@@ -122,19 +125,22 @@ def test_eight_threads_claiming_2000_jobs_at_once_claim_each_exactly_once():
     assert Job.objects.filter(status=Status.RUNNING).count() == 2000
 
 
-def _claim_plan(queues: list[str], limit: int) -> dict:
-    """EXPLAIN ANALYZE the claim, rolled back so nothing is claimed."""
-    from django_pgjobs.manager import _bind_queues, _claim_select
+def _claim_params(queues: list[str], limit: int) -> dict:
+    """The parameters of the worker's turn statement for a claim that settles nothing."""
+    return {
+        "worker": "w1", "succeeded_ids": [], "succeeded_attempts": [], "results": [],
+        "failed_ids": [], "failed_attempts": [], "permanent": [], "delays": [],
+        "summaries": [], "errors": [], "errors_kept": sql.errors_kept(5),
+        "queues": queues, "limit": limit, "lease": 60.0,
+    }  # fmt: skip
 
-    select_sql, select_params = _claim_select("default", len(queues), limit)
+
+def _claim_plan(queues: list[str], limit: int) -> dict:
+    """EXPLAIN ANALYZE the worker's claim statement, rolled back so nothing is claimed."""
+    params = _claim_params(queues, limit)
     with connection.cursor() as cursor:
         cursor.execute("BEGIN")
-        cursor.execute(
-            "EXPLAIN (ANALYZE, FORMAT JSON) UPDATE pgjobs_job SET status = 'running', "
-            "leased_until = now() + interval '1 minute', attempts = attempts + 1 "
-            f"WHERE id IN ({select_sql})",
-            _bind_queues(select_params, queues),
-        )
+        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql.SETTLE_AND_CLAIM}", params)
         (plan,) = cursor.fetchone()
         cursor.execute("ROLLBACK")
     return (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
@@ -169,16 +175,20 @@ def test_claim_uses_the_partial_claim_index_on_an_analyzed_table_of_mostly_finis
     plan = _claim_plan(["default"], limit=10)
     scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
     assert scans, json.dumps(plan, indent=1)
-    assert not any(node["Node Type"] == "Sort" for node in _nodes(plan))
-    # An index range scan that stops at the limit: it reads 10 rows of the 2,000 ready.
+    # An index range scan that stops at the limit: it reads 10 rows of the 2,000 ready, and
+    # the only sort is of those few candidates (their turns), never of the backlog.
     assert scans[0]["Actual Rows"] == 10
+    sorts = [node for node in _nodes(plan) if node["Node Type"] == "Sort"]
+    assert all(node["Actual Rows"] <= 10 for node in sorts)
 
 
 def test_a_claim_across_several_queues_never_sorts_the_backlog():
     _backlog({"a": 20_000, "b": 20_000, "c": 20_000}, finished=1_000)
     plan = _claim_plan(["a", "b", "c"], limit=10)
     scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
-    assert len(scans) == 3, json.dumps(plan, indent=1)
+    # One index range scan per queue (a lateral join: one scan node, looped), each stopping
+    # at the limit.
+    assert sum(scan["Actual Loops"] for scan in scans) == 3, json.dumps(plan, indent=1)
     assert all(scan["Actual Rows"] <= 10 for scan in scans)
     sorts = [node for node in _nodes(plan) if node["Node Type"] == "Sort"]
     assert all(node["Actual Rows"] <= 30 for node in sorts)  # only the 3 × 10 candidates
@@ -202,7 +212,13 @@ def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared
                 ["%SKIP LOCKED%"],
             )
             (name,) = cursor.fetchone()
-            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}('w2', 30, 'default')")
+            arguments = _claim_params(["default"], limit=10)
+            order = dict.fromkeys(re.findall(r"%\((\w+)\)s", sql.SETTLE_AND_CLAIM))
+            values = psql.SQL(", ").join(psql.Literal(arguments[key]) for key in order)
+            execute = psql.SQL("EXPLAIN (FORMAT JSON) EXECUTE {}({})").format(
+                psql.Identifier(name), values
+            )
+            cursor.execute(execute.as_string(connection.connection))
             (plan,) = cursor.fetchone()
             cursor.execute("RESET plan_cache_mode")
     finally:
@@ -210,18 +226,21 @@ def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared
     plan = (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
     scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
     assert scans, json.dumps(plan, indent=1)
-    assert not any(node["Node Type"] == "Sort" for node in _nodes(plan))
 
 
-def test_finish_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_statement():
+def test_settle_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_statement():
     JobFactory.create_batch(4, max_attempts=3)
     first = Job.objects.claim(["default"], worker="w1", limit=3)
     stale = Job.objects.get(pk=first[1].pk)
     stale.attempts += 1  # an attempt this worker does not hold: the guard must refuse it
     boom = Failure("RuntimeError", "boom")
     with CaptureQueriesContext(connection) as queries:
-        done, failed, claimed = Job.objects.finish_and_claim(
-            [first[0], stale], [(first[2], boom, False, 60.0)], ["default"], worker="w1", limit=5
+        done, failed, claimed = Job.objects.settle_and_claim(
+            [first[0], stale],
+            [FailedAttempt(first[2], boom, False, 60.0)],
+            ["default"],
+            worker="w1",
+            limit=5,
         )
     assert len(queries) == 1
     assert done == {first[0].pk}
@@ -236,10 +255,10 @@ def test_finish_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_state
     assert retried.run_at > retried.created_at + timedelta(seconds=59)
 
 
-def test_finish_and_claim_without_a_claim_only_records_outcomes():
+def test_settle_and_claim_without_a_claim_only_records_outcomes():
     JobFactory.create_batch(2, max_attempts=1)
     first, second = Job.objects.claim(["default"], worker="w1", limit=2)
-    done, failed, claimed = Job.objects.finish_and_claim(
-        [first], [(second, Failure("E", "x"), False, 0.0)], [], worker="w1", limit=0
+    done, failed, claimed = Job.objects.settle_and_claim(
+        [first], [FailedAttempt(second, Failure("E", "x"), False, 0.0)], [], worker="w1", limit=0
     )
     assert (done, failed, claimed) == ({first.pk}, {second.pk: Status.FAILED}, [])

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from django_pgjobs import execute, signals
-from django_pgjobs.manager import Failure
+from django_pgjobs import signals
+from django_pgjobs.data.records import Failure
 from django_pgjobs.models import LATENCY_BUCKETS, Job, Queue, QueueStat
+from django_pgjobs.runtime import execute
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
 

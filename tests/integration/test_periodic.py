@@ -11,7 +11,8 @@ from django.db.models.functions import Now
 from django.urls import reverse
 
 from django_pgjobs.models import Job, Schedule
-from django_pgjobs.periodic import MAX_WAIT, Periodic, Scheduler
+from django_pgjobs.periodic import MAX_WAIT, Periodic
+from django_pgjobs.runtime.scheduler import Scheduler
 from tests.conftest import run_together, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -8,10 +8,10 @@ from datetime import timedelta
 import pytest
 from django.db import connection, connections
 
-from django_pgjobs import execute
-from django_pgjobs.execute import Result
-from django_pgjobs.manager import Failure
+from django_pgjobs.data.records import Failure
 from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Verdict
+from django_pgjobs.runtime import execute
 from django_pgjobs.status import Status
 from tests import tasks
 from tests.factories import JobFactory
@@ -51,7 +51,7 @@ def test_complete_keeps_a_result_only_when_given():
     JobFactory.create_batch(3)
     first, second, third = Job.objects.claim(["default"], worker="w1", limit=3)
     assert Job.objects.complete(first, '{"total": 12.5, "items": [1, 2]}') is True
-    done, _, _ = Job.objects.finish_and_claim(
+    done, _, _ = Job.objects.settle_and_claim(
         [second, third], [], [], worker="w1", limit=0, results={third.pk: '"ok"'}
     )
     assert done == {second.pk, third.pk}
@@ -217,7 +217,7 @@ def test_a_row_naming_an_unregistered_task_is_dead_lettered_and_nothing_is_impor
 def test_system_exit_and_keyboard_interrupt_from_a_handler_are_ordinary_errors(task):
     JobFactory(task=task, max_attempts=3)
     outcome = execute.run(claim_one())
-    assert outcome.result is Result.ERROR and not outcome.permanent
+    assert outcome.verdict is Verdict.ERROR and not outcome.permanent
 
 
 def test_retry_from_a_handler_reschedules_without_spending_an_attempt():

@@ -12,8 +12,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
+from django_pgjobs.runtime.outages import WorkerError
+from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.validation import check_queue
-from django_pgjobs.worker import Options, Worker
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -135,10 +136,17 @@ class Command(BaseCommand):
 
         previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
         try:
-            worker.run()
+            clean = worker.run()
+        except WorkerError as error:
+            raise CommandError(str(error)) from None
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+        if not clean:
+            raise CommandError(
+                "stopped without recording or releasing every job it held; "
+                "those return to ready when their leases expire"
+            )
 
 
 def _serve_metrics(port: int, addr: str) -> None:

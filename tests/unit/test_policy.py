@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from django_pgjobs.worker import PREFETCH_HORIZON, Options, Worker
+from django_pgjobs.runtime.policy import PREFETCH_HORIZON, prefetch
 
 
 def prefetch_for(mean_duration: float | None, concurrency: int = 10, batch: int = 100) -> int:
-    worker = Worker(Options(concurrency=concurrency, batch_size=batch))
-    worker._mean_duration = mean_duration
-    return worker._prefetch()
+    return prefetch(concurrency, batch, mean_duration)
 
 
 def test_nothing_is_prefetched_before_any_job_has_finished():

@@ -1,0 +1,125 @@
+"""Enqueue: check a job's options, then insert it (one statement, in the caller's transaction)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django_pgjobs import registry, validation
+from django_pgjobs.conf import get_settings
+from django_pgjobs.data import rows, sql, wakeups
+from django_pgjobs.data.records import NewJob
+from django_pgjobs.errors import EnqueueError
+from django_pgjobs.ids import uuid7
+from django_pgjobs.status import Status
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Job
+    from django_pgjobs.registry import Task
+
+
+def new_job(
+    task_or_name: Task | str,
+    payload: dict[str, Any] | None,
+    *,
+    queue: str | None,
+    priority: int | None,
+    run_at: datetime | None,
+    delay: float | timedelta | None,
+    max_attempts: int | None,
+    unique_key: str | None,
+) -> NewJob:
+    """A job to insert, every option checked (EnqueueError before anything is written): each
+    option given, else the task's default, else the PGJOBS default."""
+    settings = get_settings()
+    task = registry.resolve(task_or_name)
+    if run_at is not None and delay is not None:
+        raise EnqueueError("Pass run_at or delay, not both.")
+    return NewJob(
+        id=uuid7(),
+        # An empty name is an error, not "the default queue" (`_first`, not `or`).
+        queue=validation.check_queue(_first(queue, task.queue, settings.DEFAULT_QUEUE)),
+        task=task.name,
+        payload_json=validation.payload_json(payload, settings.MAX_PAYLOAD_BYTES),
+        priority=validation.check_priority(
+            _first(priority, task.priority, settings.DEFAULT_PRIORITY)
+        ),
+        run_at=None if run_at is None else validation.check_run_at(run_at),
+        delay=None if delay is None else validation.check_delay(delay),
+        max_attempts=validation.check_max_attempts(
+            _first(max_attempts, task.max_attempts, settings.MAX_ATTEMPTS)
+        ),
+        unique_key=None if unique_key is None else validation.check_unique_key(unique_key),
+    )
+
+
+def insert(
+    model: type[Job], db: str, jobs: Sequence[NewJob], payloads: Sequence[dict[str, Any]]
+) -> list[Job]:
+    """Insert jobs that differ only in their id and payload, in one statement; `payloads` are
+    the checked payloads their JSON was made from (the returned Jobs hold them). A job whose
+    unique_key a live job holds is not inserted and not returned."""
+    first = jobs[0]
+    wake_up = wakeups.to_send(db, [first.queue])
+    params: dict[str, Any] = {
+        "queue": first.queue,
+        "task": first.task,
+        "priority": first.priority,
+        "run_at": first.run_at,
+        "delay": first.delay,
+        "max_attempts": first.max_attempts,
+        "channel": wakeups.CHANNEL if wake_up else None,
+    }
+    if len(jobs) == 1:
+        statement = sql.INSERT_JOB if first.unique_key is None else sql.INSERT_UNIQUE_JOB
+        params |= {"id": first.id, "payload": first.payload_json, "unique_key": first.unique_key}
+        found = rows.execute(db, statement, params, binary=True)
+        inserted = {job_id: (run_at, created_at) for job_id, run_at, created_at, _ in found}
+    else:
+        assert all(job.unique_key is None for job in jobs), "many jobs never share a unique_key"
+        params |= {
+            "ids": [job.id for job in jobs],
+            "payloads": [job.payload_json for job in jobs],
+        }
+        ((run_at, created_at, count, _),) = rows.execute(db, sql.INSERT_JOBS, params, binary=True)
+        assert count == len(jobs), "one statement inserts them all"
+        inserted = dict.fromkeys(params["ids"], (run_at, created_at))
+    made = []
+    for job, payload in zip(jobs, payloads, strict=True):
+        if job.id not in inserted:
+            continue  # its unique_key is held by a live job
+        run_at, created_at = inserted[job.id]
+        made.append(
+            rows.new_job(
+                model,
+                db,
+                # Every column in model order (sql.JOB_COLUMNS), as a new job has them.
+                (
+                    job.id,
+                    job.queue,
+                    job.task,
+                    payload,
+                    Status.READY.value,
+                    job.priority,
+                    run_at,
+                    0,
+                    job.max_attempts,
+                    None,
+                    None,
+                    "",
+                    [],
+                    created_at,
+                    None,
+                    job.unique_key,
+                    None,
+                    False,
+                    None,
+                ),
+            )
+        )
+    return made
+
+
+def _first(*values: Any) -> Any:
+    return next(value for value in values if value is not None)

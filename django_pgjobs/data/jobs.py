@@ -1,0 +1,406 @@
+"""Job.objects: the one seam through which every job changes state.
+
+Each transition is one short statement guarded so it changes only what it should, and returns
+what it changed; the statements themselves are in data/sql.py. The runtime decides *when*, this
+module decides *how*.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from django.db import connections, models, router, transaction
+from django.db.models.functions import Now
+
+from django_pgjobs import signals, validation
+from django_pgjobs.conf import get_settings
+from django_pgjobs.data import enqueue, rows, sql
+from django_pgjobs.data.records import FailedAttempt, Failure, Settled
+from django_pgjobs.ids import uuid7, uuid7_floor
+from django_pgjobs.status import LIVE, Status
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Job
+    from django_pgjobs.registry import Task
+
+#: How far ahead of the database's clock an enqueuing process's clock may run before pruning
+#: its jobs is delayed (see JobQuerySet.prunable).
+ID_CLOCK_MARGIN = timedelta(minutes=10)
+
+#: The error a reaped attempt records.
+LEASE_EXPIRED = Failure(
+    "WorkerLost", "lease expired: the worker holding the job died, hung or lost its connection"
+)
+
+
+class JobQuerySet(models.QuerySet["Job"]):
+    # Filters: they never write.
+
+    def ready(self) -> JobQuerySet:
+        return self.filter(status=Status.READY)
+
+    def due(self) -> JobQuerySet:
+        return self.filter(status=Status.READY, run_at__lte=Now())
+
+    def running(self) -> JobQuerySet:
+        return self.filter(status=Status.RUNNING)
+
+    def expired(self) -> JobQuerySet:
+        return self.filter(status=Status.RUNNING, leased_until__lt=Now())
+
+    def dead(self) -> JobQuerySet:
+        return self.filter(status=Status.FAILED)
+
+    # Transitions over a selection of jobs; each returns the ids of the jobs it changed, so
+    # callers can report how many and the admin can log exactly which.
+
+    def replay(self, *, queue: str | None = None) -> list[UUID]:
+        """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
+        another queue). Skips other statuses, and jobs whose unique_key a live job holds."""
+        held_keys = self.model._default_manager.filter(
+            status__in=LIVE, unique_key__isnull=False
+        ).values("unique_key")
+        return self.exclude(unique_key__in=held_keys)._change(
+            "status = 'ready', attempts = 0, run_at = statement_timestamp(), finished_at = NULL, "
+            "leased_until = NULL, cancel_requested = false, queue = COALESCE(%s, j.queue)",
+            [None if queue is None else validation.check_queue(queue)],
+            guard="j.status IN ('failed', 'cancelled')",
+        )
+
+    def cancel(self) -> list[UUID]:
+        """Ready → cancelled at once; for running jobs, request cancellation: the handler can
+        notice (``django_pgjobs.cancel_requested()``) and stop, and when the attempt ends other
+        than by succeeding, the job is recorded as cancelled instead of being retried."""
+        return self._change(
+            "status = CASE WHEN j.status = 'ready' THEN 'cancelled' ELSE j.status END, "
+            "finished_at = CASE WHEN j.status = 'ready' THEN statement_timestamp() END, "
+            "cancel_requested = j.status = 'running'",
+            guard="(j.status = 'ready' OR (j.status = 'running' AND NOT j.cancel_requested))",
+        )
+
+    def run_now(self) -> list[UUID]:
+        """Make ready jobs scheduled for later due now."""
+        return self._change(
+            "run_at = statement_timestamp()",
+            guard="j.status = 'ready' AND j.run_at > statement_timestamp()",
+        )
+
+    def discard(self) -> list[UUID]:
+        """Delete the selected jobs, except running ones: their worker still owns them."""
+        return self._change(None, guard="j.status <> 'running'")
+
+    def _change(
+        self, assignments: str | None, params: Sequence[Any] = (), *, guard: str
+    ) -> list[UUID]:
+        """One UPDATE (or, without assignments, DELETE) of the selected jobs that pass `guard`,
+        returning their ids. The selection is this queryset's, compiled by the ORM; the guard
+        is re-checked on each row as it is written, so a job whose status changed since it was
+        selected is left alone."""
+        self._for_write = True  # as QuerySet.update() does: route to the database for writes
+        db = self.db
+        selected, selected_params = self.values("pk").query.get_compiler(db).as_sql()
+        head = "DELETE FROM pgjobs_job AS j" if assignments is None else (
+            f"UPDATE pgjobs_job AS j SET {assignments}"
+        )  # fmt: skip
+        with connections[db].cursor() as cursor:
+            cursor.execute(
+                f"{head} WHERE j.id IN ({selected}) AND {guard} RETURNING j.id",
+                [*params, *selected_params],
+            )
+            return [job_id for (job_id,) in cursor.fetchall()]
+
+    def prunable(self, retention: Mapping[str, timedelta | None] | None = None) -> JobQuerySet:
+        """Finished jobs older than their status's retention (default PGJOBS["RETENTION"]; a
+        status whose retention is None is kept)."""
+        kept = get_settings().retention() if retention is None else retention
+        old = models.Q(pk__in=[])
+        for status, age in kept.items():
+            if age is not None:
+                old |= models.Q(status=status, finished_at__lt=Now() - age)
+        ages = [age for age in kept.values() if age is not None]
+        if not ages:
+            return self.filter(old)
+        # Ids are UUIDv7s made at enqueue, so a job finished before the cutoff has an id from
+        # before it: bounding the id makes this a range of the primary key instead of a scan of
+        # every finished job. The bound is the enqueuer's clock (with a margin); the database's
+        # finished_at still decides, so a skewed clock can delay pruning, never hasten it.
+        newest = time.time() - min(ages).total_seconds() + ID_CLOCK_MARGIN.total_seconds()
+        return self.filter(old, pk__lt=uuid7_floor(newest))
+
+    def prune(
+        self,
+        *,
+        older_than: timedelta | None = None,
+        retention: Mapping[str, timedelta | None] | None = None,
+        max_batches: int | None = None,
+    ) -> int:
+        """Delete finished jobs older than their status's retention (`retention`, by default
+        PGJOBS["RETENTION"]; `older_than` sets it for succeeded and cancelled jobs), PRUNE_BATCH
+        rows per statement; returns how many."""
+        settings = get_settings()
+        retention = {**settings.retention(), **(retention or {})}
+        if older_than is not None:
+            retention.update(succeeded=older_than, cancelled=older_than)
+        old = self.prunable(retention)
+        total, batches = 0, 0
+        while max_batches is None or batches < max_batches:
+            # Bounded batches keep each transaction short and the locks few; SKIP LOCKED lets
+            # every worker prune at once without queueing behind each other.
+            batch = old.values("pk").select_for_update(skip_locked=True)
+            with transaction.atomic(using=self.db):
+                deleted, _ = (
+                    self.model._default_manager.using(self.db)
+                    .filter(pk__in=batch[: settings.PRUNE_BATCH])
+                    .delete()
+                )
+            total, batches = total + deleted, batches + 1
+            if deleted < settings.PRUNE_BATCH:
+                break
+        return total
+
+
+class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[misc]
+    """Job.objects: the seam through which every job changes state."""
+
+    # ---- enqueue -----------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        task: Task | str,
+        payload: dict[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique_key: str | None = None,
+    ) -> Job:
+        """Write one job in the caller's transaction (one INSERT on the caller's connection).
+
+        With a `unique_key` that a ready or running job already holds, nothing is written and
+        that job is returned instead.
+        """
+        job = enqueue.new_job(
+            task, payload, queue=queue, priority=priority, run_at=run_at, delay=delay,
+            max_attempts=max_attempts, unique_key=unique_key,
+        )  # fmt: skip
+        while True:
+            jobs = enqueue.insert(self.model, self._write_db(), [job], [payload or {}])
+            if jobs:
+                signals.send(signals.job_enqueued, self.model, jobs=jobs)
+                return jobs[0]
+            existing: Job | None = self.filter(unique_key=unique_key, status__in=LIVE).first()
+            if existing is not None:
+                return existing
+            # The job holding the key finished between the insert and the look: insert again.
+
+    def bulk_enqueue(
+        self,
+        task: Task | str,
+        payloads: Iterable[dict[str, Any] | None],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        batch_size: int = 5000,
+    ) -> list[Job]:
+        """Write many jobs of one task, `batch_size` per statement. Every payload is checked
+        before anything is written."""
+        # The options are the same for every job: check them once, then each payload.
+        options = enqueue.new_job(
+            task, None, queue=queue, priority=priority, run_at=run_at, delay=delay,
+            max_attempts=max_attempts, unique_key=None,
+        )  # fmt: skip
+        limit = get_settings().MAX_PAYLOAD_BYTES
+        checked = [{} if payload is None else payload for payload in payloads]
+        new = [
+            options._replace(id=uuid7(), payload_json=validation.payload_json(payload, limit))
+            for payload in checked
+        ]
+        jobs: list[Job] = []
+        db = self._write_db()
+        for start in range(0, len(new), batch_size):
+            end = start + batch_size
+            jobs.extend(enqueue.insert(self.model, db, new[start:end], checked[start:end]))
+        signals.send(signals.job_enqueued, self.model, jobs=jobs)
+        return jobs
+
+    # ---- claim and settle --------------------------------------------------------------------
+
+    def claim(
+        self, queues: Sequence[str], *, worker: str, limit: int = 1, lease: float | None = None
+    ) -> list[Job]:
+        """Take up to `limit` due jobs from `queues`, highest priority first, then oldest run_at.
+
+        One statement: an UPDATE over a ``SELECT … FOR UPDATE SKIP LOCKED`` per queue, so
+        concurrent workers never claim the same job and never wait for each other. Each job
+        comes back running, leased to `worker` for `lease` seconds, with `attempts` counting
+        this one. Run the jobs after this returns (the claim has committed, unless the caller
+        wrapped it in its own transaction).
+        """
+        return self.settle_and_claim([], [], queues, worker=worker, limit=limit, lease=lease)[2]
+
+    def settle_and_claim(
+        self,
+        succeeded: Sequence[Job],
+        failed: Sequence[FailedAttempt],
+        queues: Sequence[str],
+        *,
+        worker: str,
+        limit: int,
+        lease: float | None = None,
+        results: Mapping[UUID, str] | None = None,
+    ) -> Settled:
+        """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs
+        from `queues`, in one statement (sql.SETTLE_AND_CLAIM): one round trip and one commit
+        per turn of a worker's loop.
+
+        `succeeded` are completed, keeping the return values in `results` (job id → JSON text)
+        as their `result`; each of `failed` is recorded as by `fail`. Returns the ids of
+        `succeeded` this worker still owned, the new status of each of `failed` it still
+        owned, and the claimed jobs (as `claim`).
+        """
+        claiming = bool(queues) and limit >= 1
+        if not (claiming or succeeded or failed):
+            return Settled(set(), {}, [])
+        _one_worker([worker, *(job.worker for job in succeeded), *(f.job.worker for f in failed)])
+        settings = get_settings()
+        results = results or {}
+        params = {
+            "worker": worker,
+            "succeeded_ids": [job.pk for job in succeeded],
+            "succeeded_attempts": [job.attempts for job in succeeded],
+            "results": [results.get(job.pk) for job in succeeded],
+            "failed_ids": [f.job.pk for f in failed],
+            "failed_attempts": [f.job.attempts for f in failed],
+            "permanent": [f.permanent for f in failed],
+            "delays": [float(f.delay) for f in failed],
+            "summaries": [f.failure.summary for f in failed],
+            "errors": [f.failure.as_json() for f in failed],
+            "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
+            "queues": list(queues) if claiming else [],
+            "limit": limit if claiming else 0,
+            "lease": settings.LEASE if lease is None else lease,
+        }
+        db = self._write_db()
+        found = rows.execute(db, sql.SETTLE_AND_CLAIM, params, binary=True)
+        settled = {row[1]: row[5] for row in found if row[0] == "settled"}
+        claimed = rows.load_jobs(self.model, db, (row[1:] for row in found if row[0] != "settled"))
+        claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
+        done = {job.pk for job in succeeded if job.pk in settled}
+        return Settled(
+            done, {f.job.pk: settled[f.job.pk] for f in failed if f.job.pk in settled}, claimed
+        )
+
+    def claim_limited(
+        self, queue: str, *, worker: str, limit: int, lease: float | None = None
+    ) -> list[Job]:
+        """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
+        paused, and never more than its `max_running` jobs running at once across all workers
+        (see sql.LOCK_QUEUE)."""
+        db = self._write_db()
+        with transaction.atomic(using=db), connections[db].cursor() as cursor:
+            cursor.execute(sql.LOCK_QUEUE, {"queue": queue})
+            paused, max_running = cursor.fetchone() or (False, None)
+            if paused:
+                return []
+            if max_running is not None:
+                cursor.execute(sql.COUNT_RUNNING, {"queue": queue})
+                (running,) = cursor.fetchone()
+                limit = min(limit, max_running - running)
+            if limit < 1:
+                return []
+            return self.claim([queue], worker=worker, limit=limit, lease=lease)
+
+    def complete(self, job: Job, result_json: str | None = None) -> bool:
+        """Record success, keeping `result_json` (the return value as JSON text) when given.
+        False means the lease ran out and another worker owns the job now."""
+        assert job.worker is not None, "only a claimed job can complete"
+        results = {job.pk: result_json} if result_json is not None else None
+        done = self.settle_and_claim([job], [], [], worker=job.worker, limit=0, results=results)
+        return job.pk in done.succeeded
+
+    def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
+        """Record success for many jobs of one worker in one statement; returns the ids it still
+        owned (the others were reaped and possibly claimed again: their outcome is not ours)."""
+        if not jobs:
+            return set()
+        worker = _one_worker([job.worker for job in jobs])
+        return self.settle_and_claim(jobs, [], [], worker=worker, limit=0).succeeded
+
+    def fail(self, job: Job, failure: Failure, *, permanent: bool, delay: float) -> str | None:
+        """Record a failed attempt: back to ready in `delay` seconds while attempts remain and the
+        error is not permanent, else failed (the dead letter). Returns the new status, or None
+        when this worker no longer owned the job."""
+        if job.worker is None:
+            return None  # never claimed: no worker holds it, so none may record its outcome
+        attempt = FailedAttempt(job, failure, permanent, delay)
+        return self.settle_and_claim([], [attempt], [], worker=job.worker, limit=0).failed.get(
+            job.pk
+        )
+
+    def release(self, jobs: Sequence[Job]) -> set[UUID]:
+        """Running → ready without spending an attempt, keeping its place (a worker shutting
+        down); cancelled instead when a cancellation was requested."""
+        return set(self._own(sql.RELEASE, jobs, delay=None))
+
+    def retry_later(self, job: Job, delay: float) -> bool:
+        """The handler asked to run again in `delay` seconds: ready again, attempt not counted."""
+        return job.pk in self._own(sql.RELEASE, [job], delay=delay)
+
+    def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
+        """Extend the lease of a worker's running jobs by `lease` seconds from now; returns the
+        ids still owned. A cancellation requested meanwhile shows on the Job at once."""
+        lease = get_settings().LEASE if lease is None else lease
+        owned = self._own(sql.HEARTBEAT, jobs, lease=lease)
+        for job in jobs:
+            if owned.get(job.pk):
+                job.cancel_requested = True
+        return set(owned)
+
+    def reap(self, *, limit: int = 1000) -> tuple[int, int]:
+        """Take back running jobs whose lease expired: to ready (after a backoff), or to failed
+        when no attempts remain, recording "lease expired" as the attempt's error. Safe to run
+        from every worker at once (SKIP LOCKED). Returns (returned to ready, failed)."""
+        settings = get_settings()
+        params = {
+            "limit": limit,
+            "cap": settings.BACKOFF_MAX,
+            "base": settings.BACKOFF_BASE,
+            "error": LEASE_EXPIRED.as_json(),
+            "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
+        }
+        statuses = [status for (status,) in rows.execute(self._write_db(), sql.REAP, params)]
+        return statuses.count(Status.READY), statuses.count(Status.FAILED)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _own(self, statement: str, jobs: Sequence[Job], **params: Any) -> dict[UUID, bool]:
+        """Run a guarded statement over those of `jobs` their worker still owns; returns their
+        ids, each with whether a cancellation of it was requested."""
+        if not jobs:
+            return {}
+        params |= {
+            "ids": [job.pk for job in jobs],
+            "attempts": [job.attempts for job in jobs],
+            "worker": _one_worker([job.worker for job in jobs]),
+        }
+        return dict(rows.execute(self._write_db(), statement, params))
+
+    def _write_db(self) -> str:
+        return self._db or router.db_for_write(self.model)
+
+
+def _one_worker(workers: Iterable[str | None]) -> str:
+    """The one worker whose jobs these are; a statement guards on a single worker."""
+    distinct = set(workers)
+    if len(distinct) != 1 or None in distinct:
+        raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, distinct))}")
+    return str(distinct.pop())

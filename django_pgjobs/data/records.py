@@ -1,0 +1,84 @@
+"""Named records the data layer takes and returns, instead of positional tuples."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, NamedTuple
+from uuid import UUID
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Job
+
+# Text written on the failure path must never make that write fail (a NUL byte in an error
+# message once left jobs stuck in other queues), so it is cleaned and bounded first.
+MESSAGE_LIMIT = 2000
+TRACEBACK_LIMIT = 4000
+
+
+def clean_text(text: str, limit: int, keep: str = "head") -> str:
+    """Text PostgreSQL will accept: no NUL bytes, no lone surrogates, at most `limit` characters."""
+    text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) <= limit:
+        return text
+    return "…" + text[-(limit - 1) :] if keep == "tail" else text[: limit - 1] + "…"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failed attempt leaves in the job's error history."""
+
+    type: str
+    message: str
+    traceback: str = ""
+
+    def as_json(self) -> str:
+        return json.dumps(
+            {
+                "type": clean_text(self.type, 200),
+                "message": clean_text(self.message, MESSAGE_LIMIT),
+                "traceback": clean_text(self.traceback, TRACEBACK_LIMIT, keep="tail"),
+            }
+        )
+
+    @property
+    def summary(self) -> str:
+        return clean_text(
+            f"{self.type}: {self.message}" if self.message else self.type, MESSAGE_LIMIT
+        )
+
+
+class FailedAttempt(NamedTuple):
+    """A failed attempt to record: back to ready after `delay` seconds while attempts remain
+    and the error is not `permanent`, else failed (the dead letter)."""
+
+    job: Job
+    failure: Failure
+    permanent: bool
+    delay: float
+
+
+class Settled(NamedTuple):
+    """What one turn's statement recorded and claimed (JobManager.settle_and_claim)."""
+
+    #: Ids of the completed jobs this worker still owned.
+    succeeded: set[UUID]
+    #: The new status of each failed job this worker still owned.
+    failed: dict[UUID, str]
+    #: The jobs claimed, in claim order.
+    claimed: list[Job]
+
+
+class NewJob(NamedTuple):
+    """One job to insert, its options checked (see data.enqueue.new_job)."""
+
+    id: UUID
+    queue: str
+    task: str
+    payload_json: str
+    priority: int
+    run_at: datetime | None  # None: now + delay, on the database's clock
+    delay: float | None
+    max_attempts: int
+    unique_key: str | None

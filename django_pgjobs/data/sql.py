@@ -1,0 +1,253 @@
+"""Every statement that changes a job, as one complete SQL text with named parameters.
+
+A statement is chosen whole (e.g. with or without ON CONFLICT), never assembled from pieces, so
+what runs is what you read here. Times are the database's clock (``statement_timestamp()``),
+never the app's. The data layer binds parameters by name (data/jobs.py, data/enqueue.py).
+
+Guarded statements change a job only while it is ``running`` under the same claim, identified
+by (id, attempts, worker): a worker whose lease expired cannot overwrite the attempt that
+replaced it.
+"""
+
+from __future__ import annotations
+
+#: The job table's columns in the model's field order: every statement that returns whole jobs
+#: returns them in this order (data/rows.py loads them; a test checks it against the model).
+JOB_COLUMNS = (
+    "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts",
+    "leased_until", "worker", "last_error", "errors", "created_at", "finished_at", "unique_key",
+    "started_at", "cancel_requested", "result",
+)  # fmt: skip
+
+#: The claim's ORDER BY within one queue, and the claim index's columns after `queue`.
+#: One constant for the index (models.Job.Meta) and the claim below: change both together.
+CLAIM_ORDER = ("-priority", "run_at", "id")
+
+# ---- enqueue -------------------------------------------------------------------------------------
+
+# One job. run_at is given, or now + delay on the database's clock. The wake-up (a NOTIFY
+# delivered at commit, see runtime/notify.py) rides in the same statement and is evaluated only
+# for an inserted row; %(channel)s is NULL when no wake-up is due.
+INSERT_JOB = """
+    INSERT INTO pgjobs_job AS j
+        (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+    VALUES (
+        %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
+        COALESCE(%(run_at)s::timestamptz,
+                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
+        %(max_attempts)s, %(unique_key)s
+    )
+    RETURNING j.id, j.run_at, j.created_at,
+              (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
+"""
+
+# The same with a unique_key: nothing is inserted (no row comes back) while a ready or running
+# job holds the key. A separate statement because a speculative insertion costs more CPU and
+# WAL than a plain one, and most jobs have no key.
+INSERT_UNIQUE_JOB = """
+    INSERT INTO pgjobs_job AS j
+        (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+    VALUES (
+        %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
+        COALESCE(%(run_at)s::timestamptz,
+                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
+        %(max_attempts)s, %(unique_key)s
+    )
+    ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL
+    DO NOTHING
+    RETURNING j.id, j.run_at, j.created_at,
+              (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
+"""
+
+# Many jobs of one task with the same options (never a unique_key): their ids and payloads as
+# parallel arrays, bound in binary (text arrays would have every JSON payload quoted and escaped
+# by Python first). Every row gets the same run_at and created_at, so one row comes back
+# instead of a row per job.
+INSERT_JOBS = """
+    WITH inserted AS (
+        INSERT INTO pgjobs_job AS j (id, queue, task, payload, priority, run_at, max_attempts)
+        SELECT i.id, %(queue)s, %(task)s, i.payload::jsonb, %(priority)s,
+               COALESCE(%(run_at)s::timestamptz,
+                        statement_timestamp()
+                        + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
+               %(max_attempts)s
+        FROM unnest(%(ids)s::uuid[], %(payloads)s::text[]) AS i(id, payload)
+        RETURNING j.run_at, j.created_at
+    )
+    SELECT min(run_at), min(created_at), count(*),
+           (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
+    FROM inserted
+"""
+
+# ---- one turn of a worker: settle, then claim -------------------------------------------
+
+# A worker's turn in one statement (one round trip, one commit): record the outcomes of its
+# finished jobs and claim due jobs into the slots they free. An array left empty (or a
+# %(limit)s of 0) makes its part a no-op, so one text serves every turn.
+#
+# - succeeded: completions, guarded on the claim, keeping each handler's return value (JSON
+#   text, or NULL to keep nothing).
+# - failed: each failed attempt is cancelled (if a cancellation was requested), back to ready
+#   after its delay (attempts left and not permanent), or failed: the dead letter. Its error
+#   joins the job's history, of which the last %(errors_kept)s entries are kept.
+# - due: per queue, an index range scan of the claim index in its own order that stops after
+#   %(limit)s rows; SKIP LOCKED, so concurrent workers never wait for each other or take the
+#   same job. `queue = ANY(...)` ordered across queues would read and sort every ready row.
+# - turns: the queues take turns (each queue's best job, then each queue's second best, ...;
+#   ties in claim order), so an old backlog in one queue never starves another.
+# - claimed: running, leased for %(lease)s seconds, attempts counting this one.
+#
+# Rows come back tagged by kind in one shape: claimed jobs with every column (JOB_COLUMNS
+# order), settled jobs with their id and new status, the other columns NULL.
+SETTLE_AND_CLAIM = """
+    WITH succeeded AS (
+        UPDATE pgjobs_job AS j
+        SET status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL,
+            result = mine.result
+        FROM unnest(%(succeeded_ids)s::uuid[], %(succeeded_attempts)s::int4[],
+                    %(results)s::text[]::jsonb[]) AS mine(id, attempts, result)
+        WHERE j.id = mine.id AND j.attempts = mine.attempts
+          AND j.status = 'running' AND j.worker = %(worker)s
+        RETURNING j.id, j.status
+    ),
+    failed AS (
+        UPDATE pgjobs_job AS j SET
+            status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                          WHEN f.permanent OR j.attempts >= j.max_attempts THEN 'failed'
+                          ELSE 'ready' END,
+            finished_at = CASE WHEN j.cancel_requested OR f.permanent
+                                    OR j.attempts >= j.max_attempts
+                               THEN statement_timestamp() END,
+            run_at = CASE WHEN j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts
+                          THEN j.run_at
+                          ELSE statement_timestamp() + make_interval(secs => f.delay) END,
+            leased_until = NULL,
+            last_error = f.summary,
+            errors = jsonb_path_query_array(
+                j.errors || jsonb_build_array(
+                    jsonb_build_object(
+                        'attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker
+                    ) || f.error::jsonb
+                ),
+                %(errors_kept)s::jsonpath
+            )
+        FROM unnest(%(failed_ids)s::uuid[], %(failed_attempts)s::int4[], %(permanent)s::bool[],
+                    %(delays)s::float8[], %(summaries)s::text[], %(errors)s::text[])
+             AS f(id, attempts, permanent, delay, summary, error)
+        WHERE j.id = f.id AND j.attempts = f.attempts
+          AND j.status = 'running' AND j.worker = %(worker)s
+        RETURNING j.id, j.status
+    ),
+    due AS (
+        SELECT d.id, d.priority, d.run_at, q.turn_of
+        FROM unnest(%(queues)s::text[]) WITH ORDINALITY AS q(name, turn_of)
+        CROSS JOIN LATERAL (
+            SELECT id, priority, run_at FROM pgjobs_job
+            WHERE status = 'ready' AND queue = q.name AND run_at <= statement_timestamp()
+            ORDER BY priority DESC, run_at, id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ) AS d
+    ),
+    turns AS (
+        SELECT id FROM due
+        ORDER BY row_number() OVER (PARTITION BY turn_of ORDER BY priority DESC, run_at, id),
+                 priority DESC, run_at, id
+        LIMIT %(limit)s
+    ),
+    claimed AS (
+        UPDATE pgjobs_job AS j
+        SET status = 'running', attempts = j.attempts + 1, worker = %(worker)s,
+            started_at = statement_timestamp(),
+            leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
+        FROM turns
+        WHERE j.id = turns.id
+        RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
+                  j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
+                  j.created_at, j.finished_at, j.unique_key, j.started_at,
+                  j.cancel_requested, j.result
+    )
+    SELECT 'claimed' AS kind, * FROM claimed
+    UNION ALL
+    SELECT 'settled', id, NULL, NULL, NULL, status, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL
+    FROM (SELECT * FROM succeeded UNION ALL SELECT * FROM failed) AS settled
+"""
+
+# ---- a worker's own running jobs ----------------------------------------------------------
+
+# Extend the leases of a worker's jobs by %(lease)s seconds from now. Touches only unindexed
+# columns, so the update can be HOT. Returns whether a cancellation of each was requested.
+HEARTBEAT = """
+    UPDATE pgjobs_job AS j
+    SET leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int4[]) AS mine(id, attempts)
+    WHERE j.id = mine.id AND j.attempts = mine.attempts
+      AND j.status = 'running' AND j.worker = %(worker)s
+    RETURNING j.id, j.cancel_requested
+"""
+
+# Back to ready without spending an attempt, or cancelled when someone asked to cancel the job
+# while it ran: a worker shutting down (%(delay)s NULL: the job keeps its place), or a
+# handler's Retry (due again in %(delay)s seconds).
+RELEASE = """
+    UPDATE pgjobs_job AS j
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
+        finished_at = CASE WHEN j.cancel_requested THEN statement_timestamp() END,
+        leased_until = NULL,
+        attempts = j.attempts - 1,
+        run_at = CASE WHEN j.cancel_requested OR %(delay)s::float8 IS NULL THEN j.run_at
+                      ELSE statement_timestamp() + make_interval(secs => %(delay)s) END
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int4[]) AS mine(id, attempts)
+    WHERE j.id = mine.id AND j.attempts = mine.attempts
+      AND j.status = 'running' AND j.worker = %(worker)s
+    RETURNING j.id, j.cancel_requested
+"""
+
+# ---- every worker's housekeeping --------------------------------------------------------------
+
+# Take back running jobs whose lease expired: to ready after a backoff (full jitter, as
+# retry.ExponentialBackoff), or failed when no attempts remain, or cancelled when that was
+# asked; "lease expired" joins the error history. SKIP LOCKED: every worker may reap at once.
+REAP = """
+    WITH expired AS (
+        SELECT id FROM pgjobs_job
+        WHERE status = 'running' AND leased_until < statement_timestamp()
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE pgjobs_job AS j SET
+        status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
+        finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
+                           THEN statement_timestamp() END,
+        run_at = statement_timestamp() + make_interval(
+            secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
+        leased_until = NULL,
+        last_error = 'WorkerLost: lease expired while held by ' || j.worker,
+        errors = jsonb_path_query_array(
+            j.errors || jsonb_build_array(
+                jsonb_build_object(
+                    'attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker
+                ) || %(error)s::jsonb
+            ),
+            %(errors_kept)s::jsonpath
+        )
+    FROM expired
+    WHERE j.id = expired.id AND j.status = 'running'
+      AND j.leased_until < statement_timestamp()
+    RETURNING j.status
+"""
+
+# ---- queues with controls ---------------------------------------------------------------------
+
+# Claims on a queue with a Queue row take turns: the row is locked first, so the count of
+# running jobs that follows (a statement with a fresh snapshot) sees every claim committed
+# before it.
+LOCK_QUEUE = "SELECT paused, max_running FROM pgjobs_queue WHERE name = %(queue)s FOR UPDATE"
+COUNT_RUNNING = "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND queue = %(queue)s"
+
+
+def errors_kept(count: int) -> str:
+    """The jsonpath that keeps the last `count` entries of an error history."""
+    return f"$[last - {max(count, 1) - 1} to last]"

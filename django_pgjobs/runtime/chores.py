@@ -1,0 +1,98 @@
+"""The housekeeping every worker shares, each chore an object with its own rhythm.
+
+A chore's `run()` does its work and returns the seconds until it is due again; the worker
+calls `due_in()` to know how long it may wait. Chores run on the worker's main thread, except
+the lease keeper, which has a thread of its own (runtime/leases.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from django.db.models.functions import Now
+
+from django_pgjobs.conf import get_settings
+from django_pgjobs.data.jobs import JobManager
+from django_pgjobs.models import QueueStat
+from django_pgjobs.runtime.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Chore:
+    """Something a worker does now and then."""
+
+    def __init__(self, first_in: float = 0.0) -> None:
+        self.next_at = time.monotonic() + first_in
+
+    def due_in(self) -> float:
+        return self.next_at - time.monotonic()
+
+    def run_if_due(self) -> None:
+        if self.due_in() <= 0:
+            self.next_at = time.monotonic() + self.run()
+
+    def run(self) -> float:
+        raise NotImplementedError
+
+
+class Reaper(Chore):
+    """Returns jobs whose lease expired (any worker's) to ready, or to the dead letters."""
+
+    def __init__(self, jobs: JobManager, interval: float, on_reaped: Callable[[], None]) -> None:
+        super().__init__()
+        self.jobs, self.interval, self.on_reaped = jobs, interval, on_reaped
+
+    def run(self) -> float:
+        returned, failed = self.jobs.reap()
+        if returned or failed:
+            logger.warning(
+                "reaped %d jobs with expired leases (%d failed)", returned + failed, failed
+            )
+            self.on_reaped()
+        return self.interval
+
+
+class Pruner(Chore):
+    """Deletes finished jobs past their retention, and workers' statistics past theirs: one
+    bounded batch a turn while there is a backlog."""
+
+    def __init__(self, jobs: JobManager, interval: float) -> None:
+        super().__init__()
+        self.jobs, self.interval = jobs, interval
+
+    def run(self) -> float:
+        settings = get_settings()
+        full = self.jobs.prune(max_batches=1) == settings.PRUNE_BATCH
+        QueueStat.objects.using(self.jobs.db).filter(
+            at__lt=Now() - settings.STATS_RETENTION
+        ).delete()
+        return 0.0 if full else self.interval
+
+
+class Ticker(Chore):
+    """Enqueues the periodic schedules' due ticks (see runtime/scheduler.py)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+
+    def run(self) -> float:
+        return self.scheduler.enqueue_due()
+
+
+class Reporter(Chore):
+    """Writes what the worker did (QueueStat rows) every `interval` seconds."""
+
+    def __init__(self, interval: float, report: Callable[[float], None]) -> None:
+        super().__init__(first_in=interval)
+        self.interval, self.report = interval, report
+        self.since = time.monotonic()
+
+    def run(self) -> float:
+        now = time.monotonic()
+        self.report(now - self.since)
+        self.since = now
+        return self.interval

@@ -1,0 +1,179 @@
+"""Running one claimed job: find its task in the registry, call it, and classify how it ended."""
+
+from __future__ import annotations
+
+import inspect
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from asgiref.sync import async_to_sync
+
+from django_pgjobs import registry
+from django_pgjobs.conf import get_settings
+from django_pgjobs.data.records import Failure
+from django_pgjobs.delays import as_seconds
+from django_pgjobs.errors import PayloadMismatch, Retry, UnknownTask
+from django_pgjobs.outcomes import Handled, Outcome, Verdict
+from django_pgjobs.retry import ExponentialBackoff, is_permanent
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Job
+
+_current_job: ContextVar[Job | None] = ContextVar("pgjobs_current_job", default=None)
+
+
+def current_job() -> Job | None:
+    """The job whose handler is running in this thread (or task), else None.
+
+    Its ``id``, ``attempts`` and ``worker`` identify this attempt, e.g. for idempotency keys.
+    """
+    return _current_job.get()
+
+
+def run(job: Job) -> Handled:
+    """Call the job's registered handler with its payload as keyword arguments. Never raises:
+    whatever the handler raises, SystemExit and KeyboardInterrupt included, becomes a Handled.
+
+    A job of an integration (e.g. Django's Tasks framework, see backend.py) goes to its runner.
+    """
+    runner = registry.runner_for(job.task)
+    if runner is not None:
+        return runner(job)
+    try:
+        task = registry.get_task(job.task)
+        check_arguments(task.func, task.name, (), job.payload)
+    except (UnknownTask, PayloadMismatch) as error:
+        # Never import by name from table data: an unknown task is a dead letter.
+        return refused(error)
+    with running(job):
+        started = time.perf_counter()
+        try:
+            if task.is_async:
+                async_to_sync(task.func)(**job.payload)
+            else:
+                task.func(**job.payload)
+        except BaseException as error:
+            return raised(job, error, task.backoff, task.permanent_errors, started)
+    return Handled(Verdict.SUCCEEDED, duration=time.perf_counter() - started)
+
+
+class running:
+    """Makes `job` the current_job() while its handler runs."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def __enter__(self) -> None:
+        self.token = _current_job.set(self.job)
+
+    def __exit__(self, *exc: object) -> None:
+        _current_job.reset(self.token)
+
+
+def refused(error: BaseException) -> Handled:
+    """A job that cannot run at all (unknown task, payload that does not fit): a permanent
+    error, without a traceback."""
+    return Handled(Verdict.ERROR, failure=failure_of(error, with_traceback=False), permanent=True)
+
+
+def raised(
+    job: Job,
+    error: BaseException,
+    backoff: registry.Backoff | None,
+    permanent_errors: tuple[type[BaseException], ...],
+    started: float,
+) -> Handled:
+    """How a handler that raised ended: Retry asks to run again later; anything else is an
+    error, permanent or retried after a backoff."""
+    duration = time.perf_counter() - started
+    if isinstance(error, Retry):
+        return Handled(Verdict.RETRY, delay=error.delay, duration=duration)
+    settings = get_settings()
+    backoff = backoff or ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX)
+    try:
+        delay = as_seconds(backoff(job.attempts), f"the backoff of {job.task}")
+    except Exception as broken:
+        # Another attempt would meet the same backoff: the job is dead-lettered, saying why.
+        failure = failure_of(error)
+        note = f"; and {_safely(str, broken)}"
+        return Handled(
+            Verdict.ERROR,
+            failure=Failure(failure.type, failure.message + note, failure.traceback),
+            permanent=True,
+            duration=duration,
+        )
+    return Handled(
+        Verdict.ERROR,
+        delay=delay,
+        failure=failure_of(error),
+        permanent=is_permanent(error, permanent_errors),
+        duration=duration,
+    )
+
+
+def settle(job: Job, handled: Handled) -> Outcome:
+    """Record how one attempt ended, on its own (the worker batches instead). Returns the
+    outcome recorded, LOST when the job's lease was lost meanwhile."""
+    jobs = type(job).objects
+    if handled.verdict is Verdict.SUCCEEDED:
+        owned = jobs.complete(job, handled.result_json)
+        return Outcome.SUCCEEDED if owned else Outcome.LOST
+    if handled.verdict is Verdict.RETRY:
+        owned = jobs.retry_later(job, handled.delay)
+        return Outcome.RETRIED if owned else Outcome.LOST
+    assert handled.failure is not None
+    status = jobs.fail(job, handled.failure, permanent=handled.permanent, delay=handled.delay)
+    return Outcome.of_status(status)
+
+
+def check_arguments(
+    func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: object
+) -> None:
+    """PayloadMismatch unless the handler can be called with `args` and `kwargs`."""
+    if not isinstance(kwargs, dict):
+        raise PayloadMismatch(
+            f"payload must be a JSON object of keyword arguments, got {type(kwargs).__name__}"
+        )
+    try:
+        _signature(func).bind(*args, **kwargs)
+    except TypeError as error:
+        raise PayloadMismatch(f"payload does not fit {name}(): {error}") from None
+
+
+@lru_cache(maxsize=1024)
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    # Computing a signature costs more than running a small handler; functions don't change.
+    return inspect.signature(func)
+
+
+def failure_of(error: BaseException, *, with_traceback: bool = True) -> Failure:
+    """The error history's entry for `error`, however broken the exception is: one whose
+    __str__ or __repr__ raises still gives a record (the handler's bug must not become ours)."""
+    tail = _traceback(error) if with_traceback else ""
+    return Failure(type=exception_path(type(error)), message=_safely(str, error), traceback=tail)
+
+
+def exception_path(kind: type[BaseException]) -> str:
+    """How an exception class is named in the error history: builtins by their bare name."""
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _safely(show: Callable[[BaseException], str], error: BaseException) -> str:
+    try:
+        return str(show(error))
+    except BaseException as broken:
+        return f"<{type(error).__qualname__} that could not be shown: {type(broken).__qualname__}>"
+
+
+def _traceback(error: BaseException) -> str:
+    try:
+        return "".join(traceback.format_exception(error))
+    except BaseException:
+        frames = "".join(traceback.format_tb(error.__traceback__))
+        return f"{frames}{exception_path(type(error))}: {_safely(str, error)}"

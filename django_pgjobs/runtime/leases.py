@@ -1,0 +1,76 @@
+"""The lease keeper: a thread that renews the leases of a worker's running jobs every lease/3,
+whatever the worker's main loop is doing (waiting, slow, or stuck on the database)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from django.db import DatabaseError, connections, transaction
+
+from django_pgjobs.data.jobs import JobManager
+from django_pgjobs.models import Job
+
+logger = logging.getLogger(__name__)
+
+#: The longest a heartbeat waits for a row lock held elsewhere (an operator's open transaction,
+#: say) before it gives up for this round; the next round comes a third of a lease later.
+LOCK_TIMEOUT = "1s"
+
+
+class LeaseKeeper:
+    """Heartbeats `claims()` (the worker's running jobs) on its own connection; `lease_of(job)`
+    is each job's lease in seconds. Jobs whose claim was lost are passed to `on_lost`."""
+
+    def __init__(
+        self,
+        jobs: JobManager,
+        claims: Callable[[], list[Job]],
+        lease_of: Callable[[Job], float],
+        default_lease: float,
+        on_lost: Callable[[list[Job]], None],
+    ) -> None:
+        self.jobs, self.claims, self.lease_of = jobs, claims, lease_of
+        self.default_lease, self.on_lost = default_lease, on_lost
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name="pgjobs-leases", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def interval(self, claims: list[Job]) -> float:
+        return min([self.default_lease, *map(self.lease_of, claims)]) / 3
+
+    def renew(self, claims: list[Job]) -> None:
+        """One round: extend every lease in `claims`, by lease, without waiting on a lock for
+        more than LOCK_TIMEOUT."""
+        by_lease: dict[float, list[Job]] = {}
+        for job in claims:
+            by_lease.setdefault(self.lease_of(job), []).append(job)
+        for lease, jobs in by_lease.items():
+            with transaction.atomic(using=self.jobs.db):
+                with connections[self.jobs.db].cursor() as cursor:
+                    cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                owned = self.jobs.heartbeat(jobs, lease)
+            lost = [job for job in jobs if job.pk not in owned]
+            if lost:
+                self.on_lost(lost)
+
+    def _keep(self) -> None:
+        try:
+            while not self._stopped.wait(self.interval(self.claims())):
+                claims = self.claims()
+                if not claims:
+                    continue
+                try:
+                    self.renew(claims)
+                except DatabaseError as error:
+                    # The next round tries again; a lease outlives two missed rounds.
+                    logger.warning("could not renew leases: %s", str(error).strip())
+                    connections[self.jobs.db].close()
+        finally:
+            connections.close_all()

@@ -1,0 +1,45 @@
+"""The worker's wake-up listener: LISTEN on a dedicated connection (data/wakeups.py sends)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connections
+
+from django_pgjobs.data.wakeups import CHANNEL
+
+logger = logging.getLogger(__name__)
+
+
+def listen(
+    db: str, on_notify: Callable[[str], None], on_connect: Callable[[], None],
+    stopping: Callable[[], bool],
+) -> None:  # fmt: skip
+    """LISTEN on a dedicated connection until `stopping()`; reconnect with backoff on errors.
+
+    Calls on_notify(queue) for each notification and on_connect() after every (re)connect, so
+    the worker polls at once for whatever it missed while disconnected.
+    """
+    wrapper = connections[db]
+    failures = 0
+    while not stopping():
+        try:
+            connection: Any = wrapper.get_new_connection(wrapper.get_connection_params())
+            try:
+                connection.autocommit = True
+                connection.execute(f"LISTEN {CHANNEL}")
+                failures = 0
+                on_connect()
+                while not stopping():
+                    for notification in connection.notifies(timeout=0.5):
+                        on_notify(notification.payload)
+            finally:
+                connection.close()
+        except Exception:
+            failures += 1
+            delay = min(5.0, 0.1 * 2**failures)
+            logger.warning("wake-up listener lost its connection; retrying in %.1fs", delay)
+            time.sleep(delay)

@@ -1,0 +1,52 @@
+"""What a worker says and does when the database cannot be used: retry with backoff, one line
+per attempt and the traceback once; with --once, one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import DatabaseError, InterfaceError, OperationalError, ProgrammingError
+
+from django_pgjobs.runtime import policy
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(Exception):
+    """The worker cannot run (with --once: the database is unreachable or not migrated)."""
+
+
+class Outage:
+    """Failures of the worker's own statements in a row."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+
+    def failed(self, error: DatabaseError) -> float:
+        """Log this failure; returns how long to wait before trying again."""
+        self.failures += 1
+        pause = policy.outage_pause(self.failures)
+        if self.failures == 1:
+            logger.error("%s; retrying in %.2fs", self.describe(error), pause, exc_info=error)
+        else:
+            logger.warning(
+                "%s (attempt %d); retrying in %.1fs", self.describe(error), self.failures, pause
+            )
+        return pause
+
+    def over(self) -> None:
+        if self.failures:
+            logger.info("the database is back after %d failed attempts", self.failures)
+            self.failures = 0
+
+    @staticmethod
+    def describe(error: DatabaseError) -> str:
+        """One line saying what is wrong and, where we know, what to do."""
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if isinstance(error, ProgrammingError) and "pgjobs_" in first:
+            return (
+                f"the pgjobs tables are missing or out of date ({first}): run `manage.py migrate`"
+            )
+        if isinstance(error, OperationalError | InterfaceError):
+            return f"cannot reach the database: {first}"
+        return f"database error in the worker loop: {type(error).__name__}: {first}"

@@ -1,0 +1,63 @@
+"""The worker's timing decisions as plain functions: how much to prefetch, when to poll next,
+and when finished outcomes are worth a statement."""
+
+from __future__ import annotations
+
+#: Longest a finished job's outcome waits for others to share its statement (see settle_due).
+SETTLE_DELAY = 0.002
+
+#: A worker claims more jobs than it has threads only as many as those threads are expected to
+#: start within this many seconds (from the handlers' recent mean duration): fast jobs then never
+#: wait for a round trip to the database, and slow ones are never hoarded from other workers.
+PREFETCH_HORIZON = 0.05
+
+#: The longest pause between tries while the database is unreachable.
+OUTAGE_BACKOFF_MAX = 30.0
+
+
+def prefetch(concurrency: int, batch_size: int, mean_duration: float | None) -> int:
+    """How many jobs beyond the threads to hold: what they start within PREFETCH_HORIZON."""
+    if mean_duration is None:
+        return 0
+    expected = concurrency * PREFETCH_HORIZON / max(mean_duration, 1e-6)
+    return min(batch_size, int(expected))
+
+
+def mean_duration(previous: float | None, durations: list[float]) -> float | None:
+    """The handlers' recent mean duration: an exponential average over turns."""
+    if not durations:
+        return previous
+    mean = sum(durations) / len(durations)
+    return mean if previous is None else 0.8 * previous + 0.2 * mean
+
+
+def poll_delay(previous: float, claimed: int, wanted: int, poll_interval: float) -> float:
+    """Seconds until the next poll: at once after a full batch, soon after the queue just ran
+    dry, and backing off towards `poll_interval` while it stays empty."""
+    if claimed == wanted:
+        return 0.0
+    if claimed:
+        return 0.05
+    return min(poll_interval, max(0.05, previous * 2))
+
+
+def settle_due(
+    pending: int, in_flight: int, concurrency: int, batch_size: int, waited: float
+) -> bool:
+    """Whether to record `pending` finished outcomes now, or let a few more handlers finish
+    first so that one statement covers them all.
+
+    Handlers finish one by one; settling each as it comes would split the worker's batches into
+    ever smaller claims. So while other handlers still run, wait up to SETTLE_DELAY for them
+    (a full batch is settled at once).
+    """
+    if not pending or pending == in_flight:
+        return True  # nothing to wait for: settle (and claim) now
+    if pending >= min(concurrency, batch_size):
+        return True
+    return waited >= SETTLE_DELAY
+
+
+def outage_pause(failures: int) -> float:
+    """How long to wait before trying the database again after `failures` failures in a row."""
+    return min(OUTAGE_BACKOFF_MAX, 0.05 * 2.0 ** min(failures, 20))

@@ -1,0 +1,171 @@
+"""Outcome batching: handler threads hand in how their jobs ended, and the worker's main thread
+records them with its next claim, one statement a turn. A batch the database refuses is
+recorded again job by job, so one bad outcome can never wedge the worker."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from django.db import DatabaseError, InterfaceError, OperationalError
+
+from django_pgjobs.data.records import FailedAttempt, Failure, Settled
+from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Handled, Outcome, Verdict
+from django_pgjobs.runtime import policy
+
+if TYPE_CHECKING:
+    from django_pgjobs.runtime.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class Settler:
+    """The finished jobs waiting to be recorded, and how they are."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._done: list[tuple[Job, Handled]] = []
+        self._first_at = 0.0  # when the oldest unsettled outcome came in
+        self._lock = threading.Lock()
+
+    def finished(self, job: Job, handled: Handled) -> bool:
+        """Hand in a finished job (from its handler thread). True when the main thread should
+        wake: for the first outcome (it then waits at most SETTLE_DELAY for others) and when
+        the outcomes are due, not for every one of them."""
+        with self._lock:
+            first = not self._done
+            if first:
+                self._first_at = time.monotonic()
+            self._done.append((job, handled))
+            return first or self._due()
+
+    def unfinished(self, claims: list[Job]) -> list[Job]:
+        """Those of `claims` whose handlers are still running."""
+        with self._lock:
+            done = {id(job) for job, _ in self._done}
+        return [job for job in claims if id(job) not in done]
+
+    def due_in(self) -> float:
+        with self._lock:
+            if not self._done:
+                return float("inf")
+            return self._first_at + policy.SETTLE_DELAY - time.monotonic()
+
+    def _due(self) -> bool:
+        worker, options = self.worker, self.worker.options
+        return worker._stopping or policy.settle_due(
+            len(self._done), len(worker._in_flight), options.concurrency, options.batch_size,
+            time.monotonic() - self._first_at,
+        )  # fmt: skip
+
+    def settle_and_fetch(self) -> None:
+        """Record the finished outcomes and claim into the free slots, in one statement; a
+        Retry asked by a handler is recorded on its own, and so is each claim from a queue
+        with a limit."""
+        worker = self.worker
+        with self._lock:
+            if not self._due():
+                return
+            done, self._done = self._done, []
+        worker.learn_durations([handled.duration for _, handled in done])
+        succeeded = [(job, h) for job, h in done if h.verdict is Verdict.SUCCEEDED]
+        failed = [(job, h) for job, h in done if h.verdict is Verdict.ERROR]
+        try:
+            for job, handled in done:
+                if handled.verdict is Verdict.RETRY:
+                    owned = worker.jobs.retry_later(job, handled.delay)
+                    worker.settled(job, handled, Outcome.RETRIED if owned else Outcome.LOST)
+            wanted = worker.claim_wanted(len(succeeded) + len(failed))
+            if not (wanted or succeeded or failed):
+                return
+            settled = self._record(succeeded, failed, wanted)
+        except DatabaseError:
+            # Keep what was not recorded; it is tried again after the reconnect. Recording
+            # twice is harmless: the guard refuses the second write.
+            with self._lock:
+                self._done[:0] = [item for item in done if id(item[0]) in worker._in_flight]
+            raise
+        for job, handled in succeeded:
+            owned = job.pk in settled.succeeded
+            worker.settled(job, handled, Outcome.SUCCEEDED if owned else Outcome.LOST)
+        for job, handled in failed:
+            worker.settled(job, handled, Outcome.of_status(settled.failed.get(job.pk)))
+        if wanted:
+            claimed = settled.claimed
+            try:
+                claimed += worker.claim_limited(wanted - len(claimed))
+            finally:  # what was claimed runs, even if a limited queue's claim failed
+                worker.take(claimed, wanted)
+
+    def _record(
+        self,
+        succeeded: list[tuple[Job, Handled]],
+        failed: list[tuple[Job, Handled]],
+        wanted: int,
+    ) -> Settled:
+        worker = self.worker
+        try:
+            settled: Settled = worker.jobs.settle_and_claim(
+                [job for job, _ in succeeded],
+                [_attempt(job, handled) for job, handled in failed],
+                worker.open_queues() if wanted else [],
+                worker=worker.id,
+                limit=wanted,
+                lease=worker.lease,
+                results=_results(succeeded),
+            )
+            return settled
+        except (OperationalError, InterfaceError):
+            raise  # the connection: tried again after the reconnect
+        except DatabaseError as error:
+            logger.error(
+                "the database refused a batch of %d outcomes (%s); recording them one by one",
+                len(succeeded) + len(failed), str(error).strip().splitlines()[0],
+            )  # fmt: skip
+            worker.poll_now()  # the claim is taken again at the next turn
+            return self._one_by_one(succeeded, failed)
+
+    def _one_by_one(
+        self, succeeded: list[tuple[Job, Handled]], failed: list[tuple[Job, Handled]]
+    ) -> Settled:
+        """Record each outcome in its own statement; one the database refuses again is
+        recorded as a permanent failure saying why (a dead letter, never retried forever)."""
+        jobs, worker = self.worker.jobs, self.worker.id
+        result = Settled(set(), {}, [])
+        for job, handled in [*succeeded, *failed]:
+            one = [job] if handled.verdict is Verdict.SUCCEEDED else []
+            attempt = [] if one else [_attempt(job, handled)]
+            try:
+                settled = jobs.settle_and_claim(
+                    one, attempt, [], worker=worker, limit=0, results=_results([(job, handled)])
+                )
+            except (OperationalError, InterfaceError):
+                raise
+            except DatabaseError as error:
+                refused = Failure(
+                    "django_pgjobs.OutcomeRefused",
+                    f"the database refused to record this attempt's outcome "
+                    f"({handled.verdict.value}): {str(error).strip()}",
+                )
+                status = jobs.fail(job, refused, permanent=True, delay=0)
+                settled = Settled(set(), {job.pk: status} if status else {}, [])
+                logger.error("job %s (%s): %s", job.pk, job.task, refused.message)
+            result.succeeded.update(settled.succeeded)
+            result.failed.update(settled.failed)
+        return result
+
+
+def _attempt(job: Job, handled: Handled) -> FailedAttempt:
+    assert handled.failure is not None
+    return FailedAttempt(job, handled.failure, handled.permanent, handled.delay)
+
+
+def _results(succeeded: list[tuple[Job, Handled]]) -> dict[object, str]:
+    return {
+        job.pk: handled.result_json
+        for job, handled in succeeded
+        if handled.verdict is Verdict.SUCCEEDED and handled.result_json is not None
+    }
