@@ -40,6 +40,10 @@ class Job(models.Model):
     cancel_requested = models.BooleanField(default=False, db_default=False)
     #: The handler's return value, for tasks that keep it (e.g. Django Tasks' results).
     result = models.JSONField(null=True, blank=True)
+    #: How many times the job was claimed, never reset (replay resets `attempts`, not this):
+    #: the fencing token of the current claim. Every write of a worker's outcome is guarded on
+    #: it, so a stale claim can never overwrite a newer one.
+    claims = models.IntegerField(default=0, db_default=0)
 
     objects: ClassVar[JobManager] = JobManager()
 

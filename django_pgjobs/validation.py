@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import math
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django_pgjobs.delays import as_seconds
 from django_pgjobs.errors import EnqueueError
 
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
+#: How deeply lists and objects may nest in a payload (or a kept result).
+MAX_DEPTH = 64
+#: The largest integer a payload may hold, in bits (Python prints at most 4,300 digits).
+MAX_INT_BITS = 14_000
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}")
 
 
@@ -49,6 +53,13 @@ def check_run_at(run_at: Any) -> datetime:
             f"run_at={run_at!r} is a naive datetime; pass an aware one "
             "(django.utils.timezone.now() + ..., or datetime(..., tzinfo=...))."
         )
+    try:
+        run_at.astimezone(UTC)
+    except OverflowError:
+        # Stored, it would be a time Python cannot load again (after the year 9999 in UTC).
+        raise EnqueueError(
+            f"run_at={run_at!r} is out of range: it must fall within the years 1 to 9999 in UTC."
+        ) from None
     return run_at
 
 
@@ -108,9 +119,21 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def _check_value(value: Any, path: str) -> None:
-    if value is None or isinstance(value, bool | int):
+def _check_value(value: Any, path: str, depth: int = 0) -> None:
+    if value is None or isinstance(value, bool):
         return
+    if isinstance(value, int):
+        if value.bit_length() > MAX_INT_BITS:
+            raise EnqueueError(
+                f"{path} is an integer of {value.bit_length():,} bits; JSON texts hold integers "
+                f"of at most {MAX_INT_BITS:,} bits here. Pass a large number as a string."
+            )
+        return
+    if depth > MAX_DEPTH and isinstance(value, dict | list):
+        raise EnqueueError(
+            f"{path} nests lists and objects more than {MAX_DEPTH} levels deep; flatten it "
+            "(PostgreSQL and the worker's JSON parser limit nesting)."
+        )
     if isinstance(value, str):
         _check_text(value, path)
     elif isinstance(value, float):
@@ -124,10 +147,10 @@ def _check_value(value: Any, path: str) -> None:
                     "must be strings."
                 )
             _check_text(key, f"{path} key {key!r}")
-            _check_value(item, f"{path}[{key!r}]")
+            _check_value(item, f"{path}[{key!r}]", depth + 1)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_value(item, f"{path}[{index}]")
+            _check_value(item, f"{path}[{index}]", depth + 1)
     else:
         raise EnqueueError(
             f"{path} is a {type(value).__name__}, which does not survive JSON: pass "

@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from django_pgjobs.registry import Task
 
 
+#: The columns a new job has before anything happened to it (the database's defaults).
+NEW_JOB: dict[str, Any] = {
+    "status": Status.READY.value, "attempts": 0, "leased_until": None, "worker": None,
+    "last_error": "", "errors": [], "finished_at": None, "started_at": None,
+    "cancel_requested": False, "result": None, "claims": 0,
+}  # fmt: skip
+
+
 def new_job(
     task_or_name: Task | str,
     payload: dict[str, Any] | None,
@@ -90,34 +98,12 @@ def insert(
         if job.id not in inserted:
             continue  # its unique_key is held by a live job
         run_at, created_at = inserted[job.id]
-        made.append(
-            rows.new_job(
-                model,
-                db,
-                # Every column in model order (sql.JOB_COLUMNS), as a new job has them.
-                (
-                    job.id,
-                    job.queue,
-                    job.task,
-                    payload,
-                    Status.READY.value,
-                    job.priority,
-                    run_at,
-                    0,
-                    job.max_attempts,
-                    None,
-                    None,
-                    "",
-                    [],
-                    created_at,
-                    None,
-                    job.unique_key,
-                    None,
-                    False,
-                    None,
-                ),
-            )
-        )
+        columns = NEW_JOB | {
+            "id": job.id, "queue": job.queue, "task": job.task, "payload": payload,
+            "priority": job.priority, "run_at": run_at, "max_attempts": job.max_attempts,
+            "created_at": created_at, "unique_key": job.unique_key,
+        }  # fmt: skip
+        made.append(rows.new_job(model, db, [columns[name] for name in sql.JOB_COLUMNS]))
     return made
 
 

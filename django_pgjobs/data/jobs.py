@@ -13,13 +13,14 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
-from django.db import connections, models, router, transaction
+from django.db import IntegrityError, connections, models, router, transaction
 from django.db.models.functions import Now
 
 from django_pgjobs import signals, validation
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
-from django_pgjobs.data.records import FailedAttempt, Failure, Settled
+from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
+from django_pgjobs.errors import EnqueueError
 from django_pgjobs.ids import uuid7, uuid7_floor
 from django_pgjobs.status import LIVE, Status
 
@@ -30,6 +31,12 @@ if TYPE_CHECKING:
 #: How far ahead of the database's clock an enqueuing process's clock may run before pruning
 #: its jobs is delayed (see JobQuerySet.prunable).
 ID_CLOCK_MARGIN = timedelta(minutes=10)
+
+#: How often replay looks again when a job took one of its keys while it ran.
+REPLAY_TRIES = 3
+
+#: How often enqueue looks for the job holding its unique_key before giving up.
+ENQUEUE_TRIES = 5
 
 #: The error a reaped attempt records.
 LEASE_EXPIRED = Failure(
@@ -60,15 +67,42 @@ class JobQuerySet(models.QuerySet["Job"]):
 
     def replay(self, *, queue: str | None = None) -> list[UUID]:
         """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
-        another queue). Skips other statuses, and jobs whose unique_key a live job holds."""
-        held_keys = self.model._default_manager.filter(
-            status__in=LIVE, unique_key__isnull=False
-        ).values("unique_key")
-        return self.exclude(unique_key__in=held_keys)._change(
-            "status = 'ready', attempts = 0, run_at = statement_timestamp(), finished_at = NULL, "
-            "leased_until = NULL, cancel_requested = false, queue = COALESCE(%s, j.queue)",
-            [None if queue is None else validation.check_queue(queue)],
-            guard="j.status IN ('failed', 'cancelled')",
+        another queue). Skips other statuses, jobs whose unique_key a live job holds, and of
+        several selected jobs sharing a unique_key all but the oldest. Never fails as a whole:
+        the jobs it skipped are the selected ones it does not return."""
+        into = [None if queue is None else validation.check_queue(queue)]
+        self._for_write = True
+        for _ in range(REPLAY_TRIES):
+            try:
+                with transaction.atomic(using=self.db):  # a savepoint inside the caller's
+                    return self._replayable()._change(
+                        "status = 'ready', attempts = 0, run_at = statement_timestamp(), "
+                        "finished_at = NULL, leased_until = NULL, cancel_requested = false, "
+                        "queue = COALESCE(%s, j.queue)",
+                        into,
+                        guard="j.status IN ('failed', 'cancelled')",
+                    )
+            except IntegrityError:
+                # A job with one of the keys was enqueued or replayed meanwhile: look again,
+                # and this time that key is held.
+                continue
+        return []
+
+    def _replayable(self) -> JobQuerySet:
+        """The selected dead or cancelled jobs that replay may make live: those without a
+        unique_key, and the oldest of each key no live job holds."""
+        jobs = self.model._default_manager.using(self.db)
+        held = jobs.filter(status__in=LIVE, unique_key__isnull=False).values("unique_key")
+        finished = self.filter(status__in=[Status.FAILED, Status.CANCELLED])
+        oldest_of_each_key = (
+            finished.filter(unique_key__isnull=False)
+            .exclude(unique_key__in=held)
+            .order_by("unique_key", "id")
+            .distinct("unique_key")
+            .values("pk")
+        )
+        return finished.filter(
+            models.Q(unique_key__isnull=True) | models.Q(pk__in=oldest_of_each_key)
         )
 
     def cancel(self) -> list[UUID]:
@@ -189,15 +223,21 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             task, payload, queue=queue, priority=priority, run_at=run_at, delay=delay,
             max_attempts=max_attempts, unique_key=unique_key,
         )  # fmt: skip
-        while True:
-            jobs = enqueue.insert(self.model, self._write_db(), [job], [payload or {}])
+        db = self._write_db()
+        for _ in range(ENQUEUE_TRIES):
+            jobs = enqueue.insert(self.model, db, [job], [payload or {}])
             if jobs:
                 signals.send(signals.job_enqueued, self.model, jobs=jobs)
                 return jobs[0]
-            existing: Job | None = self.filter(unique_key=unique_key, status__in=LIVE).first()
-            if existing is not None:
-                return existing
+            # The write database: a replica behind a router may not have the holder yet.
+            holder = self.using(db).filter(unique_key=unique_key, status__in=LIVE).first()
+            if holder is not None:
+                return holder  # type: ignore[no-any-return]
             # The job holding the key finished between the insert and the look: insert again.
+        raise EnqueueError(
+            f"unique_key={unique_key!r}: a live job kept taking and releasing the key; "
+            f"{ENQUEUE_TRIES} tries neither inserted a job nor found the one holding it."
+        )
 
     def bulk_enqueue(
         self,
@@ -269,34 +309,22 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """
         claiming = bool(queues) and limit >= 1
         if not (claiming or succeeded or failed):
-            return Settled(set(), {}, [])
+            return Settled(set(), {}, [], {})
         _one_worker([worker, *(job.worker for job in succeeded), *(f.job.worker for f in failed)])
-        settings = get_settings()
-        results = results or {}
-        params = {
-            "worker": worker,
-            "succeeded_ids": [job.pk for job in succeeded],
-            "succeeded_attempts": [job.attempts for job in succeeded],
-            "results": [results.get(job.pk) for job in succeeded],
-            "failed_ids": [f.job.pk for f in failed],
-            "failed_attempts": [f.job.attempts for f in failed],
-            "permanent": [f.permanent for f in failed],
-            "delays": [float(f.delay) for f in failed],
-            "summaries": [f.failure.summary for f in failed],
-            "errors": [f.failure.as_json() for f in failed],
-            "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
-            "queues": list(queues) if claiming else [],
-            "limit": limit if claiming else 0,
-            "lease": settings.LEASE if lease is None else lease,
-        }
+        params = turn_params(
+            succeeded, failed, queues if claiming else [], worker=worker,
+            limit=limit if claiming else 0, lease=lease, results=results or {},
+        )  # fmt: skip
         db = self._write_db()
         found = rows.execute(db, sql.SETTLE_AND_CLAIM, params, binary=True)
-        settled = {row[1]: row[5] for row in found if row[0] == "settled"}
+        recorded = {(row[1], row[-1]): row[5] for row in found if row[0] == "settled"}
         claimed = rows.load_jobs(self.model, db, (row[1:] for row in found if row[0] != "settled"))
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
-        done = {job.pk for job in succeeded if job.pk in settled}
         return Settled(
-            done, {f.job.pk: settled[f.job.pk] for f in failed if f.job.pk in settled}, claimed
+            {job.pk for job in succeeded if claim_of(job) in recorded},
+            {f.job.pk: recorded[claim_of(f.job)] for f in failed if claim_of(f.job) in recorded},
+            claimed,
+            recorded,
         )
 
     def claim_limited(
@@ -385,17 +413,47 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def _own(self, statement: str, jobs: Sequence[Job], **params: Any) -> dict[UUID, bool]:
         """Run a guarded statement over those of `jobs` their worker still owns; returns their
         ids, each with whether a cancellation of it was requested."""
-        if not jobs:
-            return {}
+        if not jobs or all(job.worker is None for job in jobs):
+            return {}  # never claimed: no worker holds them
         params |= {
             "ids": [job.pk for job in jobs],
-            "attempts": [job.attempts for job in jobs],
+            "claims": [job.claims for job in jobs],
             "worker": _one_worker([job.worker for job in jobs]),
         }
         return dict(rows.execute(self._write_db(), statement, params))
 
     def _write_db(self) -> str:
         return self._db or router.db_for_write(self.model)
+
+
+def turn_params(
+    succeeded: Sequence[Job],
+    failed: Sequence[FailedAttempt],
+    queues: Sequence[str],
+    *,
+    worker: str,
+    limit: int,
+    lease: float | None,
+    results: Mapping[UUID, str],
+) -> dict[str, Any]:
+    """The parameters of sql.SETTLE_AND_CLAIM, by name."""
+    settings = get_settings()
+    return {
+        "worker": worker,
+        "succeeded_ids": [job.pk for job in succeeded],
+        "succeeded_claims": [job.claims for job in succeeded],
+        "results": [results.get(job.pk) for job in succeeded],
+        "failed_ids": [f.job.pk for f in failed],
+        "failed_claims": [f.job.claims for f in failed],
+        "permanent": [f.permanent for f in failed],
+        "delays": [float(f.delay) for f in failed],
+        "summaries": [f.failure.summary for f in failed],
+        "errors": [f.failure.as_json() for f in failed],
+        "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
+        "queues": list(queues),
+        "limit": limit,
+        "lease": settings.LEASE if lease is None else lease,
+    }
 
 
 def _one_worker(workers: Iterable[str | None]) -> str:

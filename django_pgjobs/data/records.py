@@ -59,6 +59,14 @@ class FailedAttempt(NamedTuple):
     delay: float
 
 
+#: A claim: the job's id and its claim count (the fencing token).
+Claim = tuple[UUID, int]
+
+
+def claim_of(job: Job) -> Claim:
+    return (job.pk, job.claims)
+
+
 class Settled(NamedTuple):
     """What one turn's statement recorded and claimed (JobManager.settle_and_claim)."""
 
@@ -68,6 +76,9 @@ class Settled(NamedTuple):
     failed: dict[UUID, str]
     #: The jobs claimed, in claim order.
     claimed: list[Job]
+    #: The new status of every outcome recorded, by claim: precise even when a worker held a
+    #: stale and a fresh claim of one job.
+    recorded: dict[Claim, str]
 
 
 class NewJob(NamedTuple):

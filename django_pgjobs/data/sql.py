@@ -5,8 +5,9 @@ what runs is what you read here. Times are the database's clock (``statement_tim
 never the app's. The data layer binds parameters by name (data/jobs.py, data/enqueue.py).
 
 Guarded statements change a job only while it is ``running`` under the same claim, identified
-by (id, attempts, worker): a worker whose lease expired cannot overwrite the attempt that
-replaced it.
+by (id, claims, worker). `claims` counts every claim of the job and is never reset, not even by
+a replay: it is a fencing token that no later claim reuses, so a worker whose lease expired
+cannot overwrite the attempt that replaced it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 JOB_COLUMNS = (
     "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts",
     "leased_until", "worker", "last_error", "errors", "created_at", "finished_at", "unique_key",
-    "started_at", "cancel_requested", "result",
+    "started_at", "cancel_requested", "result", "claims",
 )  # fmt: skip
 
 #: The claim's ORDER BY within one queue, and the claim index's columns after `queue`.
@@ -95,20 +96,21 @@ INSERT_JOBS = """
 #   same job. `queue = ANY(...)` ordered across queues would read and sort every ready row.
 # - turns: the queues take turns (each queue's best job, then each queue's second best, ...;
 #   ties in claim order), so an old backlog in one queue never starves another.
-# - claimed: running, leased for %(lease)s seconds, attempts counting this one.
+# - claimed: running, leased for %(lease)s seconds, attempts counting this one, and the claim
+#   counted (its fencing token).
 #
 # Rows come back tagged by kind in one shape: claimed jobs with every column (JOB_COLUMNS
-# order), settled jobs with their id and new status, the other columns NULL.
+# order), settled jobs with their id, claim and new status, the other columns NULL.
 SETTLE_AND_CLAIM = """
     WITH succeeded AS (
         UPDATE pgjobs_job AS j
         SET status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL,
             result = mine.result
-        FROM unnest(%(succeeded_ids)s::uuid[], %(succeeded_attempts)s::int4[],
-                    %(results)s::text[]::jsonb[]) AS mine(id, attempts, result)
-        WHERE j.id = mine.id AND j.attempts = mine.attempts
+        FROM unnest(%(succeeded_ids)s::uuid[], %(succeeded_claims)s::int4[],
+                    %(results)s::text[]::jsonb[]) AS mine(id, claims, result)
+        WHERE j.id = mine.id AND j.claims = mine.claims
           AND j.status = 'running' AND j.worker = %(worker)s
-        RETURNING j.id, j.status
+        RETURNING j.id, j.claims, j.status
     ),
     failed AS (
         UPDATE pgjobs_job AS j SET
@@ -131,12 +133,12 @@ SETTLE_AND_CLAIM = """
                 ),
                 %(errors_kept)s::jsonpath
             )
-        FROM unnest(%(failed_ids)s::uuid[], %(failed_attempts)s::int4[], %(permanent)s::bool[],
+        FROM unnest(%(failed_ids)s::uuid[], %(failed_claims)s::int4[], %(permanent)s::bool[],
                     %(delays)s::float8[], %(summaries)s::text[], %(errors)s::text[])
-             AS f(id, attempts, permanent, delay, summary, error)
-        WHERE j.id = f.id AND j.attempts = f.attempts
+             AS f(id, claims, permanent, delay, summary, error)
+        WHERE j.id = f.id AND j.claims = f.claims
           AND j.status = 'running' AND j.worker = %(worker)s
-        RETURNING j.id, j.status
+        RETURNING j.id, j.claims, j.status
     ),
     due AS (
         SELECT d.id, d.priority, d.run_at, q.turn_of
@@ -157,7 +159,8 @@ SETTLE_AND_CLAIM = """
     ),
     claimed AS (
         UPDATE pgjobs_job AS j
-        SET status = 'running', attempts = j.attempts + 1, worker = %(worker)s,
+        SET status = 'running', attempts = j.attempts + 1, claims = j.claims + 1,
+            worker = %(worker)s,
             started_at = statement_timestamp(),
             leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
         FROM turns
@@ -165,12 +168,12 @@ SETTLE_AND_CLAIM = """
         RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
                   j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
                   j.created_at, j.finished_at, j.unique_key, j.started_at,
-                  j.cancel_requested, j.result
+                  j.cancel_requested, j.result, j.claims
     )
     SELECT 'claimed' AS kind, * FROM claimed
     UNION ALL
     SELECT 'settled', id, NULL, NULL, NULL, status, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-           NULL, NULL, NULL, NULL, NULL, NULL, NULL
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims
     FROM (SELECT * FROM succeeded UNION ALL SELECT * FROM failed) AS settled
 """
 
@@ -181,8 +184,8 @@ SETTLE_AND_CLAIM = """
 HEARTBEAT = """
     UPDATE pgjobs_job AS j
     SET leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
-    FROM unnest(%(ids)s::uuid[], %(attempts)s::int4[]) AS mine(id, attempts)
-    WHERE j.id = mine.id AND j.attempts = mine.attempts
+    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
+    WHERE j.id = mine.id AND j.claims = mine.claims
       AND j.status = 'running' AND j.worker = %(worker)s
     RETURNING j.id, j.cancel_requested
 """
@@ -198,8 +201,8 @@ RELEASE = """
         attempts = j.attempts - 1,
         run_at = CASE WHEN j.cancel_requested OR %(delay)s::float8 IS NULL THEN j.run_at
                       ELSE statement_timestamp() + make_interval(secs => %(delay)s) END
-    FROM unnest(%(ids)s::uuid[], %(attempts)s::int4[]) AS mine(id, attempts)
-    WHERE j.id = mine.id AND j.attempts = mine.attempts
+    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
+    WHERE j.id = mine.id AND j.claims = mine.claims
       AND j.status = 'running' AND j.worker = %(worker)s
     RETURNING j.id, j.cancel_requested
 """

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from django.db import DatabaseError, InterfaceError, OperationalError
 
-from django_pgjobs.data.records import FailedAttempt, Failure, Settled
+from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import policy
@@ -88,11 +88,8 @@ class Settler:
             with self._lock:
                 self._done[:0] = [item for item in done if id(item[0]) in worker._in_flight]
             raise
-        for job, handled in succeeded:
-            owned = job.pk in settled.succeeded
-            worker.settled(job, handled, Outcome.SUCCEEDED if owned else Outcome.LOST)
-        for job, handled in failed:
-            worker.settled(job, handled, Outcome.of_status(settled.failed.get(job.pk)))
+        for job, handled in [*succeeded, *failed]:
+            worker.settled(job, handled, Outcome.of_status(settled.recorded.get(claim_of(job))))
         if wanted:
             claimed = settled.claimed
             try:
@@ -134,7 +131,7 @@ class Settler:
         """Record each outcome in its own statement; one the database refuses again is
         recorded as a permanent failure saying why (a dead letter, never retried forever)."""
         jobs, worker = self.worker.jobs, self.worker.id
-        result = Settled(set(), {}, [])
+        result = Settled(set(), {}, [], {})
         for job, handled in [*succeeded, *failed]:
             one = [job] if handled.verdict is Verdict.SUCCEEDED else []
             attempt = [] if one else [_attempt(job, handled)]
@@ -151,10 +148,10 @@ class Settler:
                     f"({handled.verdict.value}): {str(error).strip()}",
                 )
                 status = jobs.fail(job, refused, permanent=True, delay=0)
-                settled = Settled(set(), {job.pk: status} if status else {}, [])
+                recorded = {claim_of(job): status} if status else {}
+                settled = Settled(set(), {}, [], recorded)
                 logger.error("job %s (%s): %s", job.pk, job.task, refused.message)
-            result.succeeded.update(settled.succeeded)
-            result.failed.update(settled.failed)
+            result.recorded.update(settled.recorded)
         return result
 
 

@@ -13,6 +13,7 @@ from django.utils import timezone
 from psycopg import sql as psql
 
 from django_pgjobs.data import sql
+from django_pgjobs.data.jobs import turn_params
 from django_pgjobs.data.records import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -127,12 +128,7 @@ def test_eight_threads_claiming_2000_jobs_at_once_claim_each_exactly_once():
 
 def _claim_params(queues: list[str], limit: int) -> dict:
     """The parameters of the worker's turn statement for a claim that settles nothing."""
-    return {
-        "worker": "w1", "succeeded_ids": [], "succeeded_attempts": [], "results": [],
-        "failed_ids": [], "failed_attempts": [], "permanent": [], "delays": [],
-        "summaries": [], "errors": [], "errors_kept": sql.errors_kept(5),
-        "queues": queues, "limit": limit, "lease": 60.0,
-    }  # fmt: skip
+    return turn_params([], [], queues, worker="w1", limit=limit, lease=60.0, results={})
 
 
 def _claim_plan(queues: list[str], limit: int) -> dict:
@@ -235,7 +231,7 @@ def test_settle_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_state
     stale.attempts += 1  # an attempt this worker does not hold: the guard must refuse it
     boom = Failure("RuntimeError", "boom")
     with CaptureQueriesContext(connection) as queries:
-        done, failed, claimed = Job.objects.settle_and_claim(
+        done, failed, claimed, _ = Job.objects.settle_and_claim(
             [first[0], stale],
             [FailedAttempt(first[2], boom, False, 60.0)],
             ["default"],
@@ -258,7 +254,7 @@ def test_settle_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_state
 def test_settle_and_claim_without_a_claim_only_records_outcomes():
     JobFactory.create_batch(2, max_attempts=1)
     first, second = Job.objects.claim(["default"], worker="w1", limit=2)
-    done, failed, claimed = Job.objects.settle_and_claim(
+    done, failed, claimed, _ = Job.objects.settle_and_claim(
         [first], [FailedAttempt(second, Failure("E", "x"), False, 0.0)], [], worker="w1", limit=0
     )
     assert (done, failed, claimed) == ({first.pk}, {second.pk: Status.FAILED}, [])

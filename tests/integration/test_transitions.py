@@ -51,7 +51,7 @@ def test_complete_keeps_a_result_only_when_given():
     JobFactory.create_batch(3)
     first, second, third = Job.objects.claim(["default"], worker="w1", limit=3)
     assert Job.objects.complete(first, '{"total": 12.5, "items": [1, 2]}') is True
-    done, _, _ = Job.objects.settle_and_claim(
+    done, _, _, _ = Job.objects.settle_and_claim(
         [second, third], [], [], worker="w1", limit=0, results={third.pk: '"ok"'}
     )
     assert done == {second.pk, third.pk}
