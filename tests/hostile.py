@@ -1,0 +1,156 @@
+"""Hostile handlers: tasks that do what a handler should never do, for the crash tests.
+
+Each one breaks a rule of the handler contract (errors that cannot be printed, delays that do
+not fit a timestamp, a process that exits, a broken or closed connection, a lock wait, floods of
+text). Whatever they do, a worker must record an outcome for them and keep serving other jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+from django.db import DatabaseError, connection, transaction
+
+from django_pgjobs import Retry, current_job, task
+
+logger = logging.getLogger(__name__)
+
+MEGABYTE = 1024 * 1024
+
+
+class Unprintable(Exception):
+    """An error whose text cannot be computed: str() and repr() both raise."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ of Unprintable raised")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ of Unprintable raised")
+
+
+class NotAnException(BaseException):
+    """A BaseException that is not an Exception (as asyncio.CancelledError and GeneratorExit)."""
+
+
+@task(max_attempts=1)
+def raises_unprintable() -> None:
+    raise Unprintable("never shown")
+
+
+@task(max_attempts=1)
+def retries_never() -> None:
+    raise Retry(delay=float("inf"))
+
+
+@task(max_attempts=1)
+def retries_in_1e17_seconds() -> None:
+    raise Retry(delay=1e17)
+
+
+@task(max_attempts=2, backoff=lambda attempts: timedelta(seconds=1))
+def fails_with_timedelta_backoff() -> None:
+    raise RuntimeError("failed; its backoff is a timedelta")
+
+
+@task(max_attempts=3, backoff=lambda attempts: 1e17)
+def fails_with_1e17_backoff() -> None:
+    raise RuntimeError("failed; its backoff is 1e17 seconds")
+
+
+@task(max_attempts=3, backoff=lambda attempts: float("inf"))
+def fails_with_infinite_backoff() -> None:
+    raise RuntimeError("failed; its backoff is infinite")
+
+
+@task(max_attempts=1)
+def exits_the_process() -> None:
+    os._exit(1)
+
+
+@task(max_attempts=1)
+def returns_an_object() -> object:
+    return object()
+
+
+@task(max_attempts=1)
+def swallows_a_database_error(n: int) -> None:
+    """Writes ledger row n, then catches PostgreSQL's error inside atomic() and carries on."""
+    from tests.models import Execution
+
+    Execution.objects.create(n=n, pid=os.getpid())
+    with transaction.atomic():
+        Execution.objects.create(n=-n, pid=os.getpid())
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 / 0")
+        except DatabaseError:
+            pass
+
+
+@task(max_attempts=1)
+def leaves_a_transaction_open(n: int) -> None:
+    """Opens a transaction behind Django's back, writes ledger row n in it and returns."""
+    from tests.models import Execution
+
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+    Execution.objects.create(n=n, pid=os.getpid())
+
+
+@task(max_attempts=1)
+def closes_its_connection() -> None:
+    connection.ensure_connection()
+    connection.close()
+
+
+@task(max_attempts=1)
+def closes_the_raw_connection() -> None:
+    """Closes the psycopg connection under Django's wrapper, which still thinks it is open."""
+    connection.ensure_connection()
+    connection.connection.close()
+
+
+@task(max_attempts=1)
+def raises_base_exception() -> None:
+    raise NotAnException("not an Exception")
+
+
+@task(max_attempts=1)
+def raises_system_exit() -> None:
+    raise SystemExit(3)
+
+
+@task(max_attempts=1)
+def raises_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+@task(max_attempts=1)
+def floods(megabytes: int = 5) -> None:
+    """Logs `megabytes` of text, then raises an error whose message is as long."""
+    logger.error("flood %s", "x" * megabytes * MEGABYTE)
+    raise RuntimeError("y" * megabytes * MEGABYTE)
+
+
+@task(max_attempts=1)
+def waits_for_a_row_lock(n: int) -> None:
+    """Locks ledger row n (waiting for whoever holds it), then writes ledger row n + 1."""
+    from tests.models import Execution
+
+    with transaction.atomic():
+        Execution.objects.select_for_update().get(n=n)
+    Execution.objects.create(n=n + 1, pid=os.getpid())
+
+
+@task(max_attempts=1)
+def locks_its_own_job_row(seconds: float) -> None:
+    """Holds a lock on its own job's row for `seconds` (as a handler that re-reads its job with
+    select_for_update inside a long transaction)."""
+    job = current_job()
+    assert job is not None
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [job.pk])
+        time.sleep(seconds)
