@@ -228,7 +228,7 @@ def test_settle_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_state
     JobFactory.create_batch(4, max_attempts=3)
     first = Job.objects.claim(["default"], worker="w1", limit=3)
     stale = Job.objects.get(pk=first[1].pk)
-    stale.attempts += 1  # an attempt this worker does not hold: the guard must refuse it
+    stale.claims += 1  # a claim this worker does not hold: the guard must refuse it
     boom = Failure("RuntimeError", "boom")
     with CaptureQueriesContext(connection) as queries:
         done, failed, claimed, _ = Job.objects.settle_and_claim(
