@@ -385,13 +385,18 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
         """Extend the lease of a worker's running jobs by `lease` seconds from now; returns the
-        ids still owned. A cancellation requested meanwhile shows on the Job at once."""
+        ids renewed (a job locked elsewhere is skipped this time: see `held` for whether the
+        others are lost). A cancellation requested meanwhile shows on the Job at once."""
         lease = get_settings().LEASE if lease is None else lease
         owned = self._own(sql.HEARTBEAT, jobs, lease=lease)
         for job in jobs:
             if owned.get(job.pk):
                 job.cancel_requested = True
         return set(owned)
+
+    def held(self, jobs: Sequence[Job]) -> set[UUID]:
+        """The ids of those of `jobs` whose claims their worker still holds."""
+        return set(self._own(sql.HELD, jobs))
 
     def reap(self, *, limit: int = 1000) -> tuple[int, int]:
         """Take back running jobs whose lease expired: to ready (after a backoff), or to failed
@@ -420,7 +425,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             "claims": [job.claims for job in jobs],
             "worker": _one_worker([job.worker for job in jobs]),
         }
-        return dict(rows.execute(self._write_db(), statement, params))
+        found = rows.execute(self._write_db(), statement, params)
+        return {row[0]: bool(row[1:] and row[1]) for row in found}
 
     def _write_db(self) -> str:
         return self._db or router.db_for_write(self.model)

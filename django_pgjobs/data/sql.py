@@ -180,14 +180,31 @@ SETTLE_AND_CLAIM = """
 # ---- a worker's own running jobs ----------------------------------------------------------
 
 # Extend the leases of a worker's jobs by %(lease)s seconds from now. Touches only unindexed
-# columns, so the update can be HOT. Returns whether a cancellation of each was requested.
+# columns, so the update can be HOT. A row locked elsewhere (an operator's open transaction, a
+# handler that locked its own job) is skipped, not waited for: the others' leases must not run
+# out behind it, and the next heartbeat tries it again. Returns whether a cancellation of each
+# renewed job was requested.
 HEARTBEAT = """
+    WITH renewable AS (
+        SELECT j.id FROM pgjobs_job AS j
+        JOIN unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
+          ON j.id = mine.id AND j.claims = mine.claims
+        WHERE j.status = 'running' AND j.worker = %(worker)s
+        FOR NO KEY UPDATE OF j SKIP LOCKED
+    )
     UPDATE pgjobs_job AS j
     SET leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
-    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
-    WHERE j.id = mine.id AND j.claims = mine.claims
-      AND j.status = 'running' AND j.worker = %(worker)s
+    FROM renewable
+    WHERE j.id = renewable.id
     RETURNING j.id, j.cancel_requested
+"""
+
+# Which of a worker's claims it still holds (a plain read: no lock, no wait).
+HELD = """
+    SELECT j.id FROM pgjobs_job AS j
+    JOIN unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
+      ON j.id = mine.id AND j.claims = mine.claims
+    WHERE j.status = 'running' AND j.worker = %(worker)s
 """
 
 # Back to ready without spending an attempt, or cancelled when someone asked to cancel the job

@@ -7,16 +7,13 @@ import logging
 import threading
 from collections.abc import Callable
 
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, connections
 
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.models import Job
+from django_pgjobs.runtime.locks import LockWaits
 
 logger = logging.getLogger(__name__)
-
-#: The longest a heartbeat waits for a row lock held elsewhere (an operator's open transaction,
-#: say) before it gives up for this round; the next round comes a third of a lease later.
-LOCK_TIMEOUT = "1s"
 
 
 class LeaseKeeper:
@@ -30,9 +27,11 @@ class LeaseKeeper:
         lease_of: Callable[[Job], float],
         default_lease: float,
         on_lost: Callable[[list[Job]], None],
+        lock_waits: LockWaits,
     ) -> None:
         self.jobs, self.claims, self.lease_of = jobs, claims, lease_of
         self.default_lease, self.on_lost = default_lease, on_lost
+        self.lock_waits = lock_waits
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="pgjobs-leases", daemon=True)
 
@@ -46,22 +45,22 @@ class LeaseKeeper:
         return min([self.default_lease, *map(self.lease_of, claims)]) / 3
 
     def renew(self, claims: list[Job]) -> None:
-        """One round: extend every lease in `claims`, by lease, without waiting on a lock for
-        more than LOCK_TIMEOUT."""
+        """One round: extend every lease in `claims` that is not locked elsewhere."""
         by_lease: dict[float, list[Job]] = {}
         for job in claims:
             by_lease.setdefault(self.lease_of(job), []).append(job)
         for lease, jobs in by_lease.items():
-            with transaction.atomic(using=self.jobs.db):
-                with connections[self.jobs.db].cursor() as cursor:
-                    cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-                owned = self.jobs.heartbeat(jobs, lease)
-            lost = [job for job in jobs if job.pk not in owned]
-            if lost:
-                self.on_lost(lost)
+            renewed = self.jobs.heartbeat(jobs, lease)
+            skipped = [job for job in jobs if job.pk not in renewed]
+            if skipped:  # locked elsewhere (renewed next time), or lost
+                held = self.jobs.held(skipped)
+                lost = [job for job in skipped if job.pk not in held]
+                if lost:
+                    self.on_lost(lost)
 
     def _keep(self) -> None:
         try:
+            self.lock_waits.limit_this_thread()
             while not self._stopped.wait(self.interval(self.claims())):
                 claims = self.claims()
                 if not claims:

@@ -47,6 +47,8 @@ class Outage:
             return (
                 f"the pgjobs tables are missing or out of date ({first}): run `manage.py migrate`"
             )
+        if "lock timeout" in first:
+            return f"a statement waited too long for a lock held elsewhere ({first})"
         if isinstance(error, OperationalError | InterfaceError):
             return f"cannot reach the database: {first}"
         return f"database error in the worker loop: {type(error).__name__}: {first}"

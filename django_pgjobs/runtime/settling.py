@@ -118,6 +118,8 @@ class Settler:
         except (OperationalError, InterfaceError):
             raise  # the connection: tried again after the reconnect
         except DatabaseError as error:
+            if not (succeeded or failed):
+                raise  # only a claim: nothing of a job's to blame (e.g. a missing table)
             logger.error(
                 "the database refused a batch of %d outcomes (%s); recording them one by one",
                 len(succeeded) + len(failed), str(error).strip().splitlines()[0],

@@ -24,6 +24,7 @@ from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import execute, listener, policy
 from django_pgjobs.runtime.chores import Chore, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.leases import LeaseKeeper
+from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.scheduler import Scheduler
 from django_pgjobs.runtime.settling import Settler
@@ -88,9 +89,11 @@ class Worker:
                 Ticker(Scheduler(self.db)),
             ]
         self._chores.append(Reporter(options.stats_interval, self._report))
+        self._lock_waits = LockWaits(self.db)
         self._leases = LeaseKeeper(
-            self.jobs, self.running_claims, self.lease_of, self.lease, self._lost
-        )
+            self.jobs, self.running_claims, self.lease_of, self.lease, self._lost,
+            self._lock_waits,
+        )  # fmt: skip
         self._threads: list[threading.Thread] = []
 
     # ---- control ---------------------------------------------------------------------------
@@ -116,6 +119,7 @@ class Worker:
             self.id, ",".join(options.queues), options.concurrency, options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
+        self._lock_waits.limit_this_thread()
         self._start_threads()
         outage = Outage()
         while True:
@@ -361,6 +365,7 @@ class Worker:
         except DatabaseError:
             self._log_stats(self.activity, seconds)
         connections.close_all()
+        self._lock_waits.stop()
         logger.info("worker %s stopped", self.id)
         return clean
 

@@ -123,25 +123,18 @@ def _atomic_block_undone(n: int) -> Callable[[State], None]:
     return check
 
 
-def xfail(item: int, what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 13 item {item}: {what}")
-
-
 CASES = [
     pytest.param(
         Case("raises_unprintable", dead_letter("tests.hostile.Unprintable")),
         id="an error whose str and repr raise is a dead letter naming its type",
-        marks=xfail(3, "execute.run raises when the error's __str__ raises"),
     ),
     pytest.param(
         Case("retries_never", put_off_or_dead_letter),
         id="Retry with an infinite delay is put off or a dead letter",
-        marks=xfail(1, "retry_later's interval out of range fails every turn; worker wedges"),
     ),
     pytest.param(
         Case("retries_in_1e17_seconds", put_off_or_dead_letter),
         id="Retry with a 1e17 second delay is put off or a dead letter",
-        marks=xfail(1, "retry_later's interval out of range fails every turn; worker wedges"),
     ),
     pytest.param(
         # Backoffs are documented to return seconds. A timedelta is either read as its seconds
@@ -149,17 +142,14 @@ CASES = [
         # refused with an error saying so; either way a dead letter, and the worker lives.
         Case("fails_with_timedelta_backoff", dead_letter()),
         id="a timedelta backoff ends in a dead letter",
-        marks=xfail(1, "float(timedelta) raises TypeError in the worker loop; process dies"),
     ),
     pytest.param(
         Case("fails_with_1e17_backoff", put_off_or_dead_letter),
         id="a 1e17 second backoff is put off or a dead letter",
-        marks=xfail(1, "the settle statement's interval is out of range every turn; wedges"),
     ),
     pytest.param(
         Case("fails_with_infinite_backoff", put_off_or_dead_letter),
         id="an infinite backoff is put off or a dead letter",
-        marks=xfail(1, "the settle statement's interval is out of range every turn; wedges"),
     ),
     pytest.param(
         # Plain @task handlers' return values are not kept, so nothing needs to be JSON.
@@ -284,7 +274,6 @@ def test_a_handler_waiting_on_a_row_lock_does_not_stop_its_worker_heartbeating_t
     assert not running()
 
 
-@xfail(5, "a heartbeat waits for the lock on one job's row; the others' leases run out")
 def test_a_handler_locking_its_own_job_row_does_not_stop_its_worker_heartbeating_the_others(
     start_worker,
 ):

@@ -35,10 +35,6 @@ SLACK = 5.0
 GIVE_UP = 10.0
 
 
-def xfail(item: int, what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 13 item {item}: {what}")
-
-
 class Proxy:
     """A TCP proxy on a free loopback port in front of the test database; cut() takes the
     database away: the listening socket and every connection through it are closed."""
@@ -156,7 +152,6 @@ def has_run(n: int) -> Callable[[], bool]:
     return lambda: Execution.objects.filter(n=n).exists()
 
 
-@xfail(2, "the worker loop retries the database forever and never looks at the SIGTERM")
 def test_sigterm_stops_a_worker_whose_database_went_away_within_its_grace(
     proxy: Proxy, start_runjobs
 ):
@@ -172,7 +167,6 @@ def test_sigterm_stops_a_worker_whose_database_went_away_within_its_grace(
     assert exit_code(worker, GRACE + SLACK) not in (0, -signal.SIGTERM)
 
 
-@xfail(2, "the worker loop retries the database forever and never looks at the SIGTERM")
 def test_sigterm_stops_a_worker_started_while_its_database_is_unreachable(start_runjobs):
     worker = start_runjobs("--grace", str(GRACE), env={"DATABASE_URL": unreachable_url()})
     wait_until(lambda: worker.started() or not worker.alive(), timeout=20)
@@ -183,7 +177,6 @@ def test_sigterm_stops_a_worker_started_while_its_database_is_unreachable(start_
     assert exit_code(worker, GRACE + SLACK) >= 0
 
 
-@xfail(2, "--once retries an unreachable database forever, a traceback every turn")
 def test_runjobs_once_against_an_unreachable_database_exits_non_zero_with_one_clear_line(
     start_runjobs,
 ):
@@ -209,7 +202,6 @@ def unmigrated_database() -> Iterator[str]:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@xfail(2, "--once retries a missing table forever and never says to migrate")
 def test_runjobs_once_against_an_unmigrated_database_exits_non_zero_saying_to_migrate(
     unmigrated_database: str, start_runjobs
 ):

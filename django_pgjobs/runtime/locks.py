@@ -1,0 +1,51 @@
+"""No statement of the worker's own waits long on a lock held elsewhere: the connections of its
+main thread and lease keeper get a lock_timeout (handlers' connections are left alone)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from django.db import connections
+from django.db.backends.signals import connection_created
+
+#: The longest one of the worker's statements waits for a lock; past it the statement fails and
+#: the worker tries again later, instead of stalling behind, say, an operator's open transaction.
+LOCK_TIMEOUT = "5s"
+
+
+class LockWaits:
+    """Gives the worker's own threads' connections to `db` a lock_timeout, on every (re)connect.
+
+    Not behind a transaction-mode pooler (DISABLE_SERVER_SIDE_CURSORS): a session setting would
+    leak to other clients of the pooled server connection. There, set it for the worker's role
+    (``ALTER ROLE worker SET lock_timeout = '5s'``; see docs/howto/pgbouncer.md).
+    """
+
+    def __init__(self, db: str) -> None:
+        self.db = db
+        self._threads: set[int] = set()
+        self.enabled = not connections[db].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
+
+    def limit_this_thread(self) -> None:
+        if not self.enabled:
+            return
+        if not self._threads:
+            connection_created.connect(self._on_connect, weak=False)
+        self._threads.add(threading.get_ident())
+        connection = connections[self.db]
+        if connection.connection is not None:
+            self._set(connection)
+
+    def stop(self) -> None:
+        connection_created.disconnect(self._on_connect)
+        self._threads.clear()
+
+    def _on_connect(self, sender: Any, connection: Any, **kwargs: Any) -> None:
+        if connection.alias == self.db and threading.get_ident() in self._threads:
+            self._set(connection)
+
+    @staticmethod
+    def _set(connection: Any) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('lock_timeout', %s, false)", [LOCK_TIMEOUT])
