@@ -22,9 +22,9 @@ from django.urls import path, reverse
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from django_pgjobs import report as reports
 from django_pgjobs.models import Queue
-from django_pgjobs.stats import WINDOWS
+from django_pgjobs.observability import report as reports
+from django_pgjobs.observability.stats import WINDOWS
 
 if TYPE_CHECKING:
     ModelAdmin = admin.ModelAdmin[Queue]

@@ -105,7 +105,7 @@ def _health(value: Any) -> list[str]:
 
 @register(Tags.compatibility)
 def check_health_keys(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    from django_pgjobs.health import THRESHOLD_NAMES
+    from django_pgjobs.observability.health import THRESHOLD_NAMES
 
     health: Any = get_settings().HEALTH
     if not isinstance(health, Mapping):
@@ -225,7 +225,8 @@ def check_served_queues(
 ) -> list[CheckMessage]:
     """Registered tasks whose queue no running worker serves, judged from the workers'
     QueueStat rows; silent when no worker runs at all (a build machine, say)."""
-    from django_pgjobs import registry, stats
+    from django_pgjobs import registry
+    from django_pgjobs.observability import stats
 
     alias = _alias()
     if databases is None or alias not in databases:

@@ -22,8 +22,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from django_pgjobs import report as reports
 from django_pgjobs import signals
+from django_pgjobs.observability import report as reports
 
 #: Handler durations from 5 ms to 15 minutes.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)

@@ -25,12 +25,12 @@ from django.db import (
 from django.db.models.functions import Now
 
 from django_pgjobs import execute, notify, periodic, registry, signals
-from django_pgjobs.activity import Activity
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.execute import Outcome, Result
 from django_pgjobs.manager import FailedAttempt, Failure
 from django_pgjobs.models import Job, Queue, QueueStat
+from django_pgjobs.observability.activity import Activity
 
 logger = logging.getLogger(__name__)
 

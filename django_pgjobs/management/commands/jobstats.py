@@ -9,9 +9,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from django_pgjobs import report as reports
-from django_pgjobs.report import Report
-from django_pgjobs.stats import WINDOWS
+from django_pgjobs.observability import report as reports
+from django_pgjobs.observability.report import Report
+from django_pgjobs.observability.stats import WINDOWS
 
 CLEAR = "\x1b[H\x1b[2J"
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from django_pgjobs.conf import get_settings
 
 if TYPE_CHECKING:
-    from django_pgjobs.report import Report
+    from django_pgjobs.observability.report import Report
 
 #: Where the reasons are explained.
 DOC = "docs/howto/monitoring.md"

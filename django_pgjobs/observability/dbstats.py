@@ -9,7 +9,7 @@ from datetime import datetime
 
 from django.db import connections
 
-from django_pgjobs.stats import job_database
+from django_pgjobs.observability.stats import job_database
 
 
 @dataclass(frozen=True)

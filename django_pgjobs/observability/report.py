@@ -9,7 +9,7 @@ from typing import Any
 
 from django.db import connections
 
-from django_pgjobs import dbstats, health, stats
+from django_pgjobs.observability import dbstats, health, stats
 
 
 @dataclass(frozen=True)
