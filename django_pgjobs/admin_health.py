@@ -24,7 +24,6 @@ from django.utils.translation import gettext_lazy, ngettext
 
 from django_pgjobs.models import Queue
 from django_pgjobs.observability import report as reports
-from django_pgjobs.observability.stats import WINDOWS
 
 if TYPE_CHECKING:
     ModelAdmin = admin.ModelAdmin[Queue]
@@ -104,21 +103,14 @@ class QueueAdmin(ModelAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         report = reports.collect()
-        data = reports.as_dict(report)
-        activity = [
-            {"queue": q["queue"], "window": f"{window // 60}m", **figures}
-            for q in data["queues"]
-            for window in WINDOWS
-            if (figures := q["windows"][f"{window}s"]) is not None
-        ]
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
             "title": _("Health report"),
             "report": report,
-            "data": data,
-            "activity": activity,
-            "alive": [w for w in report.workers if w.alive],
-            "silent": [w for w in report.workers if not w.alive],
+            "data": reports.as_dict(report),
+            "activity": reports.activity_rows(report),
+            "alive": report.alive,
+            "silent": report.silent,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from django_pgjobs import signals
 from django_pgjobs.observability import report as reports
+from django_pgjobs.observability.stats import window_label
 
 #: Handler durations from 5 ms to 15 minutes.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
@@ -112,7 +113,7 @@ def families(report: reports.Report) -> list[Metric]:
         "pgjobs_claim_latency_seconds", "Claim latency quantile.", [*window, "quantile"]
     )
     for a in report.activity:
-        labels = [a.queue, f"{a.window // 60}m"]
+        labels = [a.queue, window_label(a.window)]
         throughput.add_metric(labels, a.throughput)
         retry_rate.add_metric(labels, a.retry_rate)
         for quantile in (0.5, 0.95):

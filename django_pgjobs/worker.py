@@ -30,7 +30,7 @@ from django_pgjobs.errors import UnknownTask
 from django_pgjobs.execute import Outcome, Result
 from django_pgjobs.manager import FailedAttempt, Failure
 from django_pgjobs.models import Job, Queue, QueueStat
-from django_pgjobs.observability.activity import Activity
+from django_pgjobs.observability.activity import ActivityTally as Activity
 
 logger = logging.getLogger(__name__)
 

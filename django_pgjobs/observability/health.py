@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from enum import IntEnum
-from typing import TYPE_CHECKING
 
 from django_pgjobs.conf import get_settings
-
-if TYPE_CHECKING:
-    from django_pgjobs.observability.report import Report
+from django_pgjobs.observability.figures import Figures
+from django_pgjobs.observability.stats import served_queues
 
 #: Where the reasons are explained.
 DOC = "docs/howto/monitoring.md"
@@ -104,7 +102,7 @@ def _reason(code: str, level: Level, summary: str, detail: str, *limits: str) ->
     return Reason(code, level, summary, detail, used, f"{DOC}#{code.replace('_', '-')}")
 
 
-def judge(report: Report, previous: Report | None = None) -> Verdict:
+def judge(report: Figures, previous: Figures | None = None) -> Verdict:
     """The reasons the figures of `report` are not healthy (none: healthy). With the previous
     sample of a --watch, a backlog's details say how it moved since."""
     limits = thresholds()
@@ -129,8 +127,8 @@ def judge(report: Report, previous: Report | None = None) -> Verdict:
     return Verdict(reasons)
 
 
-def _behind(report: Report, previous: Report | None, limits: Thresholds) -> list[Reason]:
-    served = {queue for worker in report.workers if worker.alive for queue in worker.queues}
+def _behind(report: Figures, previous: Figures | None, limits: Thresholds) -> list[Reason]:
+    served = served_queues(report.workers)
     before = {q.queue: q for q in previous.queues} if previous else {}
     reasons = []
     for q in report.queues:
@@ -169,7 +167,7 @@ def _behind(report: Report, previous: Report | None, limits: Thresholds) -> list
     return reasons
 
 
-def _retry_storms(report: Report, limits: Thresholds) -> list[Reason]:
+def _retry_storms(report: Figures, limits: Thresholds) -> list[Reason]:
     return [
         _reason(
             "retry_storm",
@@ -186,7 +184,7 @@ def _retry_storms(report: Report, limits: Thresholds) -> list[Reason]:
     ]
 
 
-def _vacuum(report: Report, limits: Thresholds) -> list[Reason]:
+def _vacuum(report: Figures, limits: Thresholds) -> list[Reason]:
     db, table = report.database, report.table
     held = max(db.oldest_snapshot_seconds, db.oldest_prepared_seconds)
     if held >= limits.SNAPSHOT_SECONDS:
@@ -223,7 +221,7 @@ def _vacuum(report: Report, limits: Thresholds) -> list[Reason]:
     return []
 
 
-def _database(report: Report, limits: Thresholds) -> list[Reason]:
+def _database(report: Figures, limits: Thresholds) -> list[Reason]:
     db, reasons = report.database, []
     if db.connections_ratio >= limits.CONNECTIONS_RATIO:
         reasons.append(

@@ -1,53 +1,42 @@
-"""The health report: every figure of stats and dbstats at one moment, and the verdict on them.
-`jobstats`, the admin's report page and the Prometheus collector all show this one report."""
+"""The health report: the figures at one moment and the verdict on them.
+
+`jobstats`, the admin's report page and the Prometheus collector all show this one report.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from django.db import connections
-
-from django_pgjobs.observability import dbstats, health, stats
+from django_pgjobs.observability import health
+from django_pgjobs.observability.figures import Figures, measure
+from django_pgjobs.observability.stats import WINDOWS, QueueActivity, window_label
 
 
 @dataclass(frozen=True)
-class Report:
-    at: datetime  # the database's clock when the report was taken
-    queues: list[stats.QueueStats]
-    activity: list[stats.Activity]
-    workers: list[stats.WorkerStats]
-    table: dbstats.TableStats
-    database: dbstats.DatabaseStats
+class Report(Figures):
     verdict: health.Verdict = field(default_factory=lambda: health.Verdict([]))
-
-    def activity_of(self, queue: str, window: int) -> stats.Activity | None:
-        return next((a for a in self.activity if a.queue == queue and a.window == window), None)
-
-    def serving(self, queue: str) -> list[str]:
-        """The live workers that take jobs from `queue`."""
-        return [w.worker for w in self.workers if w.alive and queue in w.queues]
 
 
 def collect(db: str | None = None, previous: Report | None = None) -> Report:
     """Take the report (a dozen cheap queries) and judge it; `previous` is the last sample of a
     --watch, which lets the verdict say how a backlog moved."""
-    db = stats.job_database(db)
-    with connections[db].cursor() as cursor:
-        cursor.execute("SELECT now()")
-        (now,) = cursor.fetchone()
-    activity, workers = stats.activity_stats(db), stats.worker_stats(db)
-    seen = {a.queue for a in activity} | {queue for w in workers for queue in w.queues}
-    report = Report(
-        at=now,
-        queues=stats.queue_stats(db, also=seen),
-        activity=activity,
-        workers=workers,
-        table=dbstats.table_stats(db),
-        database=dbstats.database_stats(db),
-    )
-    return replace(report, verdict=health.judge(report, previous))
+    figures = measure(db)
+    return Report(**vars(figures), verdict=health.judge(figures, previous))
+
+
+def activity_figures(activity: QueueActivity) -> dict[str, Any]:
+    """What the report shows of a queue's activity over one window."""
+    return {
+        "claimed": activity.claimed,
+        "succeeded": activity.succeeded,
+        "retried": activity.retried,
+        "failed": activity.failed,
+        "throughput": activity.throughput,
+        "retry_rate": activity.retry_rate,
+        "latency_p50": activity.latency(0.5),
+        "latency_p95": activity.latency(0.95),
+    }
 
 
 def as_dict(report: Report) -> dict[str, Any]:
@@ -55,18 +44,9 @@ def as_dict(report: Report) -> dict[str, Any]:
     queues = []
     for q in report.queues:
         windows = {}
-        for window in stats.WINDOWS:
+        for window in WINDOWS:
             a = report.activity_of(q.queue, window)
-            windows[f"{window}s"] = None if a is None else {
-                "claimed": a.claimed,
-                "succeeded": a.succeeded,
-                "retried": a.retried,
-                "failed": a.failed,
-                "throughput": a.throughput,
-                "retry_rate": a.retry_rate,
-                "latency_p50": a.latency(0.5),
-                "latency_p95": a.latency(0.95),
-            }  # fmt: skip
+            windows[f"{window}s"] = None if a is None else activity_figures(a)
         queues.append({**asdict(q), "workers": len(report.serving(q.queue)), "windows": windows})
     return {
         "at": report.at,
@@ -80,3 +60,11 @@ def as_dict(report: Report) -> dict[str, Any]:
             "connections_ratio": report.database.connections_ratio,
         },
     }
+
+
+def activity_rows(report: Report) -> list[dict[str, Any]]:
+    """One row per queue and window with its activity, as the report page's table lists it."""
+    return [
+        {"queue": a.queue, "window": window_label(a.window), **activity_figures(a)}
+        for a in report.activity
+    ]
