@@ -3,6 +3,9 @@
 Two kinds: each worker's own job outcomes and handler durations, counted from the lifecycle
 signals (`runjobs --metrics-port` serves them); and the health report's figures, one set for the
 whole database, from `ReportCollector` (`report_view` serves them).
+
+An integration module, so it stays at the top of the package like backend.py and testing.py:
+projects import it by this path (`report_view` in their urls.py, `connect()` in an AppConfig).
 """
 
 from __future__ import annotations

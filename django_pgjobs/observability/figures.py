@@ -16,6 +16,8 @@ from django_pgjobs.observability import dbstats, stats
 
 @dataclass(frozen=True)
 class Figures:
+    """The queues, their recent activity, the workers, the job table and the database."""
+
     at: datetime  # the database's clock when the figures were taken
     queues: list[stats.QueueDepth]
     activity: list[stats.QueueActivity]

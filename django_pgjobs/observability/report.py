@@ -15,6 +15,9 @@ from django_pgjobs.observability.stats import WINDOWS, QueueActivity, window_lab
 
 @dataclass(frozen=True)
 class Report(Figures):
+    """The figures (queues, activity, workers, table, database, taken `at` the database's
+    clock) and the verdict on them."""
+
     verdict: health.Verdict = field(default_factory=lambda: health.Verdict([]))
 
 

@@ -14,7 +14,10 @@ from typing import Any
 
 from django.db import connections, router
 
-from django_pgjobs.models import LATENCY_BUCKETS, Job, Queue
+# The models are imported inside the three functions that need them, not here, for a reason that
+# is not a cycle: this module, and the figures, health, report and metrics modules built on it,
+# import before Django's app registry is ready (from a project's settings or AppConfig module),
+# as they always have; importing django_pgjobs.models at that point raises AppRegistryNotReady.
 
 #: The windows (seconds) over which worker activity is summed: 1, 5 and 15 minutes.
 WINDOWS = (60, 300, 900)
@@ -95,6 +98,8 @@ def latency_quantile(buckets: list[int], quantile: float) -> float | None:
     """Estimate a quantile of the claim latency from histogram counts, as Prometheus's
     histogram_quantile does: linear within the bucket it falls in. Claims above the last bound
     are reported as that bound. None when nothing was claimed."""
+    from django_pgjobs.models import LATENCY_BUCKETS  # not at the top: see the imports
+
     total = sum(buckets)
     if not total:
         return None
@@ -108,6 +113,8 @@ def latency_quantile(buckets: list[int], quantile: float) -> float | None:
 
 def job_database(db: str | None = None) -> str:
     """`db`, or the database the job table is written to."""
+    from django_pgjobs.models import Job  # not at the top: see the imports
+
     return db or router.db_for_write(Job)
 
 
@@ -138,6 +145,8 @@ QUEUES_SQL = """
 def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueDepth]:
     """Every queue that has live or failed jobs or a Queue row (its controls), and those named
     in `also` (queues that workers serve or recently worked on)."""
+    from django_pgjobs.models import Queue  # not at the top: see the imports
+
     db = job_database(db)
     with connections[db].cursor() as cursor:
         cursor.execute(QUEUES_SQL)
