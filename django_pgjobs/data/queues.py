@@ -8,7 +8,7 @@ from django.core.exceptions import EmptyResultSet
 from django.db import connections, models
 
 if TYPE_CHECKING:
-    from django_pgjobs.models import Queue
+    from django_pgjobs.models import Queue  # noqa: F401  (named in QuerySet["Queue"] below)
 
 
 class QueueQuerySet(models.QuerySet["Queue"]):

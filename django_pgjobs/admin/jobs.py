@@ -1,54 +1,45 @@
-"""The admin: jobs, dead letters, their error history, and audited replay, run now, cancel, delete.
+"""The admin's Jobs and Dead letters: lists that never count the whole table, the detail page.
 
-Actions change jobs only through JobQuerySet transitions and record every job they changed in
-Django's admin log. Everything shown from job data is escaped. Nothing here runs an exact
-COUNT(*) over the table on a page load.
+Both are read-only views of the job table; jobs change only through the actions (actions.py),
+each gated by a permission and recorded in Django's admin log. Everything shown from job data is
+escaped. Nothing here runs an exact COUNT(*) over the table on a page load.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
-from django import forms
-from django.contrib import admin, messages
-from django.contrib.admin import helpers
-from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.contrib import admin
 from django.contrib.admin.options import IS_POPUP_VAR
 from django.contrib.admin.views.main import PAGE_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import CharField, Count, F, Func, Q, QuerySet, Value
 from django.db.models.functions import Left
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.loader import render_to_string
-from django.template.response import TemplateResponse
 from django.urls import path, reverse
-from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.text import Truncator
-from django.utils.translation import gettext as _
-from django.utils.translation import gettext_lazy, ngettext
+from django.utils.translation import gettext_lazy
 
-# admin_health and admin_periodic register the Queue and Schedule admins when imported.
-from django_pgjobs import admin_health, admin_periodic, registry  # noqa: F401
+from django_pgjobs import registry
+from django_pgjobs.admin.actions import ACTIONS, DELETE, REPLAY, changelist_url, perform
 from django_pgjobs.conf import get_settings
-from django_pgjobs.errors import EnqueueError, UnknownTask
+from django_pgjobs.errors import UnknownTask
 from django_pgjobs.manager import JobQuerySet
 from django_pgjobs.models import DeadLetter, Job
 from django_pgjobs.status import Status
-from django_pgjobs.validation import check_queue
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
 
 #: Up to this many rows a changelist counts exactly; beyond, it shows the planner's estimate.
 EXACT_COUNT_LIMIT = 10_000
-#: Jobs changed and logged per statement by a bulk action.
-ACTION_BATCH = 1000
-#: What the admin log's description of a job (str(job)) reads.
-LOGGED = ("id", "task", "status")
 
 # The part of `last_error` ("Type: message") before the first colon.
 ERROR_TYPE = Func(
@@ -136,22 +127,6 @@ class ErrorTypeFilter(admin.SimpleListFilter):
         )
 
 
-class ReplayForm(forms.Form):
-    queue = forms.CharField(
-        label=gettext_lazy("Into queue"),
-        required=False,
-        max_length=100,
-        help_text=gettext_lazy("Leave empty to replay each job into its own queue."),
-    )
-
-    def clean_queue(self) -> str | None:
-        queue: str = self.cleaned_data["queue"].strip()
-        try:
-            return check_queue(queue) if queue else None
-        except EnqueueError as error:
-            raise ValidationError(str(error)) from None
-
-
 if TYPE_CHECKING:
     ModelAdmin = admin.ModelAdmin[Job]
 else:
@@ -167,7 +142,8 @@ class BaseJobAdmin(ModelAdmin):
     sortable_by = ()  # newest first; other orders would sort the whole table
     ordering = ("-id",)
     list_display_links = ("short_id",)
-    actions = ["replay", "run_now", "cancel", "delete_jobs"]
+    # Each defined once in actions.ACTIONS; the has_<permission>_permission methods gate them.
+    actions = [action.admin_action() for action in ACTIONS]
     fieldsets = [
         (None, {"fields": ["id", "task", "queue", "status", "priority", "attempts_display"]}),
         (gettext_lazy("Times"), {"fields": ["run_at", "created_at", "started_at", "finished_at"]}),
@@ -283,141 +259,21 @@ class BaseJobAdmin(ModelAdmin):
         context = {**(extra_context or {}), "job_actions": self.job_actions(request, job)}
         return super().change_view(request, object_id, form_url, context)
 
-    def job_actions(self, request: HttpRequest, job: Job | None) -> list[tuple[str, str]]:
+    def job_actions(self, request: HttpRequest, job: Job | None) -> list[tuple[str, StrOrPromise]]:
         """The actions the detail page offers for this job: permitted and applicable."""
         if job is None:
             return []
-        applicable = {
-            "replay": job.status in (Status.FAILED, Status.CANCELLED),
-            "run_now": job.status == Status.READY and job.run_at > timezone.now(),
-            "cancel": job.status == Status.READY
-            or (job.status == Status.RUNNING and not job.cancel_requested),
-        }
-        labels = {"replay": _("Replay…"), "run_now": _("Run now…"), "cancel": _("Cancel…")}
-        actions = self.get_actions(request)
-        return [(name, labels[name]) for name, ok in applicable.items() if ok and name in actions]
+        offered = self.get_actions(request)
+        return [
+            (action.name, action.button)
+            for action in ACTIONS
+            if action.button and action.name in offered and action.applies(job)
+        ]
 
-    # ---- actions: each calls one JobQuerySet transition -------------------------------------
-
-    @admin.action(description=gettext_lazy("Replay selected jobs…"), permissions=["replay"])
-    def replay(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
-        form = ReplayForm(request.POST if "post" in request.POST else None)
-        if not form.is_valid():
-            return self.confirm(request, queryset, _("Replay"), form)
-        queue = form.cleaned_data["queue"]
-        note = _("Replayed into queue %s.") % queue if queue else _("Replayed.")
-        changed, seen = self.apply(request, queryset, lambda q: q.replay(queue=queue), CHANGE, note)
-        self.report(
-            request,
-            ngettext("%d job replayed.", "%d jobs replayed.", changed) % changed,
-            seen - changed,
-            _("only failed or cancelled jobs are replayed"),
-        )
-        return None
-
-    @admin.action(description=gettext_lazy("Run selected jobs now…"), permissions=["run_now"])
-    def run_now(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
-        if "post" not in request.POST:
-            return self.confirm(request, queryset, _("Run now"))
-        changed, seen = self.apply(request, queryset, JobQuerySet.run_now, CHANGE, _("Run now."))
-        self.report(
-            request,
-            ngettext("%d job made due now.", "%d jobs made due now.", changed) % changed,
-            seen - changed,
-            _("only ready jobs scheduled for later are moved"),
-        )
-        return None
-
-    @admin.action(description=gettext_lazy("Cancel selected jobs…"), permissions=["cancel"])
-    def cancel(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
-        if "post" not in request.POST:
-            return self.confirm(request, queryset, _("Cancel"))
-        changed, seen = self.apply(request, queryset, JobQuerySet.cancel, CHANGE, _("Cancelled."))
-        self.report(
-            request,
-            ngettext(
-                "%d job cancelled (a running one stops if its handler checks, else finishes).",
-                "%d jobs cancelled (running ones stop if their handler checks, else finish).",
-                changed,
-            )
-            % changed,
-            seen - changed,
-            _("only ready and running jobs are cancelled"),
-        )
-        return None
-
-    @admin.action(description=gettext_lazy("Delete selected jobs…"), permissions=["delete"])
-    def delete_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
-        if "post" not in request.POST:
-            return self.confirm(request, queryset, _("Delete"))
-        changed, _seen = self.apply(request, queryset, JobQuerySet.discard, DELETION, _("Deleted."))
-        self.report(request, ngettext("%d job deleted.", "%d jobs deleted.", changed) % changed)
-        return None
-
-    def apply(
-        self,
-        request: HttpRequest,
-        queryset: QuerySet[Job],
-        transition: Callable[[JobQuerySet], list[UUID]],
-        flag: int,
-        message: str,
-    ) -> tuple[int, int]:
-        """Run `transition` over the selection, ACTION_BATCH jobs per statement, and log each
-        job it changed (the transition returns their ids). Returns (changed, selected)."""
-        user_id = request.user.pk
-        assert user_id is not None  # the admin lets no anonymous user this far
-        ids = queryset.order_by("pk").values_list("pk", flat=True)
-        changed = seen = 0
-        last: UUID | None = None
-        while batch := list((ids if last is None else ids.filter(pk__gt=last))[:ACTION_BATCH]):
-            # Read before the change, to name the jobs in the log even after a delete.
-            described = {job.pk: job for job in Job.objects.filter(pk__in=batch).only(*LOGGED)}
-            done = transition(Job.objects.filter(pk__in=batch))
-            if done:
-                LogEntry.objects.log_actions(user_id, [described[pk] for pk in done], flag, message)
-            changed, seen, last = changed + len(done), seen + len(batch), batch[-1]
-        return changed, seen
-
-    def confirm(
-        self,
-        request: HttpRequest,
-        queryset: QuerySet[Job],
-        verb: str,
-        form: forms.Form | None = None,
-    ) -> TemplateResponse:
-        """The intermediate page of a bulk action: what it does, to how many jobs."""
-        action = request.POST.get("action", "")
-        context = {
-            **self.admin_site.each_context(request),
-            "opts": self.opts,
-            "title": _("%s jobs?") % verb,
-            "verb": verb,
-            "count": queryset.count(),
-            "sample": list(queryset[:10]),
-            "form": form,
-            "action": action,
-            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
-            "select_across": request.POST.get("select_across") == "1",
-            "cancel_url": self.changelist_url(request),
-        }
-        return TemplateResponse(request, "admin/pgjobs/confirm_action.html", context)
+    # ---- replay everything matching the current filter ---------------------------------------
 
     def url_name(self, view: str) -> str:
         return f"admin:{self.opts.app_label}_{self.opts.model_name}_{view}"
-
-    def changelist_url(self, request: HttpRequest) -> str:
-        """The changelist, filtered as in this request."""
-        query = request.GET.copy()
-        query.pop(PAGE_VAR, None)
-        changelist = reverse(self.url_name("changelist"))
-        return f"{changelist}?{query.urlencode()}" if query else changelist
-
-    def report(self, request: HttpRequest, done: str, skipped: int = 0, why: str = "") -> None:
-        if skipped:
-            done += " " + ngettext("%d skipped: %s.", "%d skipped: %s.", skipped) % (skipped, why)
-        self.message_user(request, done, messages.WARNING if skipped else messages.SUCCESS)
-
-    # ---- replay everything matching the current filter ---------------------------------------
 
     def get_urls(self) -> list[Any]:
         name = f"{self.opts.app_label}_{self.opts.model_name}_replay_matching"
@@ -429,8 +285,8 @@ class BaseJobAdmin(ModelAdmin):
         if not (self.has_view_permission(request) and self.has_replay_permission(request)):
             raise PermissionDenied
         cl = self.get_changelist_instance(request)
-        response = self.replay(request, cl.get_queryset(request))
-        return response or HttpResponseRedirect(self.changelist_url(request))
+        response = perform(self, request, cl.get_queryset(request), REPLAY)
+        return response or HttpResponseRedirect(changelist_url(self, request))
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -453,7 +309,6 @@ class BaseJobAdmin(ModelAdmin):
         return request.GET.get("status__exact") in (Status.FAILED, Status.CANCELLED)
 
 
-@admin.register(Job)
 class JobAdmin(BaseJobAdmin):
     list_display = [
         "short_id", "task", "queue", "status", "priority", "attempts_display", "run_at",
@@ -461,12 +316,11 @@ class JobAdmin(BaseJobAdmin):
     ]  # fmt: skip
 
 
-@admin.register(DeadLetter)
 class DeadLetterAdmin(BaseJobAdmin):
     list_display = [
         "short_id", "task", "queue", "attempts_display", "finished_at", "final_error",
     ]  # fmt: skip
-    actions = ["replay", "delete_jobs"]
+    actions = [REPLAY.admin_action(), DELETE.admin_action()]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
         queryset = super().get_queryset(request)
