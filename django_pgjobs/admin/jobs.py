@@ -1,14 +1,13 @@
-"""The admin's Jobs and Dead letters: lists that never count the whole table, the detail page.
+"""The admin's Jobs and Dead letters: their lists, search, detail page and actions offered.
 
 Both are read-only views of the job table; jobs change only through the actions (actions.py),
 each gated by a permission and recorded in Django's admin log. Everything shown from job data is
-escaped. Nothing here runs an exact COUNT(*) over the table on a page load.
+escaped. Nothing here runs an exact COUNT(*) over the table on a page load (lists.py).
 """
 
 from __future__ import annotations
 
 import json
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -17,9 +16,7 @@ from django.contrib.admin.options import IS_POPUP_VAR
 from django.contrib.admin.views.main import PAGE_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
-from django.core.paginator import Paginator
-from django.db.models import CharField, Count, F, Func, Q, QuerySet, Value
-from django.db.models.functions import Left
+from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.loader import render_to_string
 from django.urls import path, reverse
@@ -29,105 +26,22 @@ from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry
 from django_pgjobs.admin.actions import ACTIONS, DELETE, REPLAY, changelist_url, perform
-from django_pgjobs.conf import get_settings
+from django_pgjobs.admin.lists import (
+    ERROR_TYPE,
+    ErrorTypeFilter,
+    EstimatedCountPaginator,
+    JobChangeList,
+    QueueFilter,
+    TaskFilter,
+)
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.manager import JobQuerySet
-from django_pgjobs.models import DeadLetter, Job
+from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
 
-#: Up to this many rows a changelist counts exactly; beyond, it shows the planner's estimate.
-EXACT_COUNT_LIMIT = 10_000
-
-# The part of `last_error` ("Type: message") before the first colon.
-ERROR_TYPE = Func(
-    F("last_error"), Value(":"), Value(1), function="split_part", output_field=CharField()
-)
-
-
-class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
-    """Counts exactly up to EXACT_COUNT_LIMIT rows and asks the planner beyond, so a changelist
-    over millions of jobs never runs an exact COUNT(*). `estimated` says which it did."""
-
-    estimated = False
-
-    @cached_property
-    def count(self) -> int:
-        queryset = self.object_list
-        assert isinstance(queryset, QuerySet)
-        # Unordered, so PostgreSQL may stop at the first EXACT_COUNT_LIMIT + 1 rows it finds.
-        capped = queryset.order_by()[: EXACT_COUNT_LIMIT + 1].count()
-        if capped <= EXACT_COUNT_LIMIT:
-            return capped
-        self.estimated = True
-        plan = queryset.explain(format="json")
-        return max(int(json.loads(plan)[0]["Plan"]["Plan Rows"]), capped)
-
-
-class JobChangeList(ChangeList):
-    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
-        # The list never shows the payload or the history; it shows the head of the last error.
-        queryset: QuerySet[Any] = super().get_queryset(request, exclude_parameters)
-        lean: QuerySet[Any] = queryset.defer("payload", "errors", "last_error").annotate(
-            error_head=Left("last_error", 300)
-        )
-        return lean
-
-
-class RegisteredValueFilter(admin.SimpleListFilter):
-    """Offers the values the task registry knows, plus any value given in the URL. (Listing the
-    distinct values in the table would read every row on every page load.)"""
-
-    def known(self) -> set[str]:
-        raise NotImplementedError
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        values = self.known() | ({self.value()} if self.value() else set())
-        return [(value, value) for value in sorted(v for v in values if v)]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value() is None:
-            return queryset
-        return queryset.filter(**{str(self.parameter_name): self.value()})
-
-
-class TaskFilter(RegisteredValueFilter):
-    title = gettext_lazy("task")
-    parameter_name = "task"
-
-    def known(self) -> set[str]:
-        return set(registry.all_tasks())
-
-
-class QueueFilter(RegisteredValueFilter):
-    title = gettext_lazy("queue")
-    parameter_name = "queue"
-
-    def known(self) -> set[str]:
-        queues = {task.queue for task in registry.all_tasks().values() if task.queue}
-        return queues | {get_settings().DEFAULT_QUEUE}
-
-
-class ErrorTypeFilter(admin.SimpleListFilter):
-    title = gettext_lazy("error type")
-    parameter_name = "error_type"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        types = DeadLetter.objects.dead().annotate(error_type=ERROR_TYPE)
-        names = types.values_list("error_type", flat=True).distinct().order_by("error_type")
-        return [(name, name) for name in names[:50] if name]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value() is None:
-            return queryset
-        return queryset.filter(
-            Q(last_error=self.value()) | Q(last_error__startswith=f"{self.value()}:")
-        )
-
-
-if TYPE_CHECKING:
     ModelAdmin = admin.ModelAdmin[Job]
 else:
     ModelAdmin = admin.ModelAdmin  # generic only in the type stubs

@@ -17,7 +17,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from django_pgjobs.admin import actions as admin_actions
-from django_pgjobs.admin import jobs as admin_jobs
+from django_pgjobs.admin import lists as admin_lists
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
@@ -142,7 +142,7 @@ def test_the_changelist_makes_the_same_queries_for_2_jobs_as_for_20(admin_client
 
 
 def test_past_the_exact_count_limit_the_changelist_shows_an_estimate(admin_client, monkeypatch):
-    monkeypatch.setattr(admin_jobs, "EXACT_COUNT_LIMIT", 3)
+    monkeypatch.setattr(admin_lists, "EXACT_COUNT_LIMIT", 3)
     JobFactory.create_batch(5)
     response = admin_client.get(JOBS)
     assert response.context["cl"].paginator.estimated is True
