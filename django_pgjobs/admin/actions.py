@@ -175,7 +175,7 @@ def perform(
     if not confirmed or (form is not None and not form.is_valid()):
         return confirm(model_admin, request, queryset, action.verb, form)
     options = form.cleaned_data if form is not None else {}
-    logged = form.change_message(str(action.logged)) if form else str(action.logged)
+    logged = str(action.logged) if form is None else form.change_message(str(action.logged))
     changed, seen = apply(
         request,
         queryset,
@@ -213,8 +213,9 @@ def apply(
     last: Any = None
     while batch := list((ids if last is None else ids.filter(pk__gt=last))[:ACTION_BATCH]):
         selected = rows.filter(pk__in=batch)
+        # One transaction per batch, so that a batch's change and its log entries commit
+        # together (when the admin log and the rows share a database, as they usually do).
         with transaction.atomic(using=router.db_for_write(model)):
-            # The change and its log entries commit together.
             described = {row.pk: row for row in (selected.only(*only) if only else selected)}
             done = transition(selected)
             if done:
