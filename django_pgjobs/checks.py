@@ -11,6 +11,8 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
 from django_pgjobs.conf import get_settings, unknown_keys
+from django_pgjobs.observability import stats
+from django_pgjobs.observability.health import THRESHOLD_NAMES
 from django_pgjobs.status import FINISHED
 
 #: Leases shorter than this are lost to an ordinary pause (a database failover, a long GC).
@@ -105,8 +107,6 @@ def _health(value: Any) -> list[str]:
 
 @register(Tags.compatibility)
 def check_health_keys(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    from django_pgjobs.health import THRESHOLD_NAMES
-
     health: Any = get_settings().HEALTH
     if not isinstance(health, Mapping):
         return []  # pgjobs.E020 says so
@@ -225,7 +225,7 @@ def check_served_queues(
 ) -> list[CheckMessage]:
     """Registered tasks whose queue no running worker serves, judged from the workers'
     QueueStat rows; silent when no worker runs at all (a build machine, say)."""
-    from django_pgjobs import registry, stats
+    from django_pgjobs import registry
 
     alias = _alias()
     if databases is None or alias not in databases:
@@ -233,7 +233,7 @@ def check_served_queues(
     alive = [worker for worker in stats.worker_stats(alias) if worker.alive]
     if not alive:
         return []
-    served = {queue for worker in alive for queue in worker.queues}
+    served = stats.served_queues(alive)
     default = get_settings().DEFAULT_QUEUE
     unserved: dict[str, list[str]] = {}
     for task in registry.all_tasks().values():

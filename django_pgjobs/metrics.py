@@ -3,6 +3,9 @@
 Two kinds: each worker's own job outcomes and handler durations, counted from the lifecycle
 signals (`runjobs --metrics-port` serves them); and the health report's figures, one set for the
 whole database, from `ReportCollector` (`report_view` serves them).
+
+An integration module, so it stays at the top of the package like backend.py and testing.py:
+projects import it by this path (`report_view` in their urls.py, `connect()` in an AppConfig).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from django_pgjobs import report as reports
 from django_pgjobs import signals
+from django_pgjobs.observability import report as reports
+from django_pgjobs.observability.stats import window_label
 
 #: Handler durations from 5 ms to 15 minutes.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
@@ -112,7 +116,7 @@ def families(report: reports.Report) -> list[Metric]:
         "pgjobs_claim_latency_seconds", "Claim latency quantile.", [*window, "quantile"]
     )
     for a in report.activity:
-        labels = [a.queue, f"{a.window // 60}m"]
+        labels = [a.queue, window_label(a.window)]
         throughput.add_metric(labels, a.throughput)
         retry_rate.add_metric(labels, a.retry_rate)
         for quantile in (0.5, 0.95):

@@ -11,6 +11,7 @@ from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
 from django_pgjobs.data.jobs import JobManager
+from django_pgjobs.data.queues import QueueQuerySet
 from django_pgjobs.data.sql import CLAIM_ORDER
 from django_pgjobs.ids import uuid7
 from django_pgjobs.status import FINISHED, LIVE, Status
@@ -124,6 +125,8 @@ class Queue(models.Model):
         help_text=_("Most jobs of this queue running at once; empty for no limit."),
     )
     updated_at = models.DateTimeField(db_default=Now(), auto_now=True)
+
+    objects = QueueQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("queue")

@@ -63,7 +63,7 @@ def _check_reference(app: object) -> None:
 
     logger = logging.getLogger("django_pgjobs.docs")
     settings_page = (DOCS / "reference" / "settings.md").read_text()
-    from django_pgjobs.health import Thresholds
+    from django_pgjobs.observability.health import Thresholds
 
     # Each PGJOBS key, then each PGJOBS["HEALTH"] key, in a table row with its default.
     for defaults, key in ((DEFAULTS, "PGJOBS[%r]"), (Thresholds(), "PGJOBS['HEALTH'][%r]")):

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from django.db import DatabaseError, close_old_connections, connections, router
 
 from django_pgjobs import registry, signals
-from django_pgjobs.activity import Activity
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job, Queue, QueueStat
+from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import execute, listener, policy
 from django_pgjobs.runtime.chores import Chore, Pruner, Reaper, Reporter, Ticker
@@ -63,7 +63,7 @@ class Worker:
         self.lease = options.lease or get_settings().LEASE
         self.db = router.db_for_write(Job)
         self.jobs = Job.objects.db_manager(self.db)
-        self.activity = Activity()
+        self.activity = ActivityTally()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         # Claimed and not yet settled, keyed by the claim (its Job object), never by job id: a
@@ -250,13 +250,13 @@ class Worker:
     def _report(self, seconds: float) -> None:
         """Write what this worker did per queue since the last report (QueueStat rows), and
         log it in one line."""
-        activity, self.activity = self.activity, Activity()
+        activity, self.activity = self.activity, ActivityTally()
         QueueStat.objects.using(self.db).bulk_create(
             activity.rows(self.id, seconds, self.options.queues)
         )
         self._log_stats(activity, seconds)
 
-    def _log_stats(self, activity: Activity, seconds: float) -> None:
+    def _log_stats(self, activity: ActivityTally, seconds: float) -> None:
         if activity.queues or self._in_flight:
             done, dead = activity.total(Outcome.SUCCEEDED), activity.total(Outcome.FAILED)
             logger.info(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 from django.db import connection
 
-from django_pgjobs import dbstats
+from django_pgjobs.observability import dbstats
 from tests.chaos.checker import Checker, Driver, drive
 from tests.chaos.conftest import Size, Workers, open_test_database, worker_args
 

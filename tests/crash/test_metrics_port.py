@@ -8,7 +8,7 @@ import signal
 import socket
 import urllib.request
 
-from django_pgjobs import report as reports
+from django_pgjobs.observability import report as reports
 from tests.conftest import wait_until
 from tests.factories import JobFactory
 

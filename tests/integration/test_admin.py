@@ -16,7 +16,8 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from django_pgjobs import admin as pgjobs_admin
+from django_pgjobs.admin import actions as admin_actions
+from django_pgjobs.admin import lists as admin_lists
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
@@ -141,7 +142,7 @@ def test_the_changelist_makes_the_same_queries_for_2_jobs_as_for_20(admin_client
 
 
 def test_past_the_exact_count_limit_the_changelist_shows_an_estimate(admin_client, monkeypatch):
-    monkeypatch.setattr(pgjobs_admin, "EXACT_COUNT_LIMIT", 3)
+    monkeypatch.setattr(admin_lists, "EXACT_COUNT_LIMIT", 3)
     JobFactory.create_batch(5)
     response = admin_client.get(JOBS)
     assert response.context["cl"].paginator.estimated is True
@@ -280,7 +281,7 @@ def test_replay_everything_matching_the_filter_without_selecting_rows(admin_clie
 
 
 def test_select_across_replays_every_job_matching_the_filter(admin_client, monkeypatch):
-    monkeypatch.setattr(pgjobs_admin, "ACTION_BATCH", 2)  # several batches
+    monkeypatch.setattr(admin_actions, "ACTION_BATCH", 2)  # several batches
     jobs = JobFactory.create_batch(5, dead=True)
     response = act(admin_client, DEAD, "replay", jobs[:1], select_across="1")
     assert messages_of(response) == ["5 jobs replayed."]

@@ -11,9 +11,9 @@ from django.core.management import call_command
 from django.db import connection
 from django.db.models.functions import Now
 
-from django_pgjobs import report as reports
-from django_pgjobs import stats
 from django_pgjobs.models import Queue, QueueStat
+from django_pgjobs.observability import report as reports
+from django_pgjobs.observability import stats
 from tests.conftest import wait_until
 from tests.factories import JobFactory
 

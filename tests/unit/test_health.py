@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 
 from django_pgjobs.conf import Settings
-from django_pgjobs.health import Thresholds, thresholds
-from django_pgjobs.stats import latency_quantile
+from django_pgjobs.observability.health import Thresholds, thresholds
+from django_pgjobs.observability.stats import latency_quantile
 
 
 def test_a_latency_quantile_interpolates_within_its_bucket():

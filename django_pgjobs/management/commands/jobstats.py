@@ -9,9 +9,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from django_pgjobs import report as reports
-from django_pgjobs.report import Report
-from django_pgjobs.stats import WINDOWS
+from django_pgjobs.observability import report as reports
+from django_pgjobs.observability.report import Report
+from django_pgjobs.observability.stats import WINDOWS, window_label
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -84,7 +84,7 @@ def render(report: Report) -> str:
         )
         for a in sorted(report.activity, key=lambda a: (a.queue, a.window)):
             lines.append(
-                f"{a.queue:<20} {a.window // 60:>5}m {a.claimed:>8} {a.throughput:>8.1f} "
+                f"{a.queue:<20} {window_label(a.window):>6} {a.claimed:>8} {a.throughput:>8.1f} "
                 f"{a.retried:>7} {a.failed:>7} {a.retry_rate:>7.0%} "
                 f"{_latency(a.latency(0.5)):>7} {_latency(a.latency(0.95)):>7}"
             )
@@ -97,8 +97,7 @@ def render(report: Report) -> str:
 
 
 def _workers(report: Report) -> str:
-    alive = [w for w in report.workers if w.alive]
-    silent = [w for w in report.workers if not w.alive]
+    alive, silent = report.alive, report.silent
     text = f"workers: {len(alive)} alive"
     if alive:
         text += " (" + "; ".join(f"{w.worker}: {', '.join(w.queues)}" for w in alive) + ")"

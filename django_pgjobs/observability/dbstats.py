@@ -1,6 +1,8 @@
-"""The job table's and the database's figures, from PostgreSQL's statistics views: sizes,
-live and dead tuples, vacuum, what holds vacuum's horizon back, idle transactions, the NOTIFY
-queue and connections. Each query reads a catalog or statistics view, never the job table."""
+"""The job table's and the database's figures, from PostgreSQL's statistics views.
+
+Sizes, live and dead tuples, vacuum, what holds vacuum's horizon back, idle transactions, the
+NOTIFY queue and connections. Each query reads a catalog or statistics view, never the job table.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from datetime import datetime
 
 from django.db import connections
 
-from django_pgjobs.stats import job_database
+from django_pgjobs.observability.stats import job_database
 
 
 @dataclass(frozen=True)
 class TableStats:
+    """The job table's size, tuples and vacuum history."""
+
     live_tuples: int
     dead_tuples: int
     table_bytes: int  # the heap, with its TOAST table and maps
@@ -29,6 +33,8 @@ class TableStats:
 
 @dataclass(frozen=True)
 class DatabaseStats:
+    """Connections, idle transactions, vacuum's horizon and the NOTIFY queue."""
+
     connections: dict[str, int]  # this database's client connections by state
     connections_used: int  # client connections to the whole server
     connections_max: int  # max_connections less the slots reserved for superusers

@@ -1,8 +1,9 @@
 """The admin's Queues (pause, resume, per-queue limits) and the health report page.
 
 Pausing needs the pgjobs.pause_queue permission, in the list's editable column as in the
-actions; every change is recorded in Django's admin log. The report page shows what
-`jobstats` shows, to staff who may view queues.
+actions; the actions change queues through Queue.objects (data/queues.py) and record every
+queue they changed in Django's admin log. The report page shows what `jobstats` shows, to staff
+who may view queues.
 """
 
 from __future__ import annotations
@@ -11,20 +12,19 @@ from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin
-from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.models import CHANGE
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
 from django.db.models import QuerySet
-from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from django_pgjobs import report as reports
+from django_pgjobs.admin.actions import apply
+from django_pgjobs.data.queues import QueueQuerySet
 from django_pgjobs.models import Queue
-from django_pgjobs.stats import WINDOWS
+from django_pgjobs.observability import report as reports
 
 if TYPE_CHECKING:
     ModelAdmin = admin.ModelAdmin[Queue]
@@ -34,7 +34,6 @@ else:
     ModelForm = forms.ModelForm
 
 
-@admin.register(Queue)
 class QueueAdmin(ModelAdmin):
     list_display = ["name", "paused", "max_running", "updated_at"]
     list_editable = ["paused", "max_running"]
@@ -62,30 +61,15 @@ class QueueAdmin(ModelAdmin):
 
     @admin.action(description=gettext_lazy("Pause selected queues"), permissions=["pause"])
     def pause(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
-        count = self.set_paused(request, queryset, True)
+        count, _seen = apply(request, queryset, QueueQuerySet.pause, CHANGE, _("Paused."))
         self.message_user(request, ngettext("%d queue paused.", "%d queues paused.", count) % count)
 
     @admin.action(description=gettext_lazy("Resume selected queues"), permissions=["pause"])
     def resume(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
-        count = self.set_paused(request, queryset, False)
+        count, _seen = apply(request, queryset, QueueQuerySet.resume, CHANGE, _("Resumed."))
         self.message_user(
             request, ngettext("%d queue resumed.", "%d queues resumed.", count) % count
         )
-
-    def set_paused(self, request: HttpRequest, queryset: QuerySet[Queue], paused: bool) -> int:
-        """Pause or resume the selected queues that are not so already, and log each one."""
-        user_id = request.user.pk
-        assert user_id is not None  # the admin lets no anonymous user this far
-        with transaction.atomic(using=queryset.db):
-            # Locked until commit, so the log names exactly the queues this statement changed.
-            changing = list(queryset.filter(paused=not paused).select_for_update())
-            Queue.objects.filter(pk__in=[q.pk for q in changing]).update(
-                paused=paused, updated_at=Now()
-            )
-            if changing:
-                message = _("Paused.") if paused else _("Resumed.")
-                LogEntry.objects.log_actions(user_id, changing, CHANGE, message)
-        return len(changing)
 
     # ---- the health report ---------------------------------------------------------------
 
@@ -104,21 +88,14 @@ class QueueAdmin(ModelAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         report = reports.collect()
-        data = reports.as_dict(report)
-        activity = [
-            {"queue": q["queue"], "window": f"{window // 60}m", **figures}
-            for q in data["queues"]
-            for window in WINDOWS
-            if (figures := q["windows"][f"{window}s"]) is not None
-        ]
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
             "title": _("Health report"),
             "report": report,
-            "data": data,
-            "activity": activity,
-            "alive": [w for w in report.workers if w.alive],
-            "silent": [w for w in report.workers if not w.alive],
+            "data": reports.as_dict(report),
+            "activity": reports.activity_rows(report),
+            "alive": report.alive,
+            "silent": report.silent,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)

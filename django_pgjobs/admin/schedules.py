@@ -20,7 +20,6 @@ else:
     ModelAdmin = admin.ModelAdmin  # generic only in the type stubs
 
 
-@admin.register(Schedule)
 class ScheduleAdmin(ModelAdmin):
     """Schedules are declared in code and settings, so nothing here changes them."""
 

@@ -1,8 +1,9 @@
-"""The queues' figures: depth and age from the job table's partial indexes, and what workers did
-recently (throughput, retries, claim latency, who is alive) from their QueueStat rows.
+"""The queues' figures: their depth now, what workers did recently, and which workers are alive.
 
-Every query here reads only live rows (ready, running, failed) or the last few minutes of
-QueueStat rows; none reads the finished history. Costs are listed in docs/howto/monitoring.md.
+Depth and age come from the job table's partial indexes; throughput, retries, claim latency and
+who is alive from the workers' QueueStat rows. Every query here reads only live rows (ready,
+running, failed) or the last few minutes of QueueStat rows; none reads the finished history.
+Costs are listed in docs/howto/monitoring.md.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from typing import Any
 
 from django.db import connections, router
 
+# The models are imported inside the three functions that need them, not here, for a reason that
+# is not a cycle: this module, and the figures, health, report and metrics modules built on it,
+# import before Django's app registry is ready (from a project's settings or AppConfig module),
+# as they always have; importing django_pgjobs.models at that point raises AppRegistryNotReady.
+
 #: The windows (seconds) over which worker activity is summed: 1, 5 and 15 minutes.
 WINDOWS = (60, 300, 900)
 #: A worker is alive while its last row is younger than this many of its intervals (+ slack).
@@ -21,8 +27,8 @@ ALIVE_SLACK = 5.0
 
 
 @dataclass(frozen=True)
-class QueueStats:
-    """A queue's jobs now."""
+class QueueDepth:
+    """A queue's jobs now, by state, with its controls."""
 
     queue: str
     due: int  # ready and run_at <= now(): waiting for a worker
@@ -36,7 +42,7 @@ class QueueStats:
 
 
 @dataclass(frozen=True)
-class Activity:
+class QueueActivity:
     """What all workers recorded for one queue over the last `window` seconds."""
 
     queue: str
@@ -70,17 +76,29 @@ class Activity:
 
 @dataclass(frozen=True)
 class WorkerStats:
+    """A worker seen in the last 15 minutes: the queues it serves, and whether it is alive."""
+
     worker: str
     queues: list[str]
     last_seen_seconds: float
     alive: bool
 
 
+def served_queues(workers: Iterable[WorkerStats]) -> set[str]:
+    """The queues that at least one live worker takes jobs from."""
+    return {queue for worker in workers if worker.alive for queue in worker.queues}
+
+
+def window_label(window: int) -> str:
+    """How reports name a window: "1m", "5m", "15m"."""
+    return f"{window // 60}m"
+
+
 def latency_quantile(buckets: list[int], quantile: float) -> float | None:
     """Estimate a quantile of the claim latency from histogram counts, as Prometheus's
     histogram_quantile does: linear within the bucket it falls in. Claims above the last bound
     are reported as that bound. None when nothing was claimed."""
-    from django_pgjobs.models import LATENCY_BUCKETS
+    from django_pgjobs.models import LATENCY_BUCKETS  # not at the top: see the imports
 
     total = sum(buckets)
     if not total:
@@ -95,7 +113,7 @@ def latency_quantile(buckets: list[int], quantile: float) -> float | None:
 
 def job_database(db: str | None = None) -> str:
     """`db`, or the database the job table is written to."""
-    from django_pgjobs.models import Job
+    from django_pgjobs.models import Job  # not at the top: see the imports
 
     return db or router.db_for_write(Job)
 
@@ -124,24 +142,24 @@ QUEUES_SQL = """
 """
 
 
-def queue_stats(db: str | None = None, also: Iterable[str] = ()) -> list[QueueStats]:
+def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueDepth]:
     """Every queue that has live or failed jobs or a Queue row (its controls), and those named
     in `also` (queues that workers serve or recently worked on)."""
-    from django_pgjobs.models import Queue
+    from django_pgjobs.models import Queue  # not at the top: see the imports
 
     db = job_database(db)
     with connections[db].cursor() as cursor:
         cursor.execute(QUEUES_SQL)
         rows = {row[0]: row for row in cursor.fetchall()}
     controls = {queue.name: queue for queue in Queue.objects.using(db)}
-    stats = []
+    depths = []
     for name in sorted(rows.keys() | controls.keys() | set(also)):
         _, due, scheduled, retrying, running, failed, oldest = rows.get(
             name, (name, 0, 0, 0, 0, 0, 0)
         )
         control = controls.get(name)
-        stats.append(
-            QueueStats(
+        depths.append(
+            QueueDepth(
                 name,
                 int(due),
                 int(scheduled),
@@ -153,7 +171,7 @@ def queue_stats(db: str | None = None, also: Iterable[str] = ()) -> list[QueueSt
                 max_running=control.max_running if control else None,
             )
         )
-    return stats
+    return depths
 
 
 # Rows of the longest window only (the index on `at`), each counted in every window it is in.
@@ -178,7 +196,9 @@ BUCKETS_SQL = """
 """
 
 
-def activity_stats(db: str | None = None, windows: tuple[int, ...] = WINDOWS) -> list[Activity]:
+def activity_stats(
+    db: str | None = None, windows: tuple[int, ...] = WINDOWS
+) -> list[QueueActivity]:
     """Per queue and window, what workers recorded in the QueueStat rows written within it."""
     params: dict[str, Any] = {"windows": list(windows), "longest": max(windows)}
     with connections[job_database(db)].cursor() as cursor:
@@ -193,7 +213,7 @@ def activity_stats(db: str | None = None, windows: tuple[int, ...] = WINDOWS) ->
         by_n = buckets.get((queue, window), {})
         histogram = [by_n.get(n, 0) for n in range(1, max(by_n, default=0) + 1)]
         activity.append(
-            Activity(
+            QueueActivity(
                 queue,
                 window,
                 int(claimed),

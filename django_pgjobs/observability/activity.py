@@ -1,5 +1,8 @@
-"""What a worker did for each queue since its last report: the counts and claim latencies it
-writes as QueueStat rows, so that reports never scan the job table for them."""
+"""A worker's tally of what it did for each queue since its last report, written as QueueStat rows.
+
+The counts and claim latencies go to the table as a few rows per interval, so that reports never
+scan the job table for them (stats.activity_stats reads them back).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ from django_pgjobs.models import LATENCY_BUCKETS, Job, QueueStat
 
 
 @dataclass
-class Counts:
+class QueueTally:
+    """One queue's counts since the worker's last report."""
+
     claimed: int = 0
     succeeded: int = 0
     retried: int = 0
@@ -21,16 +26,17 @@ class Counts:
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
 
 
-class Activity:
-    """Per-queue counters, kept by the worker's main thread."""
+class ActivityTally:
+    """Per-queue counts, kept by the worker's main thread and replaced by a new tally at each
+    report."""
 
     def __init__(self) -> None:
-        self.queues: dict[str, Counts] = {}
+        self.queues: dict[str, QueueTally] = {}
 
-    def _of(self, queue: str) -> Counts:
+    def _of(self, queue: str) -> QueueTally:
         counts = self.queues.get(queue)
         if counts is None:
-            counts = self.queues[queue] = Counts()
+            counts = self.queues[queue] = QueueTally()
         return counts
 
     def claimed(self, jobs: Iterable[Job]) -> None:
@@ -63,5 +69,5 @@ class Activity:
                 latency_buckets=counts.latency_buckets,
             )
             for name in names
-            for counts in [self.queues.get(name) or Counts()]
+            for counts in [self.queues.get(name) or QueueTally()]
         ]

@@ -1,0 +1,20 @@
+"""The admin: jobs and dead letters, queues and their health report, periodic schedules.
+
+Every ModelAdmin is registered here, and only here. jobs.py holds the Jobs and Dead letters
+admins (their lists' parts in lists.py, their bulk actions in actions.py), queues.py the Queues
+admin and the health report page, schedules.py the periodic schedules.
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from django_pgjobs.admin.jobs import DeadLetterAdmin, JobAdmin
+from django_pgjobs.admin.queues import QueueAdmin
+from django_pgjobs.admin.schedules import ScheduleAdmin
+from django_pgjobs.models import DeadLetter, Job, Queue, Schedule
+
+admin.site.register(Job, JobAdmin)
+admin.site.register(DeadLetter, DeadLetterAdmin)
+admin.site.register(Queue, QueueAdmin)
+admin.site.register(Schedule, ScheduleAdmin)

@@ -1,0 +1,270 @@
+"""The admin's bulk actions on jobs: each defined once, all run by one confirm → apply → report.
+
+An action is one row of ACTIONS: its label, its permission, the JobQuerySet transition it calls,
+and its messages for what it did and what it skipped. `perform` shows the confirmation page,
+then `apply` runs the transition over the selection ACTION_BATCH rows per statement (keyset
+batches, so that "select all" over a million jobs stays cheap) and writes an admin log entry for
+each row the transition says it changed; `report` tells the user the counts. The admin decides
+*when*; the transition decides *how*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.contrib.admin.views.main import PAGE_VAR
+from django.core.exceptions import ValidationError
+from django.db import router, transaction
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy, ngettext, ngettext_lazy
+
+from django_pgjobs.data.jobs import JobQuerySet
+from django_pgjobs.errors import EnqueueError
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+from django_pgjobs.validation import check_queue
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
+
+#: Rows changed and logged per statement by a bulk action.
+ACTION_BATCH = 1000
+#: What the admin log's description of a job (str(job)) reads.
+LOGGED = ("id", "task", "status")
+
+
+class ActionForm(forms.Form):
+    """The options an action asks for on its confirmation page: its cleaned data become the
+    transition's keyword arguments."""
+
+    def change_message(self, default: str) -> str:
+        """The admin log's message for the rows changed with these options."""
+        return default
+
+
+class ReplayForm(ActionForm):
+    queue = forms.CharField(
+        label=gettext_lazy("Into queue"),
+        required=False,
+        max_length=100,
+        help_text=gettext_lazy("Leave empty to replay each job into its own queue."),
+    )
+
+    def clean_queue(self) -> str | None:
+        queue: str = self.cleaned_data["queue"].strip()
+        try:
+            return check_queue(queue) if queue else None
+        except EnqueueError as error:
+            raise ValidationError(str(error)) from None
+
+    def change_message(self, default: str) -> str:
+        queue = self.cleaned_data["queue"]
+        return _("Replayed into queue %s.") % queue if queue else default
+
+
+@dataclass(frozen=True)
+class Action:
+    """One bulk action on jobs, from the menu entry to the message that reports it."""
+
+    name: str  # the action's name in the admin (POST["action"])
+    description: StrOrPromise  # its entry in the changelist's menu
+    verb: StrOrPromise  # the confirmation page's question: "<verb> 3 jobs?"
+    permission: str  # ModelAdmin.has_<permission>_permission() decides who may
+    transition: Callable[..., Sequence[Any]]  # returns the primary keys of the rows it changed
+    flag: int  # the admin log's action flag, CHANGE or DELETION
+    logged: StrOrPromise  # the admin log's message
+    done: StrOrPromise  # "%d jobs …", by ngettext_lazy
+    skipped: StrOrPromise | None = None  # why the rest were left alone; None: not reported
+    form: type[ActionForm] | None = None
+    button: StrOrPromise | None = None  # the detail page's button for a job it applies to
+    applies: Callable[[Job], bool] = lambda job: False
+
+    def admin_action(self) -> Callable[..., HttpResponse | None]:
+        """The action as a ModelAdmin takes it in `actions`."""
+
+        def action(
+            model_admin: admin.ModelAdmin[Any], request: HttpRequest, queryset: QuerySet[Any]
+        ) -> HttpResponse | None:
+            return perform(model_admin, request, queryset, self)
+
+        action.__name__ = self.name
+        return admin.action(description=self.description, permissions=[self.permission])(action)
+
+
+REPLAY = Action(
+    name="replay",
+    description=gettext_lazy("Replay selected jobs…"),
+    verb=gettext_lazy("Replay"),
+    permission="replay",
+    transition=JobQuerySet.replay,
+    flag=CHANGE,
+    logged=gettext_lazy("Replayed."),
+    done=ngettext_lazy("%d job replayed.", "%d jobs replayed."),
+    skipped=gettext_lazy("only failed or cancelled jobs are replayed"),
+    form=ReplayForm,
+    button=gettext_lazy("Replay…"),
+    applies=lambda job: job.status in (Status.FAILED, Status.CANCELLED),
+)
+RUN_NOW = Action(
+    name="run_now",
+    description=gettext_lazy("Run selected jobs now…"),
+    verb=gettext_lazy("Run now"),
+    permission="run_now",
+    transition=JobQuerySet.run_now,
+    flag=CHANGE,
+    logged=gettext_lazy("Run now."),
+    done=ngettext_lazy("%d job made due now.", "%d jobs made due now."),
+    skipped=gettext_lazy("only ready jobs scheduled for later are moved"),
+    button=gettext_lazy("Run now…"),
+    # The app's clock is good enough to decide whether to offer the button; the transition
+    # itself compares with the database's.
+    applies=lambda job: job.status == Status.READY and job.run_at > timezone.now(),
+)
+CANCEL = Action(
+    name="cancel",
+    description=gettext_lazy("Cancel selected jobs…"),
+    verb=gettext_lazy("Cancel"),
+    permission="cancel",
+    transition=JobQuerySet.cancel,
+    flag=CHANGE,
+    logged=gettext_lazy("Cancelled."),
+    done=ngettext_lazy(
+        "%d job cancelled (a running one stops if its handler checks, else finishes).",
+        "%d jobs cancelled (running ones stop if their handler checks, else finish).",
+    ),
+    skipped=gettext_lazy("only ready and running jobs are cancelled"),
+    button=gettext_lazy("Cancel…"),
+    applies=lambda job: (
+        job.status == Status.READY or (job.status == Status.RUNNING and not job.cancel_requested)
+    ),
+)
+DELETE = Action(
+    name="delete_jobs",
+    description=gettext_lazy("Delete selected jobs…"),
+    verb=gettext_lazy("Delete"),
+    permission="delete",
+    transition=JobQuerySet.discard,
+    flag=DELETION,
+    logged=gettext_lazy("Deleted."),
+    done=ngettext_lazy("%d job deleted.", "%d jobs deleted."),
+)
+ACTIONS = (REPLAY, RUN_NOW, CANCEL, DELETE)
+
+
+def perform(
+    model_admin: admin.ModelAdmin[Any],
+    request: HttpRequest,
+    queryset: QuerySet[Any],
+    action: Action,
+) -> HttpResponse | None:
+    """Ask for confirmation (and the action's options), then apply and report. None sends the
+    user back to the list, as Django's actions do."""
+    confirmed = "post" in request.POST
+    form = action.form(request.POST if confirmed else None) if action.form else None
+    if not confirmed or (form is not None and not form.is_valid()):
+        return confirm(model_admin, request, queryset, action.verb, form)
+    options = form.cleaned_data if form is not None else {}
+    logged = str(action.logged) if form is None else form.change_message(str(action.logged))
+    changed, seen = apply(
+        request,
+        queryset,
+        lambda rows: action.transition(rows, **options),
+        action.flag,
+        logged,
+        only=LOGGED,
+    )
+    skipped = seen - changed if action.skipped is not None else 0
+    report(model_admin, request, action.done % changed, skipped, str(action.skipped or ""))
+    return None
+
+
+def apply(
+    request: HttpRequest,
+    queryset: QuerySet[Any],
+    transition: Callable[[Any], Sequence[Any]],
+    flag: int,
+    message: str,
+    *,
+    only: Sequence[str] = (),
+) -> tuple[int, int]:
+    """Run `transition` over the selection, ACTION_BATCH rows per statement, and log each row it
+    changed (the transition returns their primary keys). Returns (changed, selected).
+
+    `only` names the fields str(row) needs, read before the change so that the log names the
+    rows even after a delete. Rows are logged as their concrete model (a dead letter as a job)."""
+    user_id = request.user.pk
+    assert user_id is not None  # the admin lets no anonymous user this far
+    model = queryset.model._meta.concrete_model
+    assert model is not None
+    rows: QuerySet[Model] = model._default_manager.all()
+    ids = queryset.order_by("pk").values_list("pk", flat=True)
+    changed = seen = 0
+    last: Any = None
+    while batch := list((ids if last is None else ids.filter(pk__gt=last))[:ACTION_BATCH]):
+        selected = rows.filter(pk__in=batch)
+        # One transaction per batch, so that a batch's change and its log entries commit
+        # together (when the admin log and the rows share a database, as they usually do).
+        with transaction.atomic(using=router.db_for_write(model)):
+            described = {row.pk: row for row in (selected.only(*only) if only else selected)}
+            done = transition(selected)
+            if done:
+                LogEntry.objects.log_actions(user_id, [described[pk] for pk in done], flag, message)
+        changed, seen, last = changed + len(done), seen + len(batch), batch[-1]
+    return changed, seen
+
+
+def confirm(
+    model_admin: admin.ModelAdmin[Any],
+    request: HttpRequest,
+    queryset: QuerySet[Any],
+    verb: StrOrPromise,
+    form: forms.Form | None = None,
+) -> TemplateResponse:
+    """The intermediate page of a bulk action: what it does, to how many jobs."""
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.opts,
+        "title": _("%s jobs?") % verb,
+        "verb": verb,
+        "count": queryset.count(),
+        "sample": list(queryset[:10]),
+        "form": form,
+        "action": request.POST.get("action", ""),
+        "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+        "select_across": request.POST.get("select_across") == "1",
+        "cancel_url": changelist_url(model_admin, request),
+    }
+    return TemplateResponse(request, "admin/pgjobs/confirm_action.html", context)
+
+
+def report(
+    model_admin: admin.ModelAdmin[Any],
+    request: HttpRequest,
+    done: str,
+    skipped: int = 0,
+    why: str = "",
+) -> None:
+    """Say what an action did; a warning when it left some of the selection alone."""
+    if skipped:
+        done += " " + ngettext("%d skipped: %s.", "%d skipped: %s.", skipped) % (skipped, why)
+    model_admin.message_user(request, done, messages.WARNING if skipped else messages.SUCCESS)
+
+
+def changelist_url(model_admin: admin.ModelAdmin[Any], request: HttpRequest) -> str:
+    """The changelist, filtered as in this request."""
+    query = request.GET.copy()
+    query.pop(PAGE_VAR, None)
+    opts = model_admin.opts
+    changelist = reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist")
+    return f"{changelist}?{query.urlencode()}" if query else changelist

@@ -1,0 +1,268 @@
+"""The admin's Jobs and Dead letters: their lists, search, detail page and actions offered.
+
+Both are read-only views of the job table; jobs change only through the actions (actions.py),
+each gated by a permission and recorded in Django's admin log. Everything shown from job data is
+escaped. Nothing here runs an exact COUNT(*) over the table on a page load (lists.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from django.contrib import admin
+from django.contrib.admin.options import IS_POPUP_VAR
+from django.contrib.admin.views.main import PAGE_VAR, ChangeList
+from django.contrib.auth import get_permission_codename
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.loader import render_to_string
+from django.urls import path, reverse
+from django.utils.html import format_html
+from django.utils.text import Truncator
+from django.utils.translation import gettext_lazy
+
+from django_pgjobs import registry
+from django_pgjobs.admin.actions import ACTIONS, DELETE, REPLAY, changelist_url, perform
+from django_pgjobs.admin.lists import (
+    ERROR_TYPE,
+    ErrorTypeFilter,
+    EstimatedCountPaginator,
+    JobChangeList,
+    QueueFilter,
+    TaskFilter,
+)
+from django_pgjobs.data.jobs import JobQuerySet
+from django_pgjobs.errors import UnknownTask
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
+
+    ModelAdmin = admin.ModelAdmin[Job]
+else:
+    ModelAdmin = admin.ModelAdmin  # generic only in the type stubs
+
+
+class BaseJobAdmin(ModelAdmin):
+    list_filter = ("status", QueueFilter, TaskFilter)
+    list_per_page = 50
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # facet counts would count the table per filter choice
+    paginator = EstimatedCountPaginator
+    sortable_by = ()  # newest first; other orders would sort the whole table
+    ordering = ("-id",)
+    list_display_links = ("short_id",)
+    # Each defined once in actions.ACTIONS; the has_<permission>_permission methods gate them.
+    actions = [action.admin_action() for action in ACTIONS]
+    fieldsets = [
+        (None, {"fields": ["id", "task", "queue", "status", "priority", "attempts_display"]}),
+        (gettext_lazy("Times"), {"fields": ["run_at", "created_at", "started_at", "finished_at"]}),
+        (
+            gettext_lazy("Lease"),
+            {"fields": ["worker", "leased_until", "cancel_requested", "unique_key"]},
+        ),
+        (gettext_lazy("Payload and result"), {"fields": ["payload_display", "result_display"]}),
+        (gettext_lazy("Errors"), {"fields": ["last_error", "error_history"]}),
+    ]
+    readonly_fields = [
+        "id", "task", "queue", "status", "priority", "attempts_display", "run_at",
+        "created_at", "started_at", "finished_at", "worker", "leased_until", "cancel_requested",
+        "unique_key", "payload_display", "result_display", "last_error", "error_history",
+    ]  # fmt: skip
+
+    # ---- permissions: the proxy (dead letters) answers with the Job permissions ---------------
+
+    def _has(self, request: HttpRequest, action: str) -> bool:
+        return request.user.has_perm(f"pgjobs.{get_permission_codename(action, Job._meta)}")
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self._has(request, "view") or self._has(request, "change")
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # jobs change only through the actions
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # jobs are enqueued by code
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self._has(request, "delete")
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "replay")
+
+    def has_run_now_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "replay")  # making a job run is the replay permission's job
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "cancel")
+
+    # ---- list --------------------------------------------------------------------------------
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return JobChangeList
+
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # Django 6.1 passes where the actions are shown; Django 5.2 and 6.0 do not.
+        location = {} if action_location is None else {"action_location": action_location}
+        actions = super().get_actions(request, **location)
+        actions.pop("delete_selected", None)  # lists every object; ours confirms with a count
+        return actions
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
+    ) -> tuple[QuerySet[Job], bool]:
+        """An id (full or the short form shown in the list), a task name, or a unique key."""
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        try:
+            return queryset.filter(pk=UUID(term)), False  # the primary key index, nothing else
+        except ValueError:
+            pass
+        match = Q(task__icontains=term) | Q(unique_key=term)
+        if len(term) == 12 and all(c in "0123456789abcdef" for c in term.lower()):
+            match |= Q(id__endswith=term.lower())
+        return queryset.filter(match), False
+
+    @admin.display(description=gettext_lazy("id"))
+    def short_id(self, job: Job) -> str:
+        return job.short_id
+
+    @admin.display(description=gettext_lazy("attempts"))
+    def attempts_display(self, job: Job) -> str:
+        return f"{job.attempts}/{job.max_attempts}"
+
+    @admin.display(description=gettext_lazy("last error"))
+    def error_line(self, job: Job, width: int = 100) -> str:
+        # The list annotates the head of last_error and defers the column itself.
+        head: str = job.error_head if hasattr(job, "error_head") else job.last_error
+        return Truncator(head.split("\n", 1)[0]).chars(width)
+
+    # ---- detail ------------------------------------------------------------------------------
+
+    @admin.display(description=gettext_lazy("payload"))
+    def payload_display(self, job: Job) -> str:
+        try:
+            payload = registry.get_task(job.task).redacted(job.payload)
+        except UnknownTask:
+            payload = job.payload
+        return _pretty_json(payload)
+
+    @admin.display(description=gettext_lazy("result"))
+    def result_display(self, job: Job) -> str:
+        """The handler's return value, for tasks that keep it (e.g. Django Tasks)."""
+        return "—" if job.result is None else _pretty_json(job.result)
+
+    @admin.display(description=gettext_lazy("error history"))
+    def error_history(self, job: Job) -> str:
+        entries = [e if isinstance(e, dict) else {"message": repr(e)} for e in job.errors or []]
+        return render_to_string("admin/pgjobs/error_history.html", {"entries": entries})
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        job = self.get_object(request, object_id)
+        context = {**(extra_context or {}), "job_actions": self.job_actions(request, job)}
+        return super().change_view(request, object_id, form_url, context)
+
+    def job_actions(self, request: HttpRequest, job: Job | None) -> list[tuple[str, StrOrPromise]]:
+        """The actions the detail page offers for this job: permitted and applicable."""
+        if job is None:
+            return []
+        offered = self.get_actions(request)
+        return [
+            (action.name, action.button)
+            for action in ACTIONS
+            if action.button and action.name in offered and action.applies(job)
+        ]
+
+    # ---- replay everything matching the current filter ---------------------------------------
+
+    def url_name(self, view: str) -> str:
+        return f"admin:{self.opts.app_label}_{self.opts.model_name}_{view}"
+
+    def get_urls(self) -> list[Any]:
+        name = f"{self.opts.app_label}_{self.opts.model_name}_replay_matching"
+        view = self.admin_site.admin_view(self.replay_matching_view)
+        return [path("replay-matching/", view, name=name), *super().get_urls()]
+
+    def replay_matching_view(self, request: HttpRequest) -> HttpResponse:
+        """Replay every job the changelist shows for these filters, with no rows selected."""
+        if not (self.has_view_permission(request) and self.has_replay_permission(request)):
+            raise PermissionDenied
+        cl = self.get_changelist_instance(request)
+        response = perform(self, request, cl.get_queryset(request), REPLAY)
+        return response or HttpResponseRedirect(changelist_url(self, request))
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None)
+        if context and "cl" in context and IS_POPUP_VAR not in request.GET:
+            cl = context["cl"]
+            if self.has_replay_permission(request) and self.offers_replay_matching(request):
+                url = reverse(self.url_name("replay_matching"))
+                context["replay_matching_url"] = url + cl.get_query_string(remove=[PAGE_VAR])
+            context.update(self.changelist_extra(cl))
+        return response
+
+    def changelist_extra(self, cl: ChangeList) -> dict[str, Any]:
+        return {}
+
+    def offers_replay_matching(self, request: HttpRequest) -> bool:
+        """Whether to offer "Replay all matching": when the list shows replayable jobs."""
+        return request.GET.get("status__exact") in (Status.FAILED, Status.CANCELLED)
+
+
+class JobAdmin(BaseJobAdmin):
+    list_display = [
+        "short_id", "task", "queue", "status", "priority", "attempts_display", "run_at",
+        "created_at", "finished_at", "error_line",
+    ]  # fmt: skip
+
+
+class DeadLetterAdmin(BaseJobAdmin):
+    list_display = [
+        "short_id", "task", "queue", "attempts_display", "finished_at", "final_error",
+    ]  # fmt: skip
+    actions = [REPLAY.admin_action(), DELETE.admin_action()]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
+        queryset = super().get_queryset(request)
+        assert isinstance(queryset, JobQuerySet)
+        return queryset.dead()
+
+    def offers_replay_matching(self, request: HttpRequest) -> bool:
+        return True
+
+    def get_list_filter(self, request: HttpRequest) -> tuple[type[admin.ListFilter], ...]:
+        return (QueueFilter, TaskFilter, ErrorTypeFilter)
+
+    @admin.display(description=gettext_lazy("final error"))
+    def final_error(self, job: Job) -> str:
+        return self.error_line(job, width=200)
+
+    def changelist_extra(self, cl: ChangeList) -> dict[str, Any]:
+        """The summary above the list: dead letters (as filtered) by task and error type."""
+        groups = (
+            cl.queryset.order_by()
+            .annotate(error_type=ERROR_TYPE)
+            .values("task", "error_type")
+            .annotate(jobs=Count("*"))
+            .order_by("-jobs", "task", "error_type")
+        )
+        return {"summary": list(groups[:20])}
+
+
+def _pretty_json(value: Any) -> str:
+    pretty = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+    return format_html('<pre class="pgjobs-json">{}</pre>', pretty)

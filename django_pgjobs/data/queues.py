@@ -1,0 +1,48 @@
+"""Every query that changes a queue's controls: pause and resume (Queue.objects)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from django.core.exceptions import EmptyResultSet
+from django.db import connections, models
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Queue  # noqa: F401  (named in QuerySet["Queue"] below)
+
+
+class QueueQuerySet(models.QuerySet["Queue"]):
+    # Filters: they never write.
+
+    def paused(self) -> QueueQuerySet:
+        return self.filter(paused=True)
+
+    # Transitions over a selection of queues; each returns the names of the queues it changed,
+    # so callers can report how many and the admin can log exactly which.
+
+    def pause(self) -> list[str]:
+        """Pause the selected queues that are not paused yet: workers stop claiming their jobs
+        at their next read of the controls, and let the running ones finish."""
+        return self._set_paused(True)
+
+    def resume(self) -> list[str]:
+        """Resume the selected paused queues."""
+        return self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> list[str]:
+        """One UPDATE of the selected queues whose `paused` differs, stamped with the database's
+        clock. The guard is re-checked on each row as it is written, so a queue someone else
+        changed meanwhile is neither changed twice nor reported."""
+        self._for_write = True  # as QuerySet.update() does: route to the database for writes
+        db = self.db
+        try:
+            selected, params = self.values("pk").query.get_compiler(db).as_sql()
+        except EmptyResultSet:
+            return []  # e.g. .none(): nothing selected, nothing to change
+        with connections[db].cursor() as cursor:
+            cursor.execute(
+                "UPDATE pgjobs_queue AS q SET paused = %s, updated_at = statement_timestamp() "
+                f"WHERE q.name IN ({selected}) AND q.paused <> %s RETURNING q.name",
+                [paused, *params, paused],
+            )
+            return [name for (name,) in cursor.fetchall()]

@@ -1,0 +1,60 @@
+"""Every figure of stats and dbstats at one moment: what the health verdict judges.
+
+Kept apart from the report so that the verdict (health) can read the figures while the report
+(report) holds the verdict: figures ← health ← report, with no cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connections
+
+from django_pgjobs.observability import dbstats, stats
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The queues, their recent activity, the workers, the job table and the database."""
+
+    at: datetime  # the database's clock when the figures were taken
+    queues: list[stats.QueueDepth]
+    activity: list[stats.QueueActivity]
+    workers: list[stats.WorkerStats]
+    table: dbstats.TableStats
+    database: dbstats.DatabaseStats
+
+    def activity_of(self, queue: str, window: int) -> stats.QueueActivity | None:
+        return next((a for a in self.activity if a.queue == queue and a.window == window), None)
+
+    def serving(self, queue: str) -> list[str]:
+        """The live workers that take jobs from `queue`."""
+        return [w.worker for w in self.workers if w.alive and queue in w.queues]
+
+    @property
+    def alive(self) -> list[stats.WorkerStats]:
+        return [w for w in self.workers if w.alive]
+
+    @property
+    def silent(self) -> list[stats.WorkerStats]:
+        """Workers that wrote a row in the last 15 minutes but are no longer alive."""
+        return [w for w in self.workers if not w.alive]
+
+
+def measure(db: str | None = None) -> Figures:
+    """Take the figures: a dozen cheap queries, none of which scans the finished history."""
+    db = stats.job_database(db)
+    with connections[db].cursor() as cursor:
+        cursor.execute("SELECT now()")
+        (now,) = cursor.fetchone()
+    activity, workers = stats.activity_stats(db), stats.worker_stats(db)
+    seen = {a.queue for a in activity} | {queue for w in workers for queue in w.queues}
+    return Figures(
+        at=now,
+        queues=stats.queue_depths(db, also=seen),
+        activity=activity,
+        workers=workers,
+        table=dbstats.table_stats(db),
+        database=dbstats.database_stats(db),
+    )

@@ -1,0 +1,247 @@
+"""The health verdict: the report's figures judged against thresholds (PGJOBS["HEALTH"]).
+
+Each reason names the threshold it used and the documentation section that explains what to
+do. Levels follow the monitoring-plugin convention, so the exit code of `jobstats` is a probe:
+0 healthy, 1 warning, 2 critical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import IntEnum
+
+from django_pgjobs.conf import get_settings
+from django_pgjobs.observability.figures import Figures
+from django_pgjobs.observability.stats import served_queues
+
+#: Where the reasons are explained.
+DOC = "docs/howto/monitoring.md"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The verdict's thresholds; override any of them in PGJOBS["HEALTH"]."""
+
+    #: A due job waiting this long means the workers are behind.
+    OLDEST_DUE_SECONDS: float = 300.0
+    #: Due jobs this old in a queue no live worker serves: critical.
+    UNSERVED_SECONDS: float = 60.0
+    #: A transaction (or prepared transaction) this old holds vacuum back.
+    SNAPSHOT_SECONDS: float = 300.0
+    #: Dead tuples at least this many and this share of the live ones: autovacuum lags.
+    DEAD_TUPLES: float = 100_000
+    DEAD_RATIO: float = 0.2
+    #: Over 5 minutes, at least this share of a queue's attempts retried...
+    RETRY_RATE: float = 0.5
+    #: ...out of at least this many attempts: a retry storm.
+    RETRY_MIN_ATTEMPTS: float = 100
+    #: Client connections over this share of max_connections.
+    CONNECTIONS_RATIO: float = 0.8
+    #: pg_notification_queue_usage() over this.
+    NOTIFY_QUEUE_USAGE: float = 0.5
+    #: Jobs finished per second over 15 minutes beyond which strain means graduating.
+    ENVELOPE_JOBS_PER_SECOND: float = 1000.0
+
+
+THRESHOLD_NAMES = frozenset(field.name for field in fields(Thresholds))
+
+
+def thresholds() -> Thresholds:
+    """PGJOBS["HEALTH"] over the defaults (unknown keys are reported by check pgjobs.W020)."""
+    overrides = get_settings().HEALTH
+    return Thresholds(**{k: float(v) for k, v in overrides.items() if k in THRESHOLD_NAMES})
+
+
+class Level(IntEnum):
+    HEALTHY = 0
+    WARNING = 1
+    CRITICAL = 2
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str
+    level: Level
+    summary: str  # what is wrong, in a few words
+    detail: str  # the figures behind it
+    threshold: str  # the setting and the value it was judged by
+    doc: str  # where the documentation explains it and what to do
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "code": self.code,
+            "level": self.level.name.lower(),
+            "summary": self.summary,
+            "detail": self.detail,
+            "threshold": self.threshold,
+            "doc": self.doc,
+        }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reasons: list[Reason]
+
+    @property
+    def level(self) -> Level:
+        return max((reason.level for reason in self.reasons), default=Level.HEALTHY)
+
+    @property
+    def status(self) -> str:
+        return self.level.name.lower()
+
+    @property
+    def exit_code(self) -> int:
+        return int(self.level)
+
+
+def _reason(code: str, level: Level, summary: str, detail: str, *limits: str) -> Reason:
+    """A reason, with the values of the thresholds named in `limits`."""
+    values = thresholds()
+    used = ", ".join(f"{name} = {getattr(values, name):g}" for name in limits)
+    return Reason(code, level, summary, detail, used, f"{DOC}#{code.replace('_', '-')}")
+
+
+def judge(report: Figures, previous: Figures | None = None) -> Verdict:
+    """The reasons the figures of `report` are not healthy (none: healthy). With the previous
+    sample of a --watch, a backlog's details say how it moved since."""
+    limits = thresholds()
+    reasons = [
+        *_behind(report, previous, limits),
+        *_retry_storms(report, limits),
+        *_vacuum(report, limits),
+        *_database(report, limits),
+    ]
+    strained = {reason.code for reason in reasons} & {"workers_behind", "tune_autovacuum"}
+    finished = sum(a.throughput for a in report.activity if a.window == 900)
+    if strained and finished >= limits.ENVELOPE_JOBS_PER_SECOND:
+        reasons.append(
+            _reason(
+                "past_the_design_envelope",
+                Level.WARNING,
+                "past the design envelope: consider a dedicated broker",
+                f"{finished:.0f} jobs/s over 15 minutes while {' and '.join(sorted(strained))}",
+                "ENVELOPE_JOBS_PER_SECOND",
+            )
+        )
+    return Verdict(reasons)
+
+
+def _behind(report: Figures, previous: Figures | None, limits: Thresholds) -> list[Reason]:
+    served = served_queues(report.workers)
+    before = {q.queue: q for q in previous.queues} if previous else {}
+    reasons = []
+    for q in report.queues:
+        if q.paused or not q.due:
+            continue
+        if q.queue not in served and q.oldest_due_seconds >= limits.UNSERVED_SECONDS:
+            reasons.append(
+                _reason(
+                    "no_worker_serves_a_queue",
+                    Level.CRITICAL,
+                    f"no worker serves {q.queue!r}",
+                    f"{q.due} due, the oldest waiting {q.oldest_due_seconds:.0f}s, and no live "
+                    "worker has this queue",
+                    "UNSERVED_SECONDS",
+                )
+            )
+        elif q.oldest_due_seconds >= limits.OLDEST_DUE_SECONDS:
+            detail = f"{q.queue!r}: {q.due} due, the oldest waiting {q.oldest_due_seconds:.0f}s"
+            if q.max_running is not None:
+                detail += f"; at most {q.max_running} may run at once (Queue.max_running)"
+            if q.queue in before:
+                was = before[q.queue]
+                detail += (
+                    f"; since the previous sample depth {was.due} → {q.due}, "
+                    f"oldest {was.oldest_due_seconds:.0f}s → {q.oldest_due_seconds:.0f}s"
+                )
+            reasons.append(
+                _reason(
+                    "workers_behind",
+                    Level.WARNING,
+                    "workers are behind",
+                    detail,
+                    "OLDEST_DUE_SECONDS",
+                )
+            )
+    return reasons
+
+
+def _retry_storms(report: Figures, limits: Thresholds) -> list[Reason]:
+    return [
+        _reason(
+            "retry_storm",
+            Level.WARNING,
+            f"retry storm in {a.queue!r}",
+            f"{a.retried} of {a.attempts} attempts retried in 5 minutes ({a.retry_rate:.0%})",
+            "RETRY_RATE",
+            "RETRY_MIN_ATTEMPTS",
+        )
+        for a in report.activity
+        if a.window == 300
+        and a.attempts >= limits.RETRY_MIN_ATTEMPTS
+        and a.retry_rate >= limits.RETRY_RATE
+    ]
+
+
+def _vacuum(report: Figures, limits: Thresholds) -> list[Reason]:
+    db, table = report.database, report.table
+    held = max(db.oldest_snapshot_seconds, db.oldest_prepared_seconds)
+    if held >= limits.SNAPSHOT_SECONDS:
+        if db.oldest_prepared_seconds >= db.oldest_snapshot_seconds:
+            holder = f"a prepared transaction {db.oldest_prepared_seconds:.0f}s old"
+        else:
+            holder = (
+                f"pid {db.oldest_snapshot_pid} ({db.oldest_snapshot_state}), in a transaction "
+                f"for {db.oldest_snapshot_seconds:.0f}s: {db.oldest_snapshot_query!r}"
+            )
+        return [
+            _reason(
+                "long_transaction",
+                Level.WARNING,
+                "a long transaction is blocking vacuum",
+                f"{holder}; {table.dead_tuples} dead tuples wait for it",
+                "SNAPSHOT_SECONDS",
+            )
+        ]
+    # Without a held horizon, dead tuples piling up mean autovacuum does not keep up.
+    dead, live = table.dead_tuples, table.live_tuples
+    if dead >= limits.DEAD_TUPLES and dead >= limits.DEAD_RATIO * live:
+        last = table.last_autovacuum.isoformat() if table.last_autovacuum else "never"
+        return [
+            _reason(
+                "tune_autovacuum",
+                Level.WARNING,
+                "tune autovacuum",
+                f"{dead} dead tuples against {live} live; last autovacuum {last}",
+                "DEAD_TUPLES",
+                "DEAD_RATIO",
+            )
+        ]
+    return []
+
+
+def _database(report: Figures, limits: Thresholds) -> list[Reason]:
+    db, reasons = report.database, []
+    if db.connections_ratio >= limits.CONNECTIONS_RATIO:
+        reasons.append(
+            _reason(
+                "connections_near_the_limit",
+                Level.WARNING,
+                "connections near the limit",
+                f"{db.connections_used} of {db.connections_max} connections in use",
+                "CONNECTIONS_RATIO",
+            )
+        )
+    if db.notify_queue_usage >= limits.NOTIFY_QUEUE_USAGE:
+        reasons.append(
+            _reason(
+                "notify_queue_filling",
+                Level.WARNING,
+                "the NOTIFY queue is filling up",
+                f"pg_notification_queue_usage() = {db.notify_queue_usage:.0%}; a listener is "
+                "not reading its notifications",
+                "NOTIFY_QUEUE_USAGE",
+            )
+        )
+    return reasons

@@ -1,0 +1,73 @@
+"""The health report: the figures at one moment and the verdict on them.
+
+`jobstats`, the admin's report page and the Prometheus collector all show this one report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from django_pgjobs.observability import health
+from django_pgjobs.observability.figures import Figures, measure
+from django_pgjobs.observability.stats import WINDOWS, QueueActivity, window_label
+
+
+@dataclass(frozen=True)
+class Report(Figures):
+    """The figures (queues, activity, workers, table, database, taken `at` the database's
+    clock) and the verdict on them."""
+
+    verdict: health.Verdict = field(default_factory=lambda: health.Verdict([]))
+
+
+def collect(db: str | None = None, previous: Report | None = None) -> Report:
+    """Take the report (a dozen cheap queries) and judge it; `previous` is the last sample of a
+    --watch, which lets the verdict say how a backlog moved."""
+    figures = measure(db)
+    return Report(**vars(figures), verdict=health.judge(figures, previous))
+
+
+def activity_figures(activity: QueueActivity) -> dict[str, Any]:
+    """What the report shows of a queue's activity over one window."""
+    return {
+        "claimed": activity.claimed,
+        "succeeded": activity.succeeded,
+        "retried": activity.retried,
+        "failed": activity.failed,
+        "throughput": activity.throughput,
+        "retry_rate": activity.retry_rate,
+        "latency_p50": activity.latency(0.5),
+        "latency_p95": activity.latency(0.95),
+    }
+
+
+def as_dict(report: Report) -> dict[str, Any]:
+    """The report as plain JSON-ready data (datetimes left for the caller's encoder)."""
+    queues = []
+    for q in report.queues:
+        windows = {}
+        for window in WINDOWS:
+            a = report.activity_of(q.queue, window)
+            windows[f"{window}s"] = None if a is None else activity_figures(a)
+        queues.append({**asdict(q), "workers": len(report.serving(q.queue)), "windows": windows})
+    return {
+        "at": report.at,
+        "status": report.verdict.status,
+        "reasons": [reason.as_dict() for reason in report.verdict.reasons],
+        "queues": queues,
+        "workers": [asdict(worker) for worker in report.workers],
+        "table": asdict(report.table),
+        "database": {
+            **asdict(report.database),
+            "connections_ratio": report.database.connections_ratio,
+        },
+    }
+
+
+def activity_rows(report: Report) -> list[dict[str, Any]]:
+    """One row per queue and window with its activity, as the report page's table lists it."""
+    return [
+        {"queue": a.queue, "window": window_label(a.window), **activity_figures(a)}
+        for a in report.activity
+    ]
