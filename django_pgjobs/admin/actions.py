@@ -29,7 +29,7 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext, ngettext_lazy
 
-from django_pgjobs.data.jobs import JobQuerySet
+from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status

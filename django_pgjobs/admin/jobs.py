@@ -34,7 +34,7 @@ from django_pgjobs.admin.lists import (
     QueueFilter,
     TaskFilter,
 )
-from django_pgjobs.data.jobs import JobQuerySet
+from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status

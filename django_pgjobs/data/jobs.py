@@ -7,33 +7,25 @@ module decides *how*.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
-from django.db import IntegrityError, connections, models, router, transaction
-from django.db.models.functions import Now
+from django.db import connections, models, router, transaction
 
 from django_pgjobs import signals, validation
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
+from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.ids import uuid7, uuid7_floor
+from django_pgjobs.ids import uuid7
 from django_pgjobs.status import LIVE, Status
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
     from django_pgjobs.registry import Task
-
-#: How far ahead of the database's clock an enqueuing process's clock may run before pruning
-#: its jobs is delayed (see JobQuerySet.prunable).
-ID_CLOCK_MARGIN = timedelta(minutes=10)
-
-#: How often replay looks again when a job took one of its keys while it ran.
-REPLAY_TRIES = 3
 
 #: How often enqueue looks for the job holding its unique_key before giving up.
 ENQUEUE_TRIES = 5
@@ -42,159 +34,6 @@ ENQUEUE_TRIES = 5
 LEASE_EXPIRED = Failure(
     "WorkerLost", "lease expired: the worker holding the job died, hung or lost its connection"
 )
-
-
-class JobQuerySet(models.QuerySet["Job"]):
-    # Filters: they never write.
-
-    def ready(self) -> JobQuerySet:
-        return self.filter(status=Status.READY)
-
-    def due(self) -> JobQuerySet:
-        return self.filter(status=Status.READY, run_at__lte=Now())
-
-    def running(self) -> JobQuerySet:
-        return self.filter(status=Status.RUNNING)
-
-    def expired(self) -> JobQuerySet:
-        return self.filter(status=Status.RUNNING, leased_until__lt=Now())
-
-    def dead(self) -> JobQuerySet:
-        return self.filter(status=Status.FAILED)
-
-    # Transitions over a selection of jobs; each returns the ids of the jobs it changed, so
-    # callers can report how many and the admin can log exactly which.
-
-    def replay(self, *, queue: str | None = None) -> list[UUID]:
-        """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
-        another queue). Skips other statuses, jobs whose unique_key a live job holds, and of
-        several selected jobs sharing a unique_key all but the oldest. Never fails as a whole:
-        the jobs it skipped are the selected ones it does not return."""
-        into = [None if queue is None else validation.check_queue(queue)]
-        self._for_write = True
-        for _ in range(REPLAY_TRIES):
-            try:
-                with transaction.atomic(using=self.db):  # a savepoint inside the caller's
-                    return self._replayable()._change(
-                        "status = 'ready', attempts = 0, run_at = statement_timestamp(), "
-                        "finished_at = NULL, leased_until = NULL, cancel_requested = false, "
-                        "queue = COALESCE(%s, j.queue)",
-                        into,
-                        guard="j.status IN ('failed', 'cancelled')",
-                    )
-            except IntegrityError:
-                # A job with one of the keys was enqueued or replayed meanwhile: look again,
-                # and this time that key is held.
-                continue
-        return []
-
-    def _replayable(self) -> JobQuerySet:
-        """The selected dead or cancelled jobs that replay may make live: those without a
-        unique_key, and the oldest of each key no live job holds."""
-        jobs = self.model._default_manager.using(self.db)
-        held = jobs.filter(status__in=LIVE, unique_key__isnull=False).values("unique_key")
-        finished = self.filter(status__in=[Status.FAILED, Status.CANCELLED])
-        oldest_of_each_key = (
-            finished.filter(unique_key__isnull=False)
-            .exclude(unique_key__in=held)
-            .order_by("unique_key", "id")
-            .distinct("unique_key")
-            .values("pk")
-        )
-        return finished.filter(
-            models.Q(unique_key__isnull=True) | models.Q(pk__in=oldest_of_each_key)
-        )
-
-    def cancel(self) -> list[UUID]:
-        """Ready → cancelled at once; for running jobs, request cancellation: the handler can
-        notice (``django_pgjobs.cancel_requested()``) and stop, and when the attempt ends other
-        than by succeeding, the job is recorded as cancelled instead of being retried."""
-        return self._change(
-            "status = CASE WHEN j.status = 'ready' THEN 'cancelled' ELSE j.status END, "
-            "finished_at = CASE WHEN j.status = 'ready' THEN statement_timestamp() END, "
-            "cancel_requested = j.status = 'running'",
-            guard="(j.status = 'ready' OR (j.status = 'running' AND NOT j.cancel_requested))",
-        )
-
-    def run_now(self) -> list[UUID]:
-        """Make ready jobs scheduled for later due now."""
-        return self._change(
-            "run_at = statement_timestamp()",
-            guard="j.status = 'ready' AND j.run_at > statement_timestamp()",
-        )
-
-    def discard(self) -> list[UUID]:
-        """Delete the selected jobs, except running ones: their worker still owns them."""
-        return self._change(None, guard="j.status <> 'running'")
-
-    def _change(
-        self, assignments: str | None, params: Sequence[Any] = (), *, guard: str
-    ) -> list[UUID]:
-        """One UPDATE (or, without assignments, DELETE) of the selected jobs that pass `guard`,
-        returning their ids. The selection is this queryset's, compiled by the ORM; the guard
-        is re-checked on each row as it is written, so a job whose status changed since it was
-        selected is left alone."""
-        self._for_write = True  # as QuerySet.update() does: route to the database for writes
-        db = self.db
-        selected, selected_params = self.values("pk").query.get_compiler(db).as_sql()
-        head = "DELETE FROM pgjobs_job AS j" if assignments is None else (
-            f"UPDATE pgjobs_job AS j SET {assignments}"
-        )  # fmt: skip
-        with connections[db].cursor() as cursor:
-            cursor.execute(
-                f"{head} WHERE j.id IN ({selected}) AND {guard} RETURNING j.id",
-                [*params, *selected_params],
-            )
-            return [job_id for (job_id,) in cursor.fetchall()]
-
-    def prunable(self, retention: Mapping[str, timedelta | None] | None = None) -> JobQuerySet:
-        """Finished jobs older than their status's retention (default PGJOBS["RETENTION"]; a
-        status whose retention is None is kept)."""
-        kept = get_settings().retention() if retention is None else retention
-        old = models.Q(pk__in=[])
-        for status, age in kept.items():
-            if age is not None:
-                old |= models.Q(status=status, finished_at__lt=Now() - age)
-        ages = [age for age in kept.values() if age is not None]
-        if not ages:
-            return self.filter(old)
-        # Ids are UUIDv7s made at enqueue, so a job finished before the cutoff has an id from
-        # before it: bounding the id makes this a range of the primary key instead of a scan of
-        # every finished job. The bound is the enqueuer's clock (with a margin); the database's
-        # finished_at still decides, so a skewed clock can delay pruning, never hasten it.
-        newest = time.time() - min(ages).total_seconds() + ID_CLOCK_MARGIN.total_seconds()
-        return self.filter(old, pk__lt=uuid7_floor(newest))
-
-    def prune(
-        self,
-        *,
-        older_than: timedelta | None = None,
-        retention: Mapping[str, timedelta | None] | None = None,
-        max_batches: int | None = None,
-    ) -> int:
-        """Delete finished jobs older than their status's retention (`retention`, by default
-        PGJOBS["RETENTION"]; `older_than` sets it for succeeded and cancelled jobs), PRUNE_BATCH
-        rows per statement; returns how many."""
-        settings = get_settings()
-        retention = {**settings.retention(), **(retention or {})}
-        if older_than is not None:
-            retention.update(succeeded=older_than, cancelled=older_than)
-        old = self.prunable(retention)
-        total, batches = 0, 0
-        while max_batches is None or batches < max_batches:
-            # Bounded batches keep each transaction short and the locks few; SKIP LOCKED lets
-            # every worker prune at once without queueing behind each other.
-            batch = old.values("pk").select_for_update(skip_locked=True)
-            with transaction.atomic(using=self.db):
-                deleted, _ = (
-                    self.model._default_manager.using(self.db)
-                    .filter(pk__in=batch[: settings.PRUNE_BATCH])
-                    .delete()
-                )
-            total, batches = total + deleted, batches + 1
-            if deleted < settings.PRUNE_BATCH:
-                break
-        return total
 
 
 class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[misc]

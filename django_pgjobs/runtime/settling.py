@@ -73,6 +73,8 @@ class Settler:
         worker.learn_durations([handled.duration for _, handled in done])
         succeeded = [(job, h) for job, h in done if h.verdict is Verdict.SUCCEEDED]
         failed = [(job, h) for job, h in done if h.verdict is Verdict.ERROR]
+        limited: list[Job] = []  # claimed from queues with a limit
+        wanted = 0
         try:
             for job, handled in done:
                 if handled.verdict is Verdict.RETRY:
@@ -81,36 +83,39 @@ class Settler:
             wanted = worker.claim_wanted(len(succeeded) + len(failed))
             if not (wanted or succeeded or failed):
                 return
-            settled = self._record(succeeded, failed, wanted)
+            if wanted:
+                # Limited queues first, up to their share of the turn, so that a backlog in an
+                # open queue cannot starve them; what they leave goes to the open queues.
+                worker.claim_limited(wanted - worker.controls.open_share(wanted), into=limited)
+            settled = self._record(succeeded, failed, wanted - len(limited))
         except DatabaseError:
             # Keep what was not recorded; it is tried again after the reconnect. Recording
             # twice is harmless: the guard refuses the second write.
             with self._lock:
                 self._done[:0] = [item for item in done if id(item[0]) in worker._in_flight]
+            if limited:  # claimed: they run
+                worker.take(limited, wanted)
             raise
         for job, handled in [*succeeded, *failed]:
             worker.settled(job, handled, Outcome.of_status(settled.recorded.get(claim_of(job))))
         if wanted:
-            claimed = settled.claimed
-            try:
-                claimed += worker.claim_limited(wanted - len(claimed))
-            finally:  # what was claimed runs, even if a limited queue's claim failed
-                worker.take(claimed, wanted)
+            worker.take(limited + settled.claimed, wanted)
 
     def _record(
         self,
         succeeded: list[tuple[Job, Handled]],
         failed: list[tuple[Job, Handled]],
-        wanted: int,
+        limit: int,
     ) -> Settled:
+        """Record the outcomes and claim up to `limit` jobs from the open queues."""
         worker = self.worker
         try:
             settled: Settled = worker.jobs.settle_and_claim(
                 [job for job, _ in succeeded],
                 [_attempt(job, handled) for job, handled in failed],
-                worker.open_queues() if wanted else [],
+                worker.controls.open,
                 worker=worker.id,
-                limit=wanted,
+                limit=limit,
                 lease=worker.lease,
                 results=_results(succeeded),
             )

@@ -18,13 +18,15 @@ from django.db import DatabaseError, close_old_connections, connections, router
 from django_pgjobs import registry, signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import UnknownTask
-from django_pgjobs.models import Job, Queue, QueueStat
+from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
-from django_pgjobs.outcomes import Handled, Outcome, Verdict
+from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime import execute, listener, policy
 from django_pgjobs.runtime.chores import Chore, Pruner, Reaper, Reporter, Ticker
+from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.leases import LeaseKeeper
 from django_pgjobs.runtime.locks import LockWaits
+from django_pgjobs.runtime.logs import log_activity, log_outcome
 from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.scheduler import Scheduler
 from django_pgjobs.runtime.settling import Settler
@@ -78,10 +80,7 @@ class Worker:
         self._poll_delay = 0.0
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._last_claim_empty = False
-        # From the Queue controls: queues claimed freely, and those claimed under their limit.
-        self._open_queues: list[str] = list(options.queues)
-        self._limited_queues: list[str] = []
-        self._controls = _Every(options.controls_interval)
+        self.controls = QueueControls(options.queues, options.controls_interval)
         self._chores: list[Chore] = [Reaper(self.jobs, options.reap_interval, self.poll_now)]
         if not options.once:
             self._chores += [
@@ -149,8 +148,9 @@ class Worker:
     # ---- the loop's steps ------------------------------------------------------------------
 
     def _turn(self) -> None:
-        if self._controls.due():
-            self._read_controls()  # before claiming: never claim from a paused queue
+        # Before claiming: never claim from a paused queue.
+        if self.controls.read_if_due(self.db):
+            self._poll_now = True  # a queue was resumed: look at once
         self._settler.settle_and_fetch()
         if self._stopping:
             self._release_unstarted()
@@ -172,17 +172,16 @@ class Worker:
         self._poll_now = False
         return min(free, self.options.batch_size)
 
-    def open_queues(self) -> list[str]:
-        return self._open_queues
-
-    def claim_limited(self, wanted: int) -> list[Job]:
-        jobs: list[Job] = []
-        for queue_name in self._limited_queues:
-            if len(jobs) < wanted:
-                jobs += self.jobs.claim_limited(
-                    queue_name, worker=self.id, limit=wanted - len(jobs), lease=self.lease
+    def claim_limited(self, wanted: int, into: list[Job]) -> None:
+        """Claim up to `wanted` jobs from the queues with a limit, into `into` (which keeps
+        what was claimed if a later queue's claim fails)."""
+        start = len(into)
+        for queue_name in self.controls.limited:
+            room = wanted - (len(into) - start)
+            if room > 0:
+                into += self.jobs.claim_limited(
+                    queue_name, worker=self.id, limit=room, lease=self.lease
                 )
-        return jobs
 
     def take(self, jobs: list[Job], wanted: int) -> None:
         """Hand claimed jobs to the handler threads, then schedule the next poll."""
@@ -206,28 +205,15 @@ class Worker:
         with self._lock:
             self._in_flight.pop(id(job), None)
         self.activity.finished(job, outcome)
-        if job.queue in self._limited_queues:
+        if job.queue in self.controls.limited:
             self._poll_now = True  # a slot under the queue's limit is free again
         signals.announce(
             job, outcome, duration=handled.duration, error=handled.failure, delay=handled.delay
         )
-        _log_outcome(job, handled, outcome)
+        log_outcome(job, handled, outcome)
 
     def learn_durations(self, durations: list[float]) -> None:
         self._mean_duration = policy.mean_duration(self._mean_duration, durations)
-
-    def _read_controls(self) -> None:
-        """Which of our queues are paused or limited, as every worker sees it within a second."""
-        controls = Queue.objects.using(self.db).filter(name__in=self.options.queues)
-        paused = {queue.name for queue in controls if queue.paused}
-        limited = {queue.name for queue in controls if queue.max_running is not None}
-        before = set(self._open_queues)
-        self._open_queues = [q for q in self.options.queues if q not in paused | limited]
-        self._limited_queues = [q for q in self.options.queues if q in limited - paused]
-        if set(self._open_queues) - before:
-            self._poll_now = True  # a queue was resumed: look at once
-        if paused:
-            logger.debug("paused queues: %s", ", ".join(sorted(paused)))
 
     def running_claims(self) -> list[Job]:
         """The claims whose handlers have not finished (the lease keeper renews these)."""
@@ -254,17 +240,7 @@ class Worker:
         QueueStat.objects.using(self.db).bulk_create(
             activity.rows(self.id, seconds, self.options.queues)
         )
-        self._log_stats(activity, seconds)
-
-    def _log_stats(self, activity: ActivityTally, seconds: float) -> None:
-        if activity.queues or self._in_flight:
-            done, dead = activity.total(Outcome.SUCCEEDED), activity.total(Outcome.FAILED)
-            logger.info(
-                "last %.0fs: done=%d retried=%d dead=%d cancelled=%d lost=%d in_flight=%d "
-                "(%.0f jobs/s)", seconds, done, activity.total(Outcome.RETRIED), dead,
-                activity.total(Outcome.CANCELLED), activity.total(Outcome.LOST),
-                len(self._in_flight), (done + dead) / seconds,
-            )  # fmt: skip
+        log_activity(activity, seconds, len(self._in_flight))
 
     def _wait_time(self) -> float:
         """Until the next chore or poll; finishing handlers and wake-ups interrupt the wait."""
@@ -363,48 +339,8 @@ class Worker:
         try:
             self._report(seconds)
         except DatabaseError:
-            self._log_stats(self.activity, seconds)
+            log_activity(self.activity, seconds, len(self._in_flight))
         connections.close_all()
         self._lock_waits.stop()
         logger.info("worker %s stopped", self.id)
         return clean
-
-
-class _Every:
-    """Due once every `interval` seconds."""
-
-    def __init__(self, interval: float) -> None:
-        self.interval, self.next_at = interval, 0.0
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now < self.next_at:
-            return False
-        self.next_at = now + self.interval
-        return True
-
-
-def _log_outcome(job: Job, handled: Handled, outcome: Outcome) -> None:
-    extra = {
-        "job_id": str(job.pk),
-        "task": job.task,
-        "queue": job.queue,
-        "attempt": job.attempts,
-        "duration": round(handled.duration, 6),
-    }
-    if outcome is Outcome.SUCCEEDED:
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("job %s (%s) succeeded", job.pk, job.task, extra=extra)
-        return
-    if handled.verdict is not Verdict.ERROR or outcome is Outcome.LOST:
-        return
-    assert handled.failure is not None
-    extra |= {"error": handled.failure.summary, "status": outcome.value}
-    if outcome is Outcome.CANCELLED:
-        logger.info("job %s (%s) cancelled", job.pk, job.task, extra=extra)
-        return
-    dead = outcome is Outcome.FAILED
-    (logger.error if dead else logger.info)(
-        "job %s (%s) attempt %d failed: %s%s", job.pk, job.task, job.attempts,
-        handled.failure.summary, "; dead-lettered" if dead else "", extra=extra,
-    )  # fmt: skip
