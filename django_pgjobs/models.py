@@ -45,6 +45,11 @@ class Job(models.Model):
     #: the fencing token of the current claim. Every write of a worker's outcome is guarded on
     #: it, so a stale claim can never overwrite a newer one.
     claims = models.IntegerField(default=0, db_default=0)
+    #: A ready job that was not yet due when it was last written (a delay, a retry's backoff):
+    #: it waits in pgjobs_job_scheduled_idx, so that claims walking the claim index never read
+    #: past it, whatever its priority. Claims take it from there once due, and workers move
+    #: due ones into the claim index (see data/sql.py).
+    scheduled = models.BooleanField(default=False, db_default=False)
 
     objects: ClassVar[JobManager] = JobManager()
 
@@ -56,10 +61,18 @@ class Job(models.Model):
             ("cancel_job", _("Can cancel jobs")),
         ]
         indexes = [
+            # Due jobs in claim order: a claim is a range scan that stops after its batch.
             models.Index(
                 fields=["queue", *CLAIM_ORDER],
                 name="pgjobs_job_claim_idx",
-                condition=Q(status=Status.READY),
+                condition=Q(status=Status.READY, scheduled=False),
+            ),
+            # Jobs waiting for their run_at, by run_at: the due ones come first.
+            models.Index(
+                fields=["run_at"],
+                include=["queue"],
+                name="pgjobs_job_scheduled_idx",
+                condition=Q(status=Status.READY, scheduled=True),
             ),
             # The reaper's index. Keyed on `worker`, not `leased_until`: a heartbeat then
             # touches no indexed column and can be a HOT update.

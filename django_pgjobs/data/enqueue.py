@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 NEW_JOB: dict[str, Any] = {
     "status": Status.READY.value, "attempts": 0, "leased_until": None, "worker": None,
     "last_error": "", "errors": [], "finished_at": None, "started_at": None,
-    "cancel_requested": False, "result": None, "claims": 0,
+    "cancel_requested": False, "result": None, "claims": 0, "scheduled": False,
 }  # fmt: skip
 
 
@@ -83,25 +83,26 @@ def insert(
         statement = sql.INSERT_JOB if first.unique_key is None else sql.INSERT_UNIQUE_JOB
         params |= {"id": first.id, "payload": first.payload_json, "unique_key": first.unique_key}
         found = rows.execute(db, statement, params, binary=True)
-        inserted = {job_id: (run_at, created_at) for job_id, run_at, created_at, _ in found}
+        inserted = {job_id: written for job_id, *written, _ in found}
     else:
         assert all(job.unique_key is None for job in jobs), "many jobs never share a unique_key"
         params |= {
             "ids": [job.id for job in jobs],
             "payloads": [job.payload_json for job in jobs],
         }
-        ((run_at, created_at, count, _),) = rows.execute(db, sql.INSERT_JOBS, params, binary=True)
+        ((*written, count, _),) = rows.execute(db, sql.INSERT_JOBS, params, binary=True)
         assert count == len(jobs), "one statement inserts them all"
-        inserted = dict.fromkeys(params["ids"], (run_at, created_at))
+        inserted = dict.fromkeys(params["ids"], written)
     made = []
     for job, payload in zip(jobs, payloads, strict=True):
         if job.id not in inserted:
             continue  # its unique_key is held by a live job
-        run_at, created_at = inserted[job.id]
+        run_at, created_at, scheduled = inserted[job.id]
         columns = NEW_JOB | {
             "id": job.id, "queue": job.queue, "task": job.task, "payload": payload,
             "priority": job.priority, "run_at": run_at, "max_attempts": job.max_attempts,
             "created_at": created_at, "unique_key": job.unique_key,
+            "scheduled": scheduled,
         }  # fmt: skip
         made.append(rows.new_job(model, db, [columns[name] for name in sql.JOB_COLUMNS]))
     return made

@@ -36,6 +36,11 @@ LEASE_EXPIRED = Failure(
 )
 
 
+# Where a settled job's status and claim are in a row of sql.SETTLE_AND_CLAIM (after its kind).
+_STATUS = 1 + sql.JOB_COLUMNS.index("status")
+_CLAIMS = 1 + sql.JOB_COLUMNS.index("claims")
+
+
 class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[misc]
     """Job.objects: the seam through which every job changes state."""
 
@@ -156,7 +161,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         )  # fmt: skip
         db = self._write_db()
         found = rows.execute(db, sql.SETTLE_AND_CLAIM, params, binary=True)
-        recorded = {(row[1], row[-1]): row[5] for row in found if row[0] == "settled"}
+        recorded = {(row[1], row[_CLAIMS]): row[_STATUS] for row in found if row[0] == "settled"}
         claimed = rows.load_jobs(self.model, db, (row[1:] for row in found if row[0] != "settled"))
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
         return Settled(
@@ -236,6 +241,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def held(self, jobs: Sequence[Job]) -> set[UUID]:
         """The ids of those of `jobs` whose claims their worker still holds."""
         return set(self._own(sql.HELD, jobs))
+
+    def promote(self, *, limit: int = 1000) -> int:
+        """Move scheduled jobs that have come due into the claim index (sql.PROMOTE); returns
+        how many."""
+        with rows.cursor(self._write_db()) as cursor:
+            cursor.execute(sql.PROMOTE, {"limit": limit})
+            return int(cursor.rowcount)
 
     def reap(self, *, limit: int = 1000) -> tuple[int, int]:
         """Take back running jobs whose lease expired: to ready (after a backoff), or to failed

@@ -62,6 +62,7 @@ class JobQuerySet(models.QuerySet["Job"]):
                 with transaction.atomic(using=self.db):  # a savepoint inside the caller's
                     return self._replayable()._change(
                         "status = 'ready', attempts = 0, run_at = statement_timestamp(), "
+                        "scheduled = false, "
                         "finished_at = NULL, leased_until = NULL, cancel_requested = false, "
                         "queue = COALESCE(%s, j.queue)",
                         into,
@@ -104,7 +105,7 @@ class JobQuerySet(models.QuerySet["Job"]):
     def run_now(self) -> list[UUID]:
         """Make ready jobs scheduled for later due now."""
         return self._change(
-            "run_at = statement_timestamp()",
+            "run_at = statement_timestamp(), scheduled = false",
             guard="j.status = 'ready' AND j.run_at > statement_timestamp()",
         )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 JOB_COLUMNS = (
     "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts",
     "leased_until", "worker", "last_error", "errors", "created_at", "finished_at", "unique_key",
-    "started_at", "cancel_requested", "result", "claims",
+    "started_at", "cancel_requested", "result", "claims", "scheduled",
 )  # fmt: skip
 
 #: The claim's ORDER BY within one queue, and the claim index's columns after `queue`.
@@ -26,19 +26,23 @@ CLAIM_ORDER = ("-priority", "run_at", "id")
 
 # ---- enqueue -------------------------------------------------------------------------------------
 
-# One job. run_at is given, or now + delay on the database's clock. The wake-up (a NOTIFY
+# One job. run_at is given, or now + delay on the database's clock; a job not yet due is
+# `scheduled` (it waits in the scheduled index, out of the claims' way). The wake-up (a NOTIFY
 # delivered at commit, see runtime/notify.py) rides in the same statement and is evaluated only
 # for an inserted row; %(channel)s is NULL when no wake-up is due.
 INSERT_JOB = """
     INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key)
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz,
                  statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
+        COALESCE(%(run_at)s::timestamptz,
+                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0)))
+            > statement_timestamp(),
         %(max_attempts)s, %(unique_key)s
     )
-    RETURNING j.id, j.run_at, j.created_at,
+    RETURNING j.id, j.run_at, j.created_at, j.scheduled,
               (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
 """
 
@@ -47,16 +51,19 @@ INSERT_JOB = """
 # WAL than a plain one, and most jobs have no key.
 INSERT_UNIQUE_JOB = """
     INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, max_attempts, unique_key)
+        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key)
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz,
                  statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
+        COALESCE(%(run_at)s::timestamptz,
+                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0)))
+            > statement_timestamp(),
         %(max_attempts)s, %(unique_key)s
     )
     ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL
     DO NOTHING
-    RETURNING j.id, j.run_at, j.created_at,
+    RETURNING j.id, j.run_at, j.created_at, j.scheduled,
               (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
 """
 
@@ -66,16 +73,17 @@ INSERT_UNIQUE_JOB = """
 # instead of a row per job.
 INSERT_JOBS = """
     WITH inserted AS (
-        INSERT INTO pgjobs_job AS j (id, queue, task, payload, priority, run_at, max_attempts)
+        INSERT INTO pgjobs_job AS j
+            (id, queue, task, payload, priority, run_at, scheduled, max_attempts)
         SELECT i.id, %(queue)s, %(task)s, i.payload::jsonb, %(priority)s,
-               COALESCE(%(run_at)s::timestamptz,
-                        statement_timestamp()
-                        + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
-               %(max_attempts)s
-        FROM unnest(%(ids)s::uuid[], %(payloads)s::text[]) AS i(id, payload)
-        RETURNING j.run_at, j.created_at
+               t.run_at, t.run_at > statement_timestamp(), %(max_attempts)s
+        FROM unnest(%(ids)s::uuid[], %(payloads)s::text[]) AS i(id, payload),
+             (SELECT COALESCE(%(run_at)s::timestamptz,
+                              statement_timestamp()
+                              + make_interval(secs => COALESCE(%(delay)s::float8, 0)))) AS t(run_at)
+        RETURNING j.run_at, j.created_at, j.scheduled
     )
-    SELECT min(run_at), min(created_at), count(*),
+    SELECT min(run_at), min(created_at), bool_and(scheduled), count(*),
            (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
     FROM inserted
 """
@@ -94,6 +102,10 @@ INSERT_JOBS = """
 # - due: per queue, an index range scan of the claim index in its own order that stops after
 #   %(limit)s rows; SKIP LOCKED, so concurrent workers never wait for each other or take the
 #   same job. `queue = ANY(...)` ordered across queues would read and sort every ready row.
+#   Jobs that were scheduled (not yet due when written) are not in the claim index, so the
+#   scan never walks past waiting jobs of a higher priority; those that have come due are
+#   found by run_at in the scheduled index (few: workers move them to the claim index every
+#   second, see PROMOTE), and take their turn by priority like the others.
 # - turns: the queues take turns (each queue's best job, then each queue's second best, ...;
 #   ties in claim order), so an old backlog in one queue never starves another.
 # - claimed: running, leased for %(lease)s seconds, attempts counting this one, and the claim
@@ -123,6 +135,8 @@ SETTLE_AND_CLAIM = """
             run_at = CASE WHEN j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts
                           THEN j.run_at
                           ELSE statement_timestamp() + make_interval(secs => f.delay) END,
+            scheduled = NOT (j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)
+                        AND f.delay > 0,
             leased_until = NULL,
             last_error = f.summary,
             errors = jsonb_path_query_array(
@@ -145,11 +159,23 @@ SETTLE_AND_CLAIM = """
         FROM unnest(%(queues)s::text[]) WITH ORDINALITY AS q(name, turn_of)
         CROSS JOIN LATERAL (
             SELECT id, priority, run_at FROM pgjobs_job
-            WHERE status = 'ready' AND queue = q.name AND run_at <= statement_timestamp()
+            WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+              AND run_at <= statement_timestamp()
             ORDER BY priority DESC, run_at, id
             LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED
         ) AS d
+        UNION ALL
+        SELECT s.id, s.priority, s.run_at, q.turn_of
+        FROM unnest(%(queues)s::text[]) WITH ORDINALITY AS q(name, turn_of)
+        CROSS JOIN LATERAL (
+            SELECT id, priority, run_at FROM pgjobs_job
+            WHERE status = 'ready' AND scheduled AND queue = q.name
+              AND run_at <= statement_timestamp()
+            ORDER BY run_at, id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ) AS s
     ),
     turns AS (
         SELECT id FROM due
@@ -160,7 +186,7 @@ SETTLE_AND_CLAIM = """
     claimed AS (
         UPDATE pgjobs_job AS j
         SET status = 'running', attempts = j.attempts + 1, claims = j.claims + 1,
-            worker = %(worker)s,
+            worker = %(worker)s, scheduled = false,
             started_at = statement_timestamp(),
             leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
         FROM turns
@@ -168,12 +194,12 @@ SETTLE_AND_CLAIM = """
         RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
                   j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
                   j.created_at, j.finished_at, j.unique_key, j.started_at,
-                  j.cancel_requested, j.result, j.claims
+                  j.cancel_requested, j.result, j.claims, j.scheduled
     )
     SELECT 'claimed' AS kind, * FROM claimed
     UNION ALL
     SELECT 'settled', id, NULL, NULL, NULL, status, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims, NULL
     FROM (SELECT * FROM succeeded UNION ALL SELECT * FROM failed) AS settled
 """
 
@@ -217,7 +243,8 @@ RELEASE = """
         leased_until = NULL,
         attempts = j.attempts - 1,
         run_at = CASE WHEN j.cancel_requested OR %(delay)s::float8 IS NULL THEN j.run_at
-                      ELSE statement_timestamp() + make_interval(secs => %(delay)s) END
+                      ELSE statement_timestamp() + make_interval(secs => %(delay)s) END,
+        scheduled = NOT j.cancel_requested AND COALESCE(%(delay)s::float8, 0) > 0
     FROM unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
     WHERE j.id = mine.id AND j.claims = mine.claims
       AND j.status = 'running' AND j.worker = %(worker)s
@@ -243,6 +270,7 @@ REAP = """
                            THEN statement_timestamp() END,
         run_at = statement_timestamp() + make_interval(
             secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
+        scheduled = NOT (j.cancel_requested OR j.attempts >= j.max_attempts),
         leased_until = NULL,
         last_error = 'WorkerLost: lease expired while held by ' || j.worker,
         errors = jsonb_path_query_array(
@@ -257,6 +285,20 @@ REAP = """
     WHERE j.id = expired.id AND j.status = 'running'
       AND j.leased_until < statement_timestamp()
     RETURNING j.status
+"""
+
+# Scheduled jobs that have come due join the claim index, oldest first, in bounded batches, so
+# that claims see them in priority order (until then claims find them by run_at). SKIP LOCKED:
+# every worker may do it at once.
+PROMOTE = """
+    UPDATE pgjobs_job AS j SET scheduled = false
+    WHERE j.id IN (
+        SELECT id FROM pgjobs_job
+        WHERE status = 'ready' AND scheduled AND run_at <= statement_timestamp()
+        ORDER BY run_at
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
 """
 
 # ---- queues with controls ---------------------------------------------------------------------

@@ -130,7 +130,15 @@ QUEUES_SQL = """
                count(*) FILTER (WHERE attempts > 0) AS retrying,
                0 AS running, 0 AS failed,
                min(run_at) FILTER (WHERE run_at <= now()) AS oldest_due
-        FROM pgjobs_job WHERE status = 'ready' GROUP BY queue
+        FROM pgjobs_job WHERE status = 'ready' AND NOT scheduled GROUP BY queue
+        UNION ALL
+        SELECT queue,
+               count(*) FILTER (WHERE run_at <= now()),
+               count(*) FILTER (WHERE run_at > now()),
+               count(*) FILTER (WHERE attempts > 0),
+               0, 0,
+               min(run_at) FILTER (WHERE run_at <= now())
+        FROM pgjobs_job WHERE status = 'ready' AND scheduled GROUP BY queue
         UNION ALL
         SELECT queue, 0, 0, 0, count(*), 0, NULL FROM pgjobs_job
         WHERE status = 'running' GROUP BY queue

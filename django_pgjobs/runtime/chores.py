@@ -20,6 +20,9 @@ from django_pgjobs.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+#: Scheduled jobs moved into the claim index per statement.
+PROMOTE_BATCH = 1000
+
 
 class Chore:
     """Something a worker does now and then."""
@@ -53,6 +56,19 @@ class Reaper(Chore):
             )
             self.on_reaped()
         return self.interval
+
+
+class Promoter(Chore):
+    """Moves scheduled jobs that have come due into the claim index (any worker's: see
+    sql.PROMOTE), so that claims see them in priority order."""
+
+    def __init__(self, jobs: JobManager, interval: float) -> None:
+        super().__init__()
+        self.jobs, self.interval = jobs, interval
+
+    def run(self) -> float:
+        full = self.jobs.promote(limit=PROMOTE_BATCH) == PROMOTE_BATCH
+        return 0.0 if full else self.interval
 
 
 class Pruner(Chore):

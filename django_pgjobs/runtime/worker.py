@@ -22,7 +22,7 @@ from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime import execute, listener, policy
-from django_pgjobs.runtime.chores import Chore, Pruner, Reaper, Reporter, Ticker
+from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.leases import LeaseKeeper
 from django_pgjobs.runtime.locks import LockWaits
@@ -50,6 +50,7 @@ class Options:
     listen: bool = True
     once: bool = False
     reap_interval: float = 5.0
+    promote_interval: float = 1.0  # how often due scheduled jobs join the claim index
     prune_interval: float = 60.0
     stats_interval: float = 10.0
     controls_interval: float = 1.0  # how often the Queue controls (pause, limits) are read
@@ -81,7 +82,10 @@ class Worker:
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._last_claim_empty = False
         self.controls = QueueControls(options.queues, options.controls_interval)
-        self._chores: list[Chore] = [Reaper(self.jobs, options.reap_interval, self.poll_now)]
+        self._chores: list[Chore] = [
+            Reaper(self.jobs, options.reap_interval, self.poll_now),
+            Promoter(self.jobs, options.promote_interval),
+        ]
         if not options.once:
             self._chores += [
                 Pruner(self.jobs, options.prune_interval),
