@@ -154,3 +154,12 @@ def locks_its_own_job_row(seconds: float) -> None:
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [job.pk])
         time.sleep(seconds)
+
+
+@task(max_attempts=1)
+async def checks_for_cancellation_asynchronously() -> None:
+    """An async handler asking cancel_requested() (a query, from inside an event loop)."""
+    from django_pgjobs import JobCancelled, cancel_requested
+
+    if cancel_requested():
+        raise JobCancelled("asked to stop")

@@ -1,0 +1,148 @@
+"""Hostile input and operators, in-process: what must never wedge, loop or fail as a whole."""
+
+from __future__ import annotations
+
+import copy
+import math
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from django.db import connection, connections, transaction
+
+from django_pgjobs import Retry
+from django_pgjobs.data.records import Failure
+from django_pgjobs.errors import EnqueueError
+from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Handled, Verdict
+from django_pgjobs.runtime import execute
+from django_pgjobs.runtime.worker import Options, Worker
+from django_pgjobs.status import Status
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"delay": 1e17}, "at most"),
+        ({"delay": timedelta(days=100_000_000)}, "at most"),
+        ({"run_at": datetime.max.replace(tzinfo=timezone(-timedelta(hours=23)))}, "out of range"),
+        ({"payload": {"deep": _nested(100)}}, "levels deep"),
+        ({"payload": {"n": 10**5000}}, "bits"),
+    ],
+    ids=[
+        "delay 1e17 s",
+        "delay 1e8 days",
+        "run_at past 9999 in UTC",
+        "nested 100 deep",
+        "huge int",
+    ],
+)
+def test_input_no_query_could_load_again_is_refused_and_the_transaction_goes_on(options, words):
+    with transaction.atomic():
+        with pytest.raises(EnqueueError, match=words):
+            Job.objects.enqueue("tests.tasks.noop", **options)
+        # Refused before anything reached the database: the caller's transaction is intact.
+        assert Job.objects.count() == 0
+        Job.objects.enqueue("tests.tasks.noop")
+    assert Job.objects.count() == 1
+
+
+def test_retry_refuses_a_delay_no_timestamp_can_hold():
+    for delay in (math.inf, 1e17, timedelta(days=100_000_000), "soon"):
+        with pytest.raises(ValueError, match="Retry"):
+            Retry(delay)  # type: ignore[arg-type]
+
+
+@pytest.mark.django_db
+def test_replaying_dead_letters_that_share_a_key_replays_the_oldest_and_skips_the_rest():
+    first = Job.objects.enqueue("tests.tasks.noop", unique_key="order-7")
+    Job.objects.filter(pk=first.pk).cancel()
+    second = Job.objects.enqueue("tests.tasks.noop", unique_key="order-7")
+    Job.objects.filter(pk=second.pk).cancel()
+    other = Job.objects.enqueue("tests.tasks.noop")
+    Job.objects.filter(pk=other.pk).cancel()
+
+    replayed = Job.objects.all().replay()
+
+    assert sorted(replayed) == sorted([first.pk, other.pk])
+    assert Job.objects.get(pk=second.pk).status == Status.CANCELLED
+    # Again: the key is held by the replayed job now, so nothing more is replayed.
+    assert Job.objects.all().replay() == []
+
+
+class ReadReplicaRouter:
+    """Reads from "replica", a second connection that cannot see the test's uncommitted rows:
+    a replica that is behind."""
+
+    def db_for_read(self, model: Any, **hints: Any) -> str:
+        return "replica"
+
+    def db_for_write(self, model: Any, **hints: Any) -> str:
+        return "default"
+
+    def allow_relation(self, *objects: Any, **hints: Any) -> bool:
+        return True
+
+
+@pytest.fixture
+def replica():
+    connections.settings["replica"] = copy.deepcopy(connection.settings_dict)
+    yield
+    connections["replica"].close()
+    del connections["replica"]
+    del connections.settings["replica"]
+
+
+@pytest.mark.django_db
+def test_a_held_key_is_found_on_the_write_database_behind_a_lagging_read_replica(settings, replica):
+    holder = Job.objects.enqueue("tests.tasks.noop", unique_key="invoice-1")
+    settings.DATABASE_ROUTERS = [ReadReplicaRouter()]
+
+    again = Job.objects.enqueue("tests.tasks.noop", unique_key="invoice-1")
+
+    assert again.pk == holder.pk
+
+
+@pytest.mark.django_db(transaction=True)  # the check asks from a thread of its own
+def test_cancel_requested_works_in_an_async_handler():
+    Job.objects.enqueue("tests.hostile.checks_for_cancellation_asynchronously")
+    (job,) = Job.objects.claim(["default"], worker="w1")
+    Job.objects.filter(pk=job.pk).cancel()
+
+    handled = execute.run(job)
+
+    assert handled.failure is not None
+    assert handled.failure.type == "django_pgjobs.errors.JobCancelled", handled.failure
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_the_database_refuses_is_dead_lettered_and_the_others_are_recorded():
+    for _ in range(3):
+        Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(Options(queues=["default"], concurrency=3))
+    jobs = Job.objects.claim(["default"], worker=worker.id, limit=3)
+    worker.take(jobs, 3)
+    ok = Handled(Verdict.SUCCEEDED)
+    # A delay no interval can hold, as a handler's outcome could carry before delays were
+    # checked where they are made: the batch's statement fails on it.
+    refused = Handled(Verdict.ERROR, delay=1e300, failure=Failure("RuntimeError", "boom"))
+    for job, handled in zip(jobs, [ok, refused, ok], strict=True):
+        worker._settler.finished(job, handled)
+
+    worker._settler.settle_and_fetch()
+
+    statuses = {job.pk: Job.objects.get(pk=job.pk) for job in jobs}
+    assert statuses[jobs[0].pk].status == statuses[jobs[2].pk].status == Status.SUCCEEDED
+    dead = statuses[jobs[1].pk]
+    assert dead.status == Status.FAILED
+    assert "OutcomeRefused" in dead.last_error and "boom" not in dead.last_error
+    assert not worker._in_flight
+    assert datetime.now(UTC) > dead.finished_at
