@@ -22,6 +22,9 @@ class Settings:
     MAX_ATTEMPTS: int = 5
     #: Seconds a claim holds a job before another worker may take it back.
     LEASE: float = 30.0
+    #: Seconds one attempt may run before it is recorded as failed, for tasks that set no
+    #: timeout= of their own; None: no limit.
+    TIMEOUT: float | None = None
     #: Backoff before retry n: a random delay in [0, min(BACKOFF_MAX, BACKOFF_BASE * 2**(n-1))].
     BACKOFF_BASE: float = 2.0
     BACKOFF_MAX: float = 3600.0

@@ -37,3 +37,7 @@ class PayloadMismatch(TypeError):
 
 class JobCancelled(PermanentError):
     """Raise from a handler that noticed ``cancel_requested()``: the job ends as cancelled."""
+
+
+class JobTimeout(Exception):
+    """An attempt ran past its time limit (``@task(timeout=...)`` or PGJOBS["TIMEOUT"])."""

@@ -33,6 +33,9 @@ class Task:
     max_attempts: int | None = None
     backoff: Backoff | None = None
     lease: float | None = None
+    #: Seconds one attempt may run before it is recorded as failed (JobTimeout); None: PGJOBS
+    #: ["TIMEOUT"] (by default no limit). See runtime/timeouts.py for how it is enforced.
+    timeout: float | None = None
     permanent_errors: tuple[type[BaseException], ...] = ()
     #: Payload keys shown as "[redacted]" in the admin and in logs.
     redact: frozenset[str] = field(default_factory=frozenset)
@@ -106,6 +109,7 @@ def task(
     max_attempts: int | None = None,
     backoff: Backoff | None = None,
     lease: float | None = None,
+    timeout: float | None = None,
     permanent_errors: Collection[type[BaseException]] = (),
     redact: Collection[str] = (),
     cron: str | None = None,
@@ -120,6 +124,7 @@ def task(
     max_attempts: int | None = None,
     backoff: Backoff | None = None,
     lease: float | None = None,
+    timeout: float | None = None,
     permanent_errors: Collection[type[BaseException]] = (),
     redact: Collection[str] = (),
     cron: str | None = None,
@@ -138,6 +143,10 @@ def task(
             raise ValueError(
                 f"@task(lease=...) must be a positive number of seconds, got {lease!r}."
             )
+        if timeout is not None and not (isinstance(timeout, int | float) and 0 < timeout < 1e9):
+            raise ValueError(
+                f"@task(timeout=...) must be a positive number of seconds, got {timeout!r}."
+            )
         if max_attempts is not None and max_attempts < 1:
             raise ValueError(f"@task(max_attempts=...) must be 1 or more, got {max_attempts!r}.")
         if cron is not None:
@@ -150,6 +159,7 @@ def task(
             max_attempts=max_attempts,
             backoff=backoff,
             lease=lease,
+            timeout=timeout,
             permanent_errors=tuple(permanent_errors),
             redact=frozenset(redact),
             cron=cron,

@@ -249,6 +249,19 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             cursor.execute(sql.PROMOTE, {"limit": limit})
             return int(cursor.rowcount)
 
+    def abandon(self, worker: str, reason: str) -> tuple[int, int]:
+        """Take back every running job of `worker`, a worker known to be dead (e.g. its
+        supervisor saw its process exit), at once: to ready, or failed when no attempts remain,
+        recording the attempt as lost with `reason`. Returns (returned to ready, failed)."""
+        params = {
+            "worker": worker,
+            "reason": reason,
+            "error": Failure("WorkerLost", reason).as_json(),
+            "errors_kept": sql.errors_kept(get_settings().ERRORS_KEPT),
+        }
+        statuses = [status for (status,) in rows.execute(self._write_db(), sql.ABANDON, params)]
+        return statuses.count(Status.READY), statuses.count(Status.FAILED)
+
     def reap(self, *, limit: int = 1000) -> tuple[int, int]:
         """Take back running jobs whose lease expired: to ready (after a backoff), or to failed
         when no attempts remain, recording "lease expired" as the attempt's error. Safe to run

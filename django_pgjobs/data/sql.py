@@ -301,6 +301,30 @@ PROMOTE = """
     )
 """
 
+# Take back every running job of one worker known to be dead (its supervisor saw the process
+# exit), without waiting for the leases: as REAP, but due again at once, and with the cause.
+ABANDON = """
+    UPDATE pgjobs_job AS j SET
+        status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
+        finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
+                           THEN statement_timestamp() END,
+        run_at = statement_timestamp(),
+        scheduled = false,
+        leased_until = NULL,
+        last_error = 'WorkerLost: ' || %(reason)s,
+        errors = jsonb_path_query_array(
+            j.errors || jsonb_build_array(
+                jsonb_build_object(
+                    'attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker
+                ) || %(error)s::jsonb
+            ),
+            %(errors_kept)s::jsonpath
+        )
+    WHERE j.status = 'running' AND j.worker = %(worker)s
+    RETURNING j.status
+"""
+
 # ---- queues with controls ---------------------------------------------------------------------
 
 # Claims on a queue with a Queue row take turns: the row is locked first, so the count of

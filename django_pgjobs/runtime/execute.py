@@ -16,7 +16,7 @@ from django_pgjobs import registry
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
 from django_pgjobs.delays import as_seconds
-from django_pgjobs.errors import PayloadMismatch, Retry, UnknownTask
+from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.retry import ExponentialBackoff, is_permanent
 
@@ -115,6 +115,18 @@ def raised(
     )
 
 
+def timed_out(job: Job, timeout: float) -> Handled:
+    """How an attempt that ran past its time limit ends: a failed attempt (JobTimeout), retried
+    after the task's backoff or dead-lettered, like any error."""
+    try:
+        task = registry.get_task(job.task)
+        backoff, permanent_errors = task.backoff, task.permanent_errors
+    except UnknownTask:
+        backoff, permanent_errors = None, ()
+    error = JobTimeout(f"the attempt ran longer than its time limit of {timeout:g}s")
+    return raised(job, error, backoff, permanent_errors, time.perf_counter() - timeout)
+
+
 def settle(job: Job, handled: Handled) -> Outcome:
     """Record how one attempt ended, on its own (the worker batches instead). Returns the
     outcome recorded, LOST when the job's lease was lost meanwhile."""
@@ -128,6 +140,17 @@ def settle(job: Job, handled: Handled) -> Outcome:
     assert handled.failure is not None
     status = jobs.fail(job, handled.failure, permanent=handled.permanent, delay=handled.delay)
     return Outcome.of_status(status)
+
+
+def limits_of(job: Job, default_lease: float) -> tuple[float, float | None]:
+    """The lease (seconds) and time limit (seconds, or None) of `job`'s attempts: its task's,
+    else the worker's lease and PGJOBS["TIMEOUT"]."""
+    try:
+        task = registry.get_task(job.task)
+        lease, timeout = task.lease, task.timeout
+    except UnknownTask:
+        lease, timeout = None, None
+    return lease or default_lease, timeout or get_settings().TIMEOUT
 
 
 def check_arguments(

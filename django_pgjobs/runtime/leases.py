@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 class LeaseKeeper:
     """Heartbeats `claims()` (the worker's running jobs) on its own connection; `lease_of(job)`
-    is each job's lease in seconds. Jobs whose claim was lost are passed to `on_lost`."""
+    is each job's lease in seconds. A claim found lost is logged: its outcome will be refused."""
 
     def __init__(
         self,
@@ -26,11 +26,10 @@ class LeaseKeeper:
         claims: Callable[[], list[Job]],
         lease_of: Callable[[Job], float],
         default_lease: float,
-        on_lost: Callable[[list[Job]], None],
         lock_waits: LockWaits,
     ) -> None:
         self.jobs, self.claims, self.lease_of = jobs, claims, lease_of
-        self.default_lease, self.on_lost = default_lease, on_lost
+        self.default_lease = default_lease
         self.lock_waits = lock_waits
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="pgjobs-leases", daemon=True)
@@ -54,9 +53,12 @@ class LeaseKeeper:
             skipped = [job for job in jobs if job.pk not in renewed]
             if skipped:  # locked elsewhere (renewed next time), or lost
                 held = self.jobs.held(skipped)
-                lost = [job for job in skipped if job.pk not in held]
-                if lost:
-                    self.on_lost(lost)
+                for job in skipped:
+                    if job.pk not in held:
+                        logger.warning(
+                            "lost the lease of job %s (%s); its outcome will not be recorded",
+                            job.pk, job.task,
+                        )  # fmt: skip
 
     def _keep(self) -> None:
         try:

@@ -3,6 +3,9 @@ and when finished outcomes are worth a statement."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 #: Longest a finished job's outcome waits for others to share its statement (see settle_due).
 SETTLE_DELAY = 0.002
 
@@ -61,3 +64,16 @@ def settle_due(
 def outage_pause(failures: int) -> float:
     """How long to wait before trying the database again after `failures` failures in a row."""
     return min(OUTAGE_BACKOFF_MAX, 0.05 * 2.0 ** min(failures, 20))
+
+
+def resident_mb() -> float:
+    """This process's resident memory in MB (Linux: now; elsewhere: its peak so far)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource  # not on Windows; only reached where /proc is missing
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10

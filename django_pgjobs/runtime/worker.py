@@ -5,28 +5,24 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import secrets
-import socket
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
-from django.db import DatabaseError, close_old_connections, connections, router
+from django.db import DatabaseError, connections, router
 
-from django_pgjobs import registry, signals
+from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
-from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime import execute, listener, policy
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
+from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.leases import LeaseKeeper
 from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.logs import log_activity, log_outcome
+from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.scheduler import Scheduler
 from django_pgjobs.runtime.settling import Settler
@@ -34,40 +30,17 @@ from django_pgjobs.runtime.settling import Settler
 logger = logging.getLogger(__name__)
 
 
-def worker_id() -> str:
-    """Unique per process: host, pid and a random suffix (pids are reused, hosts are cloned)."""
-    return f"{socket.gethostname()[:150]}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-@dataclass
-class Options:
-    queues: Sequence[str] = ("default",)
-    concurrency: int = 10
-    batch_size: int = 100
-    lease: float | None = None  # default PGJOBS["LEASE"]
-    grace: float = 30.0
-    poll_interval: float = 2.0
-    listen: bool = True
-    once: bool = False
-    reap_interval: float = 5.0
-    promote_interval: float = 1.0  # how often due scheduled jobs join the claim index
-    prune_interval: float = 60.0
-    stats_interval: float = 10.0
-    controls_interval: float = 1.0  # how often the Queue controls (pause, limits) are read
-
-
 class Worker:
-    """One worker process's runtime. ``run()`` returns True when it stopped (or, with once,
-    drained) with every job it held recorded or released."""
+    """One worker process's runtime. ``run()`` returns how it ended (an Exit)."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
-        self.id = worker_id()
+        self.id = options.worker_id or worker_id()
         self.lease = options.lease or get_settings().LEASE
         self.db = router.db_for_write(Job)
         self.jobs = Job.objects.db_manager(self.db)
         self.activity = ActivityTally()
-        self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._handlers = HandlerPool(options.concurrency, self._handed_in, self.timeout_of)
         self._wake = threading.Event()
         # Claimed and not yet settled, keyed by the claim (its Job object), never by job id: a
         # stale claim's outcome must not unregister a newer claim of the same job.
@@ -76,6 +49,8 @@ class Worker:
         self._settler = Settler(self)
         self._stopping = False
         self._deadline = float("inf")
+        self._exit = Exit.OK
+        self._recorded = 0  # outcomes recorded, for --max-jobs-per-child
         self._poll_now = True  # set by wake-ups: claim at the next turn of the loop
         self._next_poll = 0.0
         self._poll_delay = 0.0
@@ -94,10 +69,8 @@ class Worker:
         self._chores.append(Reporter(options.stats_interval, self._report))
         self._lock_waits = LockWaits(self.db)
         self._leases = LeaseKeeper(
-            self.jobs, self.running_claims, self.lease_of, self.lease, self._lost,
-            self._lock_waits,
-        )  # fmt: skip
-        self._threads: list[threading.Thread] = []
+            self.jobs, self.running_claims, self.lease_of, self.lease, self._lock_waits
+        )
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -113,7 +86,7 @@ class Worker:
         self._poll_now = True
         self._wake.set()
 
-    def run(self) -> bool:
+    def run(self) -> Exit:
         """Run until stopped (or, with once, drained). WorkerError, with once, when the
         database cannot be used at all."""
         options = self.options
@@ -155,7 +128,14 @@ class Worker:
         # Before claiming: never claim from a paused queue.
         if self.controls.read_if_due(self.db):
             self._poll_now = True  # a queue was resumed: look at once
+            self._check_limits()
+        for job in self._handlers.time_out():
+            timeout = self.timeout_of(job) or 0.0
+            logger.error("job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
+            self._settler.finished(job, execute.timed_out(job, timeout))
         self._settler.settle_and_fetch()
+        if self._handlers.deadlines.abandoned_alive() >= self.options.concurrency:
+            self._recycle("as many handler threads as it has were abandoned past their limit")
         if self._stopping:
             self._release_unstarted()
         else:
@@ -197,7 +177,7 @@ class Worker:
             for job in jobs:
                 self._in_flight[id(job)] = job
         for job in jobs:
-            self._todo.put(job)
+            self._handlers.submit(job)
         self._last_claim_empty = not jobs
         self._poll_delay = policy.poll_delay(
             self._poll_delay, len(jobs), wanted, self.options.poll_interval
@@ -209,6 +189,9 @@ class Worker:
         with self._lock:
             self._in_flight.pop(id(job), None)
         self.activity.finished(job, outcome)
+        self._recorded += 1
+        if self.options.max_jobs and self._recorded >= self.options.max_jobs:
+            self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
         if job.queue in self.controls.limited:
             self._poll_now = True  # a slot under the queue's limit is free again
         signals.announce(
@@ -225,17 +208,26 @@ class Worker:
             claims = list(self._in_flight.values())
         return self._settler.unfinished(claims)
 
-    def lease_of(self, job: Job) -> float:
-        try:
-            return registry.get_task(job.task).lease or self.lease
-        except UnknownTask:
-            return self.lease
+    def timeout_of(self, job: Job) -> float | None:
+        return execute.limits_of(job, self.lease)[1]
 
-    def _lost(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            logger.warning(
-                "lost the lease of job %s (%s); its outcome will not be recorded", job.pk, job.task
-            )
+    def _recycle(self, why: str) -> None:
+        if not self._stopping:
+            logger.info("worker %s stops to be replaced: %s", self.id, why)
+            self._exit = Exit.RECYCLE
+            self.stop()
+
+    def _check_limits(self) -> None:
+        parent = self.options.parent_pid
+        if parent is not None and os.getppid() != parent:
+            logger.warning("worker %s: its supervisor %d is gone; stopping", self.id, parent)
+            self.stop()
+        limit = self.options.max_memory_mb
+        if limit and (used := policy.resident_mb()) > limit:
+            self._recycle(f"it uses {used:.0f} MB (--max-memory-per-child {limit:g})")
+
+    def lease_of(self, job: Job) -> float:
+        return execute.limits_of(job, self.lease)[0]
 
     def _report(self, seconds: float) -> None:
         """Write what this worker did per queue since the last report (QueueStat rows), and
@@ -250,6 +242,7 @@ class Worker:
         """Until the next chore or poll; finishing handlers and wake-ups interrupt the wait."""
         waits = [chore.due_in() for chore in self._chores]
         waits.append(self._settler.due_in())
+        waits.append(self._handlers.deadlines.next_in())
         if self._stopping:
             waits.append(self._deadline - time.monotonic())
         elif self.free_slots() > 0:
@@ -259,10 +252,7 @@ class Worker:
     # ---- threads ---------------------------------------------------------------------------
 
     def _start_threads(self) -> None:
-        for n in range(self.options.concurrency):
-            thread = threading.Thread(target=self._handle, name=f"pgjobs-handler-{n}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._handlers.start()
         if self.options.listen and not self.options.once:
             thread = threading.Thread(
                 target=listener.listen,
@@ -271,24 +261,11 @@ class Worker:
                 daemon=True,
             )
             thread.start()
-            self._threads.append(thread)
         self._leases.start()
 
-    def _handle(self) -> None:
-        """A handler thread: run jobs outside any transaction, connections handled per job the
-        way Django handles them per request. Whatever happens, each job gets an outcome."""
-        while (job := self._todo.get()) is not None:
-            started = time.perf_counter()
-            try:
-                close_old_connections()
-                signals.send(signals.job_started, Job, job=job)
-                handled = execute.run(job)  # never raises; its duration is the handler's own
-                close_old_connections()
-            except BaseException as error:
-                handled = execute.raised(job, error, None, (), started)
-            if self._settler.finished(job, handled):
-                self._wake.set()
-        connections.close_all()
+    def _handed_in(self, job: Job, handled: Handled) -> None:
+        if self._settler.finished(job, handled):
+            self._wake.set()
 
     def _on_notify(self, queue_name: str) -> None:
         if queue_name in self.options.queues:
@@ -298,14 +275,7 @@ class Worker:
 
     def _release_unstarted(self) -> None:
         """Jobs claimed but not yet handed to a thread go back at once."""
-        unstarted = []
-        while True:
-            try:
-                job = self._todo.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                unstarted.append(job)
+        unstarted = self._handlers.unstarted()
         if unstarted:
             try:
                 self.jobs.release(unstarted)
@@ -314,12 +284,10 @@ class Worker:
                     for job in unstarted:
                         self._in_flight.pop(id(job), None)
 
-    def _shutdown(self) -> bool:
-        """Release what is left; True when every job this worker held was recorded or
-        released."""
+    def _shutdown(self) -> Exit:
+        """Release what is left; say how the worker ended."""
         self._leases.stop()
-        for _ in range(self.options.concurrency):
-            self._todo.put(None)
+        self._handlers.stop()
         left = list(self._in_flight.values())
         clean = True
         try:
@@ -347,4 +315,4 @@ class Worker:
         connections.close_all()
         self._lock_waits.stop()
         logger.info("worker %s stopped", self.id)
-        return clean
+        return self._exit if clean else Exit.UNRELEASED

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
-from argparse import ArgumentParser, ArgumentTypeError
+import sys
+import threading
+from argparse import SUPPRESS, ArgumentParser, ArgumentTypeError
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import autoreload
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
+from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
-from django_pgjobs.runtime.worker import Options, Worker
+from django_pgjobs.runtime.supervisor import Supervisor
+from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.validation import check_queue
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -102,6 +109,34 @@ class Command(BaseCommand):
                             help="do not LISTEN for wake-ups; poll only (PgBouncer in transaction "
                                  "pooling mode)")  # fmt: skip
         parser.add_argument(
+            "--processes",
+            "-p",
+            type=_positive(int),
+            default=1,
+            help="worker processes, each with --concurrency threads, run and restarted by a "
+            "supervisor (default 1: this process is the worker)",
+        )
+        parser.add_argument(
+            "--max-jobs-per-child",
+            type=_positive(int),
+            metavar="N",
+            help="replace a worker process gracefully after it recorded N outcomes",
+        )
+        parser.add_argument(
+            "--max-memory-per-child",
+            type=_positive(float),
+            metavar="MB",
+            help="replace a worker process gracefully when its resident memory passes MB",
+        )
+        parser.add_argument(
+            "--reload",
+            action="store_true",
+            help="restart when Python files change (development; Django's autoreloader)",
+        )
+        # Set by the supervisor for its children.
+        parser.add_argument("--worker-id", help=SUPPRESS)
+        parser.add_argument("--supervised-by", type=int, help=SUPPRESS)
+        parser.add_argument(
             "--metrics-port",
             type=_positive(int),
             metavar="PORT",
@@ -116,6 +151,30 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         _show_logs(options["verbosity"])
+        if options["once"] and options["processes"] > 1:
+            raise CommandError("--once runs one worker; leave out --processes.")
+
+        def run() -> int:
+            return self.run(options)
+
+        code = _with_reloader(run) if options["reload"] else run()
+        if code == Exit.UNRELEASED:
+            raise CommandError(
+                "stopped without recording or releasing every job it held; "
+                "those return to ready when their leases expire"
+            )
+        if code:
+            sys.exit(code)
+
+    def run(self, options: dict[str, Any]) -> int:
+        """Run the supervisor or the worker until stopped; returns the exit code."""
+        if options["processes"] > 1:
+            supervisor = Supervisor(options["processes"], _child_args(options))
+            _stoppers.append(supervisor.stop)
+            try:
+                return supervisor.run()
+            finally:
+                _stoppers.remove(supervisor.stop)
         if options["metrics_port"]:
             _serve_metrics(options["metrics_port"], options["metrics_addr"])
         worker = Worker(
@@ -128,25 +187,73 @@ class Command(BaseCommand):
                 poll_interval=options["poll_interval"],
                 listen=options["listen"],
                 once=options["once"],
+                worker_id=options["worker_id"],
+                max_jobs=options["max_jobs_per_child"],
+                max_memory_mb=options["max_memory_per_child"],
+                parent_pid=options["supervised_by"],
             )
         )
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             worker.stop()
 
-        previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+        # Signal handlers belong to the main thread (under --reload the worker runs on another:
+        # the reloader stops it at exit instead, see _with_reloader).
+        main = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS} if main else {}
+        _stoppers.append(worker.stop)
         try:
-            clean = worker.run()
+            return int(worker.run())
         except WorkerError as error:
             raise CommandError(str(error)) from None
         finally:
+            _stoppers.remove(worker.stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        if not clean:
-            raise CommandError(
-                "stopped without recording or releasing every job it held; "
-                "those return to ready when their leases expire"
-            )
+
+
+#: How to stop what runs (for the reloader's exit).
+_stoppers: list[Callable[..., None]] = []
+
+
+def _with_reloader(run: Callable[[], int]) -> int:
+    """Run `run` under Django's autoreloader: the process restarts when a Python file changes.
+
+    The reloader runs `run` on a thread of its own and exits the process to restart it; at that
+    exit the worker (or supervisor) is stopped at once, so that it releases its jobs."""
+    finished = threading.Event()
+    codes: list[int] = []
+
+    def inner() -> None:
+        try:
+            codes.append(run())
+        finally:
+            finished.set()
+
+    def stop_at_exit() -> None:
+        for stop in list(_stoppers):
+            stop(True)
+        finished.wait(10)
+
+    atexit.register(stop_at_exit)
+    autoreload.run_with_reloader(inner)
+    return codes[0] if codes else 0
+
+
+def _child_args(options: dict[str, Any]) -> list[str]:
+    """The command line of a supervisor's children: these options, but one process each."""
+    args = [f"--verbosity={options['verbosity']}"]
+    for queue in options["queues"] or []:
+        args += ["--queue", queue]
+    for name in ("concurrency", "batch_size", "lease", "grace", "poll_interval",
+                 "max_jobs_per_child", "max_memory_per_child"):  # fmt: skip
+        if options.get(name) is not None:
+            args.append(f"--{name.replace('_', '-')}={options[name]}")
+    if not options["listen"]:
+        args.append("--no-listen")
+    if options.get("settings"):
+        args.append(f"--settings={options['settings']}")
+    return args
 
 
 def _serve_metrics(port: int, addr: str) -> None:

@@ -1,0 +1,89 @@
+"""The worker's handler threads: each runs claimed jobs one at a time, outside any transaction,
+and hands how each ended to the worker; attempts past their time limit are abandoned and their
+threads replaced (see runtime/timeouts.py)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from django.db import close_old_connections, connections
+
+from django_pgjobs import signals
+from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Handled
+from django_pgjobs.runtime import execute
+from django_pgjobs.runtime.timeouts import Deadlines
+
+
+class HandlerPool:
+    """`size` threads running jobs; `finished(job, handled)` is called from the thread that ran
+    the job; `timeout_of(job)` is its attempt's time limit in seconds (None: none)."""
+
+    def __init__(
+        self,
+        size: int,
+        finished: Callable[[Job, Handled], None],
+        timeout_of: Callable[[Job], float | None],
+    ) -> None:
+        self.size = size
+        self.finished, self.timeout_of = finished, timeout_of
+        self.deadlines = Deadlines()
+        self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._count = 0
+
+    def start(self) -> None:
+        for _ in range(self.size):
+            self._start_thread()
+
+    def submit(self, job: Job) -> None:
+        self._todo.put(job)
+
+    def unstarted(self) -> list[Job]:
+        """Take back the jobs no thread has started yet."""
+        jobs: list[Job] = []
+        while True:
+            try:
+                job = self._todo.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is not None:
+                jobs.append(job)
+
+    def time_out(self) -> list[Job]:
+        """The attempts past their time limit: abandoned, each thread replaced by a new one."""
+        late = self.deadlines.overdue()
+        for job in late:
+            job.cancel_requested = True  # what cancel_requested() tells the handler
+            self._start_thread()
+        return late
+
+    def stop(self) -> None:
+        """Let every thread that is not abandoned end after its current job."""
+        for _ in range(self.size):
+            self._todo.put(None)
+
+    def _start_thread(self) -> None:
+        name = f"pgjobs-handler-{self._count}"
+        self._count += 1
+        threading.Thread(target=self._handle, name=name, daemon=True).start()
+
+    def _handle(self) -> None:
+        """Run jobs, connections handled per job the way Django handles them per request.
+        Whatever happens, each job gets an outcome."""
+        while (job := self._todo.get()) is not None:
+            started = time.perf_counter()
+            self.deadlines.begin(job, self.timeout_of(job))
+            try:
+                close_old_connections()
+                signals.send(signals.job_started, Job, job=job)
+                handled = execute.run(job)  # never raises; its duration is the handler's own
+                close_old_connections()
+            except BaseException as error:
+                handled = execute.raised(job, error, None, (), started)
+            if not self.deadlines.end(job):
+                break  # timed out: recorded already, and this thread was replaced
+            self.finished(job, handled)
+        connections.close_all()

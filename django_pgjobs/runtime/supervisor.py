@@ -1,0 +1,160 @@
+"""runjobs --processes N: a small supervisor that runs N worker processes and keeps them running.
+
+Each child is ``runjobs`` itself (its own connections, threads and LISTEN), started with a worker
+id the supervisor chose, so that when a child dies the supervisor takes back its running jobs at
+once (JobManager.abandon: the attempt is recorded as lost, due again now) instead of waiting for
+their leases. A child that dies is restarted with backoff; children that keep dying make the
+supervisor stop them all and exit non-zero. A child that exits to be recycled (Exit.RECYCLE) is
+replaced at once. SIGTERM or SIGINT stops every child gracefully; a second one, at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+
+from django.db import DatabaseError, connections
+
+from django_pgjobs.models import Job
+from django_pgjobs.runtime.options import Exit, worker_id
+
+logger = logging.getLogger(__name__)
+
+#: Children that died within CRASH_WINDOW seconds, past which the supervisor gives up.
+CRASH_LIMIT = 5
+CRASH_WINDOW = 60.0
+
+
+@dataclass
+class Child:
+    slot: int
+    worker_id: str
+    process: subprocess.Popen[bytes]
+
+
+@dataclass
+class Supervisor:
+    """Runs `count` children, each ``python -m django runjobs *args``."""
+
+    count: int
+    args: Sequence[str]
+    children: dict[int, Child] = field(default_factory=dict)
+    _stopping: int = 0  # stop signals received
+    _crashes: list[float] = field(default_factory=list)
+    _restart_at: dict[int, float] = field(default_factory=dict)  # slot → when to start again
+    _wake: threading.Event = field(default_factory=threading.Event)
+    _failed: bool = False
+
+    def run(self) -> int:
+        """Until stopped; returns the exit code (0 when every child stopped cleanly)."""
+        main = threading.current_thread() is threading.main_thread()  # not under --reload
+        handlers = (
+            {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS} if main else {}
+        )
+        try:
+            logger.info("supervisor %d starting %d worker processes", os.getpid(), self.count)
+            for slot in range(self.count):
+                self._start(slot)
+            while self.children or (self._restart_at and not self._stopping):
+                self._reap_children()
+                now = time.monotonic()
+                for slot, at in list(self._restart_at.items()):
+                    if at <= now and not self._stopping:
+                        del self._restart_at[slot]
+                        self._start(slot)
+                self._wake.wait(0.05)
+                self._wake.clear()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            connections.close_all()
+        return 1 if self._failed else 0
+
+    def stop(self, immediately: bool = False) -> None:
+        """Stop every child gracefully; called again (or `immediately`), at once. Safe from a
+        signal handler."""
+        self._stopping += 1
+        if immediately and self._stopping == 1:
+            self.stop()
+        for child in self.children.values():
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        self._wake.set()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop()
+
+    def _start(self, slot: int) -> None:
+        child_id = f"{worker_id()}/{slot}"
+        command = [
+            sys.executable, "-m", "django", "runjobs", *self.args,
+            "--worker-id", child_id, "--supervised-by", str(os.getpid()),
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        self.children[slot] = Child(slot, child_id, process)
+        logger.info("worker process %d started as %s", process.pid, child_id)
+
+    def _reap_children(self) -> None:
+        for slot, child in list(self.children.items()):
+            code = child.process.poll()
+            if code is None:
+                continue
+            del self.children[slot]
+            self._ended(child, code)
+
+    def _ended(self, child: Child, code: int) -> None:
+        pid = child.process.pid
+        if code in (Exit.OK, Exit.RECYCLE):
+            if code == Exit.RECYCLE and not self._stopping:
+                logger.info("worker process %d exited to be replaced; starting another", pid)
+                self._restart_at[child.slot] = time.monotonic()
+            elif not self._stopping:  # a clean exit nobody asked for: keep the slot filled
+                self._restart_at[child.slot] = time.monotonic()
+            return
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        self._take_back(child, f"worker process {pid} {how}")
+        if self._stopping:
+            self._failed = True
+            return
+        now = time.monotonic()
+        self._crashes = [at for at in self._crashes if at > now - CRASH_WINDOW] + [now]
+        if len(self._crashes) > CRASH_LIMIT:
+            logger.error(
+                "worker processes died %d times in %gs; stopping them all",
+                len(self._crashes), CRASH_WINDOW,
+            )  # fmt: skip
+            self._failed = True
+            self.stop()
+            return
+        pause = min(30.0, 0.5 * 2 ** (len(self._crashes) - 1))
+        logger.error("worker process %d %s; starting another in %.1fs", pid, how, pause)
+        self._restart_at[child.slot] = now + pause
+
+    def _take_back(self, child: Child, reason: str) -> None:
+        """The dead child's running jobs are ready again now, the attempt recorded as lost."""
+        try:
+            returned, failed = Job.objects.abandon(child.worker_id, reason)
+        except DatabaseError as error:
+            logger.error(
+                "could not take back the jobs of %s (%s); they return when their leases expire",
+                child.worker_id, str(error).strip().splitlines()[0],
+            )  # fmt: skip
+            connections.close_all()
+            return
+        if returned or failed:
+            logger.warning(
+                "took back %d jobs of %s (%d dead-lettered): %s",
+                returned + failed, child.worker_id, failed, reason,
+            )  # fmt: skip
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -1,0 +1,59 @@
+"""Time limits of attempts running on a worker's handler threads.
+
+Python cannot stop a thread. So when an attempt passes its time limit, the worker records it
+as failed (JobTimeout: retried or dead-lettered by the task's policy) at once, tells the handler
+through cancel_requested(), starts a new handler thread in its place so capacity recovers, and
+forgets the old thread: whatever that thread does later is not recorded. Abandoned threads that
+never return still hold what they hold (memory, a connection); when as many have piled up as
+the worker has threads, the worker stops gracefully and exits for recycling (see Exit), and its
+supervisor (runjobs --processes) or process manager starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from django_pgjobs.models import Job
+
+
+class Deadlines:
+    """The attempts running on handler threads, each with its deadline (time.monotonic())."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[Job, float, threading.Thread]] = {}
+        self._abandoned: list[threading.Thread] = []
+
+    def begin(self, job: Job, timeout: float | None) -> None:
+        """The handler of `job` starts now on this thread."""
+        deadline = float("inf") if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._running[id(job)] = (job, deadline, threading.current_thread())
+
+    def end(self, job: Job) -> bool:
+        """The handler of `job` returned; False when its attempt was timed out meanwhile (its
+        outcome is not ours to record, and this thread was replaced)."""
+        with self._lock:
+            return self._running.pop(id(job), None) is not None
+
+    def overdue(self) -> list[Job]:
+        """The attempts past their deadline, now abandoned with their threads."""
+        now = time.monotonic()
+        with self._lock:
+            late = [key for key, (_, deadline, _) in self._running.items() if deadline <= now]
+            abandoned = [self._running.pop(key) for key in late]
+            self._abandoned += [thread for _, _, thread in abandoned]
+            return [job for job, _, _ in abandoned]
+
+    def next_in(self) -> float:
+        """Seconds until the next deadline (inf without one)."""
+        with self._lock:
+            deadlines = [deadline for _, deadline, _ in self._running.values()]
+        return min(deadlines, default=float("inf")) - time.monotonic()
+
+    def abandoned_alive(self) -> int:
+        """Abandoned handler threads still running (those that returned are gone)."""
+        with self._lock:
+            self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+            return len(self._abandoned)
