@@ -1,5 +1,7 @@
 """System checks: PostgreSQL, sane PGJOBS values, connection settings that break LISTEN or
-prepared statements, the job table's indexes, and queues that no running worker serves."""
+prepared statements, the job table's indexes, and queues that no running worker serves.
+
+Imported by the app's ready() (apps.py), once the models can be."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from typing import Any
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
+from django_pgjobs import registry
 from django_pgjobs.conf import get_settings, unknown_keys
+from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
 from django_pgjobs.observability.health import THRESHOLD_NAMES
 from django_pgjobs.status import FINISHED
@@ -21,8 +25,6 @@ SETTINGS_DOC = "See docs/reference/settings.md."
 
 
 def _alias() -> str:
-    from django_pgjobs.models import Job
-
     return router.db_for_write(Job)
 
 
@@ -121,8 +123,6 @@ def check_health_keys(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
 
 
 def _leases(default: float) -> list[CheckMessage]:
-    from django_pgjobs import registry
-
     leases = {"PGJOBS['LEASE']": default}
     leases |= {f"task {t.name!r}": t.lease for t in registry.all_tasks().values() if t.lease}
     return [
@@ -180,8 +180,6 @@ def check_indexes(
     """Every index the models declare exists and is valid (a failed CREATE INDEX CONCURRENTLY
     leaves an invalid one behind, which the planner never uses). Needs the database:
     `manage.py check --database default`, and migrate."""
-    from django_pgjobs.models import Job, QueueStat
-
     alias = _alias()
     if databases is None or alias not in databases:
         return []
@@ -225,8 +223,6 @@ def check_served_queues(
 ) -> list[CheckMessage]:
     """Registered tasks whose queue no running worker serves, judged from the workers'
     QueueStat rows; silent when no worker runs at all (a build machine, say)."""
-    from django_pgjobs import registry
-
     alias = _alias()
     if databases is None or alias not in databases:
         return []
