@@ -111,7 +111,10 @@ REPLAY = Action(
     flag=CHANGE,
     logged=gettext_lazy("Replayed."),
     done=ngettext_lazy("%d job replayed.", "%d jobs replayed."),
-    skipped=gettext_lazy("only failed or cancelled jobs are replayed"),
+    skipped=gettext_lazy(
+        "only failed or cancelled jobs are replayed, and of a unique key only the oldest, "
+        "while no live job holds it"
+    ),
     form=ReplayForm,
     button=gettext_lazy("Replay…"),
     applies=lambda job: job.status in (Status.FAILED, Status.CANCELLED),

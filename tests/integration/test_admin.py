@@ -217,10 +217,27 @@ def test_replay_skips_running_jobs_and_logs_only_the_replayed_ones(admin_client)
     dead, running = JobFactory(dead=True), JobFactory(running=True)
     response = act(admin_client, JOBS, "replay", [dead, running])
     assert messages_of(response) == [
-        "1 job replayed. 1 skipped: only failed or cancelled jobs are replayed."
+        "1 job replayed. 1 skipped: only failed or cancelled jobs are replayed, and of a unique "
+        "key only the oldest, while no live job holds it."
     ]
     assert reload(running).status == Status.RUNNING and log_for(running) == []
     assert reload(dead).status == Status.READY and len(log_for(dead)) == 1
+
+
+def test_replaying_dead_letters_that_share_a_unique_key_replays_one_and_says_why_not_the_other(
+    admin_client,
+):
+    older, newer = JobFactory(dead=True, unique_key="order-9"), JobFactory(dead=True)
+    newer.unique_key = "order-9"
+    newer.save(update_fields=["unique_key"])
+    other = JobFactory(dead=True)
+    response = act(admin_client, DEAD, "replay", [older, newer, other])
+    assert response.status_code == 200
+    assert messages_of(response) == [
+        "2 jobs replayed. 1 skipped: only failed or cancelled jobs are replayed, and of a "
+        "unique key only the oldest, while no live job holds it."
+    ]
+    assert (reload(older).status, reload(newer).status) == (Status.READY, Status.FAILED)
 
 
 def test_run_now_makes_a_job_scheduled_for_later_due(admin_client, admin_user):
