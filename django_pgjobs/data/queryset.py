@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from django.core.exceptions import EmptyResultSet
 from django.db import IntegrityError, connections, models, transaction
 from django.db.models.functions import Now
 
@@ -122,7 +123,10 @@ class JobQuerySet(models.QuerySet["Job"]):
         selected is left alone."""
         self._for_write = True  # as QuerySet.update() does: route to the database for writes
         db = self.db
-        selected, selected_params = self.values("pk").query.get_compiler(db).as_sql()
+        try:
+            selected, selected_params = self.values("pk").query.get_compiler(db).as_sql()
+        except EmptyResultSet:  # e.g. filter(pk__in=[]): nothing selected, nothing to change
+            return []
         head = "DELETE FROM pgjobs_job AS j" if assignments is None else (
             f"UPDATE pgjobs_job AS j SET {assignments}"
         )  # fmt: skip

@@ -17,6 +17,7 @@ unique_key failing, item 7). Last, one plain example of each bug the machines fo
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,8 +26,7 @@ from uuid import UUID
 
 import hypothesis
 import pytest
-from django.core.exceptions import EmptyResultSet
-from django.db import IntegrityError, connection
+from django.db import connection
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -39,7 +39,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from django_pgjobs.manager import Failure
+from django_pgjobs.data.records import Failure
 from django_pgjobs.models import Job
 from django_pgjobs.status import FINISHED, LIVE, Status
 from tests import tasks
@@ -54,9 +54,10 @@ LEASE = 300.0
 RUNS = hypothesis.settings(
     max_examples=100,
     stateful_step_count=30,
-    # The same runs every time, so that the strict xfails below fail on every run, not on most.
-    # Once they are gone, random runs (derandomize=False) would explore more over time.
-    derandomize=True,
+    # The same runs every time: a failure in CI is one a developer can run again. (Found with
+    # these settings on the code before the fencing token and the shared-key replay fix: both
+    # bugs within the 100 examples; PGJOBS_HYPOTHESIS_RANDOM=1 explores new runs instead.)
+    derandomize=not os.environ.get("PGJOBS_HYPOTHESIS_RANDOM"),
     database=None,
     deadline=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
@@ -487,21 +488,10 @@ class WithAFreshWorkerPerClaim(JobTransitions):
         return self.claim_as(f"worker-{next(self.worker_numbers)}", limit)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 4: the write guard is (worker, attempts) and replay, release and "
-    "retry_later lower attempts, so the same worker's next claim of the job repeats the guard of "
-    "an earlier, stale claim, and writes through the stale claim are accepted",
-)
 def test_a_claim_that_no_longer_holds_its_job_can_never_write_to_it() -> None:
     run_state_machine_as_test(WithoutSharedKeysInReplay, settings=RUNS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 7: replaying two dead letters that share a unique_key raises "
-    "IntegrityError and replays nothing, instead of replaying the oldest and skipping the rest",
-)
 def test_replay_takes_the_oldest_dead_letter_of_each_unique_key_and_never_raises() -> None:
     run_state_machine_as_test(WithAFreshWorkerPerClaim, settings=RUNS)
 
@@ -514,11 +504,6 @@ def claim_one(worker: str) -> Job:
     return job
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 4: replay resets attempts, so the worker's new claim has the guard "
-    "(worker, attempts) of its claim from before the job died",
-)
 def test_a_claim_from_before_a_replay_cannot_complete_the_job_its_worker_claimed_again() -> None:
     Job.objects.enqueue(tasks.noop, max_attempts=1)
     stale = claim_one("w1")
@@ -531,12 +516,6 @@ def test_a_claim_from_before_a_replay_cannot_complete_the_job_its_worker_claimed
     assert Job.objects.complete(fresh) is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 4, another way in: release and retry_later take the attempt back, so "
-    "the worker's next claim of the job has the guard (worker, attempts) of the claim that gave "
-    "it back",
-)
 @pytest.mark.parametrize("give_back", ["release", "retry_later"])
 def test_a_claim_that_gave_its_job_back_cannot_complete_it_once_its_worker_claimed_it_again(
     give_back: str,
@@ -552,12 +531,6 @@ def test_a_claim_that_gave_its_job_back_cannot_complete_it_once_its_worker_claim
     assert Job.objects.complete(later) is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IntegrityError,
-    reason="issue 13 item 7: replaying two dead letters that share a unique_key raises "
-    "IntegrityError and replays nothing",
-)
 def test_replaying_dead_letters_that_share_a_unique_key_replays_the_oldest_of_them() -> None:
     older = JobFactory(dead=True, unique_key="k1", enqueued_ago=60)
     newer = JobFactory(dead=True, unique_key="k1")
@@ -565,13 +538,6 @@ def test_replaying_dead_letters_that_share_a_unique_key_replays_the_oldest_of_th
     assert Job.objects.get(pk=newer.pk).status == Status.FAILED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=EmptyResultSet,
-    reason="found by the state machine: a transition of an empty selection, e.g. "
-    "Job.objects.filter(pk__in=[]).replay(), raises EmptyResultSet instead of returning [] "
-    "(JobQuerySet._change compiles the selection itself)",
-)
 @pytest.mark.parametrize("transition", ["replay", "cancel", "run_now", "discard"])
 def test_a_transition_of_no_jobs_changes_nothing(transition: str) -> None:
     dead = JobFactory(dead=True)
