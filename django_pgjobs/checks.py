@@ -11,6 +11,7 @@ from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
+from django.db.migrations.loader import MigrationLoader
 
 from django_pgjobs import registry
 from django_pgjobs.conf import get_settings, unknown_keys
@@ -181,8 +182,8 @@ def check_indexes(
     leaves an invalid one behind, which the planner never uses). Needs the database:
     `manage.py check --database default`, and migrate."""
     alias = _alias()
-    if databases is None or alias not in databases:
-        return []
+    if databases is None or alias not in databases or _migrations_pending(alias):
+        return []  # not migrated yet (migrate runs these checks first): migrate builds them
     messages: list[CheckMessage] = []
     with connections[alias].cursor() as cursor:
         for model in (Job, QueueStat):
@@ -215,6 +216,13 @@ def check_indexes(
                     )
                 )
     return messages
+
+
+def _migrations_pending(alias: str) -> bool:
+    """Whether some of this app's migrations are not applied on `alias`."""
+    loader = MigrationLoader(connections[alias])
+    ours = {key for key in loader.graph.nodes if key[0] == Job._meta.app_label}
+    return not ours <= loader.applied_migrations.keys()
 
 
 @register(Tags.database, deploy=True)

@@ -28,8 +28,8 @@ CLAIM_ORDER = ("-priority", "run_at", "id")
 
 # One job. run_at is given, or now + delay on the database's clock; a job not yet due is
 # `scheduled` (it waits in the scheduled index, out of the claims' way). The wake-up (a NOTIFY
-# delivered at commit, see runtime/notify.py) rides in the same statement and is evaluated only
-# for an inserted row; %(channel)s is NULL when no wake-up is due.
+# delivered at commit: data/wakeups.py sends, runtime/listener.py listens) rides in the same
+# statement and is evaluated only for an inserted row; %(channel)s is NULL when none is due.
 INSERT_JOB = """
     INSERT INTO pgjobs_job AS j
         (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key)

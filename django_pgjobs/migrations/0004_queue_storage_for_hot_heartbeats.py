@@ -49,7 +49,7 @@ class Migration(migrations.Migration):
                     'DROP INDEX CONCURRENTLY "pgjobs_job_unique_key_new"',
                 ),
                 migrations.RunSQL(
-                    'DROP INDEX CONCURRENTLY "pgjobs_job_unique_key_live"',
+                    'DROP INDEX CONCURRENTLY IF EXISTS "pgjobs_job_unique_key_live"',
                     OLD_UNIQUE_KEY_INDEX,
                 ),
                 migrations.RunSQL(

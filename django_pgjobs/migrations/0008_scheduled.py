@@ -53,7 +53,8 @@ class Migration(migrations.Migration):
             database_operations=[
                 # A column with a constant default: no table rewrite.
                 migrations.RunSQL(
-                    'ALTER TABLE "pgjobs_job" ADD COLUMN "scheduled" boolean DEFAULT false NOT NULL',
+                    'ALTER TABLE "pgjobs_job" ADD COLUMN IF NOT EXISTS "scheduled" boolean '
+                    'DEFAULT false NOT NULL',
                     'ALTER TABLE "pgjobs_job" DROP COLUMN "scheduled"',
                 ),
                 migrations.RunSQL(
@@ -88,7 +89,9 @@ class Migration(migrations.Migration):
                 ),
                 migrations.RunSQL(CLAIM_INDEX, 'DROP INDEX CONCURRENTLY "pgjobs_job_claim_new"'),
                 migrations.RunSQL(
-                    'DROP INDEX CONCURRENTLY "pgjobs_job_claim_idx"',
+                    # IF EXISTS: a run stopped after this step (and before the rename) finds it
+                    # gone, and builds the new index again under its temporary name.
+                    'DROP INDEX CONCURRENTLY IF EXISTS "pgjobs_job_claim_idx"',
                     OLD_CLAIM_INDEX,
                 ),
                 migrations.RunSQL(

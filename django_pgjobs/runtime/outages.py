@@ -11,6 +11,9 @@ from django_pgjobs.runtime import policy
 
 logger = logging.getLogger(__name__)
 
+#: SQLSTATEs of a missing table (42P01) or column (42703).
+UNDEFINED = ("42P01", "42703")
+
 
 class WorkerError(Exception):
     """The worker cannot run (with --once: the database is unreachable or not migrated)."""
@@ -43,7 +46,11 @@ class Outage:
     def describe(error: DatabaseError) -> str:
         """One line saying what is wrong and, where we know, what to do."""
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        if isinstance(error, ProgrammingError) and "pgjobs_" in first:
+        # An undefined table or column: the schema is older than the code.
+        if (
+            isinstance(error, ProgrammingError)
+            and getattr(error.__cause__, "sqlstate", None) in UNDEFINED
+        ):
             return (
                 f"the pgjobs tables are missing or out of date ({first}): run `manage.py migrate`"
             )

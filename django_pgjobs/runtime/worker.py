@@ -107,6 +107,8 @@ class Worker:
                     self._shutdown()
                     raise WorkerError(outage.describe(error)) from error
                 pause = outage.failed(error)
+                if self._stopping:  # never past the stop's deadline
+                    pause = min(pause, max(0.0, self._deadline - time.monotonic()))
                 connections[self.db].close()
                 self._poll_now = True  # after a reconnect, look at once
                 self._wake.wait(pause)  # a stop signal ends the wait
@@ -170,8 +172,8 @@ class Worker:
     def take(self, jobs: list[Job], wanted: int) -> None:
         """Hand claimed jobs to the handler threads, then schedule the next poll."""
         longer = [job for job in jobs if self.lease_of(job) > self.lease]
-        if longer:
-            self.jobs.heartbeat(longer, self.lease_of(longer[0]))
+        if longer:  # tasks with a lease of their own get it at once
+            self._leases.renew(longer)
         self.activity.claimed(jobs)
         with self._lock:
             for job in jobs:

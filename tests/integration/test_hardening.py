@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
+import time
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 
 from django_pgjobs import Retry
 from django_pgjobs.data.records import Failure
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
-from django_pgjobs.runtime import execute
+from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 
@@ -146,3 +148,30 @@ def test_an_outcome_the_database_refuses_is_dead_lettered_and_the_others_are_rec
     assert "OutcomeRefused" in dead.last_error and "boom" not in dead.last_error
     assert not worker._in_flight
     assert datetime.now(UTC) > dead.finished_at
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_during_a_long_outage_ends_within_the_grace_not_after_the_next_pause(
+    monkeypatch, signal_handlers_restored
+):
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, grace=1.0))
+    job = Job.objects.enqueue("tests.tasks.noop")
+    (claimed,) = Job.objects.claim(["default"], worker=worker.id)
+    worker.take([claimed], 1)  # a job in flight: the stop waits for it until the grace ends
+
+    def outage() -> None:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(worker, "_turn", outage)
+    monkeypatch.setattr(policy, "outage_pause", lambda failures: 30.0)  # deep in an outage
+    ended = []
+    thread = threading.Thread(target=lambda: ended.append(worker.run()))
+    thread.start()
+    time.sleep(0.3)  # the worker is now waiting out its first 30 s pause
+    started = time.monotonic()
+    worker.stop()
+    thread.join(10)
+
+    assert ended, "the worker was still waiting out the outage's pause"
+    assert time.monotonic() - started < 1.0 + 2.0
+    assert Job.objects.get(pk=job.pk).status != Status.RUNNING  # recorded or released
