@@ -75,7 +75,8 @@ _STATUSES = {
 
 
 class WorkerLost(Exception):
-    """The error history's "lease expired" entry: the worker running the task died or hung."""
+    """The error history's WorkerLost entries: the worker running the task died or hung (its
+    lease expired, or its supervisor saw its process exit)."""
 
 
 class PgJobsBackend(BaseTaskBackend):

@@ -57,6 +57,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     settings = get_settings()
     problems = [
         *_positive("LEASE", settings.LEASE),
+        *([] if settings.TIMEOUT is None else _positive("TIMEOUT", settings.TIMEOUT)),
         *_positive("PRUNE_BATCH", settings.PRUNE_BATCH, whole=True),
         *_positive("MAX_ATTEMPTS", settings.MAX_ATTEMPTS, whole=True),
         *_retention(settings.RETENTION),

@@ -30,6 +30,10 @@ from django_pgjobs.runtime.settling import Settler
 logger = logging.getLogger(__name__)
 
 
+#: How often a worker looks at its resident memory and whether its supervisor is still there.
+LIMITS_INTERVAL = 1.0
+
+
 class Worker:
     """One worker process's runtime. ``run()`` returns how it ended (an Exit)."""
 
@@ -51,6 +55,7 @@ class Worker:
         self._deadline = float("inf")
         self._exit = Exit.OK
         self._recorded = 0  # outcomes recorded, for --max-jobs-per-child
+        self._limits_at = 0.0  # when to look at memory and the supervisor next
         self._poll_now = True  # set by wake-ups: claim at the next turn of the loop
         self._next_poll = 0.0
         self._poll_delay = 0.0
@@ -130,6 +135,8 @@ class Worker:
         # Before claiming: never claim from a paused queue.
         if self.controls.read_if_due(self.db):
             self._poll_now = True  # a queue was resumed: look at once
+        if time.monotonic() >= self._limits_at:
+            self._limits_at = time.monotonic() + LIMITS_INTERVAL
             self._check_limits()
         for job in self._handlers.time_out():
             timeout = self.timeout_of(job) or 0.0

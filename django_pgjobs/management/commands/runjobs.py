@@ -151,13 +151,23 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         _show_logs(options["verbosity"])
-        if options["once"] and options["processes"] > 1:
+        if options["processes"] > 1 and options["once"]:
             raise CommandError("--once runs one worker; leave out --processes.")
+        if options["processes"] > 1 and options["metrics_port"]:
+            raise CommandError(
+                "--metrics-port serves one process's metrics; with --processes, scrape the "
+                "report view (django_pgjobs.metrics.report_view) instead."
+            )
 
         def run() -> int:
             return self.run(options)
 
         code = _with_reloader(run) if options["reload"] else run()
+        if code and options["processes"] > 1:
+            raise CommandError(
+                "worker processes failed (kept dying, or stopped without releasing their "
+                "jobs): see the supervisor's log lines above"
+            )
         if code == Exit.UNRELEASED:
             raise CommandError(
                 "stopped without recording or releasing every job it held; "
