@@ -123,7 +123,9 @@ class Supervisor:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         self._take_back(child, f"worker process {pid} {how}")
         if self._stopping:
-            self._failed = True
+            # Our own SIGTERM ends a child still starting (before it could handle signals, so
+            # before it claimed anything): that is a stop, not a failure.
+            self._failed = self._failed or code != -signal.SIGTERM
             return
         now = time.monotonic()
         self._crashes = [at for at in self._crashes if at > now - CRASH_WINDOW] + [now]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 from argparse import SUPPRESS, ArgumentParser, ArgumentTypeError
 from collections.abc import Callable
 from types import FrameType
@@ -227,27 +230,63 @@ _stoppers: list[Callable[..., None]] = []
 
 
 def _with_reloader(run: Callable[[], int]) -> int:
-    """Run `run` under Django's autoreloader: the process restarts when a Python file changes.
+    """Run `run` under Django's autoreloader: a parent process starts a child that runs it and
+    watches the Python files, and starts it again when the child exits because one changed.
 
-    The reloader runs `run` on a thread of its own and exits the process to restart it; at that
-    exit the worker (or supervisor) is stopped at once, so that it releases its jobs."""
-    finished = threading.Event()
+    Django's own parent (run_with_reloader) SIGKILLs its child on SIGTERM, which would leave the
+    worker's jobs to their leases; this parent passes stop signals on instead, so the worker
+    stops as it always does. The child stops its worker at once when a file changed, releasing
+    the jobs, before it exits to be restarted."""
+    if os.environ.get(autoreload.DJANGO_AUTORELOAD_ENV) != "true":
+        return _reloading_parent()
+    reloader = autoreload.get_reloader()
     codes: list[int] = []
 
     def inner() -> None:
         try:
             codes.append(run())
         finally:
-            finished.set()
+            reloader.stop()  # stopped by a signal: the process ends with it
 
-    def stop_at_exit() -> None:
+    def stop_at_exit() -> None:  # a file changed: the reloader exits the process
         for stop in list(_stoppers):
             stop(True)
-        finished.wait(10)
+        for _ in range(100):
+            if codes:
+                break
+            time.sleep(0.1)
 
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        for stop in list(_stoppers):
+            stop()
+
+    # The worker runs on the reloader's thread; signals arrive on this one.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_signal)
     atexit.register(stop_at_exit)
-    autoreload.run_with_reloader(inner)
+    autoreload.start_django(reloader, inner)
     return codes[0] if codes else 0
+
+
+def _reloading_parent() -> int:
+    """Start the reloading child again whenever it exits because a file changed (status 3),
+    passing SIGTERM and SIGINT on to it; return its exit status otherwise."""
+    env = {**os.environ, autoreload.DJANGO_AUTORELOAD_ENV: "true"}
+    while True:
+        # Its own session: a terminal's Ctrl-C reaches it once, through this process.
+        child = subprocess.Popen(autoreload.get_child_arguments(), env=env, start_new_session=True)
+
+        def forward(signum: int, frame: FrameType | None, child: Any = child) -> None:
+            child.send_signal(signum)
+
+        previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+        try:
+            code = child.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if code != 3:
+            return code
 
 
 def _child_args(options: dict[str, Any]) -> list[str]:
