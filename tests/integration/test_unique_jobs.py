@@ -10,6 +10,7 @@ from django.db import connections, transaction
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests.conftest import run_together, wait_until
+from tests.factories import JobFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -24,8 +25,7 @@ def test_eight_threads_enqueueing_one_key_at_once_create_one_job_and_all_get_it(
 
 
 def test_a_finished_job_frees_its_key():
-    first = Job.objects.enqueue("tests.tasks.noop", unique_key="k")
-    Job.objects.filter(pk=first.pk).update(status=Status.SUCCEEDED, finished_at=first.created_at)
+    first = JobFactory(succeeded=True, unique_key="k")
     second = Job.objects.enqueue("tests.tasks.noop", unique_key="k")
     assert second.pk != first.pk and second.status == Status.READY
 
