@@ -81,5 +81,12 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"django_pgjobs": {"handlers": ["console"], "level": "INFO"}},
+    # A crash test that watches for the worker's debug lines starts it with
+    # PGJOBS_TEST_LOG_LEVEL=DEBUG.
+    "loggers": {
+        "django_pgjobs": {
+            "handlers": ["console"],
+            "level": os.environ.get("PGJOBS_TEST_LOG_LEVEL", "INFO"),
+        }
+    },
 }
