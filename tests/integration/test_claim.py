@@ -19,7 +19,7 @@ from django_pgjobs.status import Status
 from tests import plans
 from tests.factories import JobFactory, backlog
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 def test_claim_skips_a_job_locked_by_another_connection(other_connection):
@@ -98,6 +98,7 @@ def test_jobs_of_other_queues_and_statuses_are_not_claimed():
     assert Job.objects.claim(["default"], worker="w1", limit=10) == []
 
 
+@pytest.mark.django_db(transaction=True)  # threads: each claims on its own connection
 def test_eight_threads_claiming_2000_jobs_at_once_claim_each_exactly_once():
     Job.objects.bulk_enqueue("tests.tasks.noop", [{}] * 2000)
     claimed: list[list[object]] = [[] for _ in range(8)]
@@ -159,6 +160,7 @@ def test_a_claim_across_several_queues_never_sorts_the_backlog():
     assert all(node["Actual Rows"] <= 30 for node in sorts)  # only the 3 × 10 candidates
 
 
+@pytest.mark.django_db(transaction=True)  # session settings, and the connection is closed
 def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared_plan():
     # A generic plan knows no parameter values: it can use the partial claim index only if
     # status = 'ready' is a literal in the statement, not a bound parameter.

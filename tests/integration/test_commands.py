@@ -13,7 +13,7 @@ from django_pgjobs.status import Status
 from tests.conftest import statistics_count
 from tests.factories import JobFactory
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 def run(*args: str) -> str:
@@ -61,6 +61,7 @@ def test_prunejobs_deletes_old_finished_jobs_and_keeps_dead_letters():
     assert list(Job.objects.values_list("status", flat=True)) == [Status.FAILED]
 
 
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
 def test_runjobs_once_drains_what_is_due_and_restores_the_signal_handlers():
     import signal
 

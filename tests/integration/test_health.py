@@ -18,6 +18,9 @@ from tests import plans
 from tests.conftest import wait_until
 from tests.factories import JobFactory, backlog
 
+# The report's now() is the start of its transaction: inside a test's transaction it would be
+# earlier than the rows the test wrote (their times are each statement's), and statistics count
+# committed rows only.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 

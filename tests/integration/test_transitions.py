@@ -16,7 +16,7 @@ from django_pgjobs.status import Status
 from tests import plans, tasks
 from tests.factories import JobFactory, backlog
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 def claim_one(worker: str = "w1", **kwargs) -> Job:
@@ -134,7 +134,7 @@ def test_heartbeat_extends_the_lease_from_the_database_clock():
     job = claim_one(lease=5)
     assert Job.objects.heartbeat([job], lease=300) == {job.pk}
     with connection.cursor() as cursor:
-        cursor.execute("SELECT leased_until - now() FROM pgjobs_job")
+        cursor.execute("SELECT leased_until - statement_timestamp() FROM pgjobs_job")
         (remaining,) = cursor.fetchone()
     assert remaining > timedelta(seconds=290)
 
@@ -168,7 +168,7 @@ def test_a_retry_waits_its_backoff_on_the_database_clock():
     job = claim_one()
     Job.objects.fail(job, Failure("RuntimeError", "boom"), permanent=False, delay=600)
     with connection.cursor() as cursor:
-        cursor.execute("SELECT run_at - now() FROM pgjobs_job")
+        cursor.execute("SELECT run_at - statement_timestamp() FROM pgjobs_job")
         (wait,) = cursor.fetchone()
     assert timedelta(seconds=590) < wait <= timedelta(seconds=600)
     assert Job.objects.claim(["default"], worker="w1", limit=1) == []

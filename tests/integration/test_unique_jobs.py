@@ -12,9 +12,10 @@ from django_pgjobs.status import Status
 from tests.conftest import run_together, wait_until
 from tests.factories import JobFactory
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
+@pytest.mark.django_db(transaction=True)  # threads, each on its own connection
 @pytest.mark.parametrize("round", range(5))
 def test_eight_threads_enqueueing_one_key_at_once_create_one_job_and_all_get_it(round):
     returned = run_together(
@@ -40,6 +41,7 @@ def waiting_on_a_lock() -> bool:
         return bool(cursor.fetchone()[0])
 
 
+@pytest.mark.django_db(transaction=True)  # threads, each on its own connection
 @pytest.mark.parametrize("outcome", ["commit", "rollback"])
 def test_an_enqueue_waits_for_an_uncommitted_job_with_its_key(outcome):
     inserted, finish = threading.Event(), threading.Event()
