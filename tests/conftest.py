@@ -63,7 +63,8 @@ def connection_kwargs() -> dict[str, Any]:
 
 @pytest.fixture
 def other_connection(transactional_db: None) -> Iterator[psycopg.Connection[Any]]:
-    """A second, independent session on the test database (autocommit)."""
+    """A second, independent session on the test database (autocommit). A test using it is
+    transactional (it sees only committed rows), whatever its django_db mark says."""
     with psycopg.connect(**connection_kwargs(), autocommit=True) as other:
         yield other
 
@@ -90,8 +91,9 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
 
 
 def statistics_count(live: int, table: str = "pgjobs_job", timeout: float = 10) -> None:
-    """Wait until PostgreSQL's statistics count at least `live` live rows in `table`. A session
-    sends its counts at most once a second, so this asks the test's own session to send now."""
+    """Wait until PostgreSQL's statistics count at least `live` live rows in `table` (committed
+    rows: a transaction=True test). A session sends its counts at most once a second, so this
+    asks the test's own session to send them now."""
 
     def counted() -> bool:
         with connection.cursor() as cursor:

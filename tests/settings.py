@@ -72,6 +72,8 @@ TASKS = {
     "immediate": {"BACKEND": IMMEDIATE_BACKEND},
 }
 STATIC_URL = "/static/"
+# The admin tests log users in by the dozen; the default hasher's cost is meant for production.
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05}
 # The schedules of the periodic crash tests' runjobs processes.
