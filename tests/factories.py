@@ -101,8 +101,8 @@ _UUID7 = (
 
 
 def backlog(ready: Mapping[str, int] | None = None, *, finished: int = 0) -> None:
-    """Fill the job table as a busy queue's looks, by SQL (the factory would take minutes), then
-    ANALYZE it so the planner knows: `ready[queue]` due jobs in each queue, with priorities
+    """Fill the job table by SQL (the factory would take minutes) the way a busy queue's looks,
+    then ANALYZE it so the planner knows: `ready[queue]` due jobs in each queue, with priorities
     -2..2 and run_at a millisecond apart (the claim order has work to do), and `finished`
     succeeded jobs in 'default' (the history a queue keeps until it is pruned). Ids are
     UUIDv7s of now, as enqueue makes them."""
