@@ -108,9 +108,10 @@ def pytest_in_tiers(args: list[str]) -> int:
         step(f"pytest: {tier} tests")
         tier_started = time.monotonic()
         code = run(tool(["pytest", "-m", tier, *args]), check=False)
-        times.append(f"{tier} {time.monotonic() - tier_started:.0f}s")
         if code == NO_TESTS_COLLECTED:
+            times.append(f"{tier} none selected")
             continue
+        times.append(f"{tier} {time.monotonic() - tier_started:.0f}s")
         if code != 0:
             print(f"\nthe {tier} tests failed; not run: {', '.join(TIERS[n + 1 :]) or 'none'}")
             return code
