@@ -40,10 +40,6 @@ def index_scans(plan: Plan, index: str) -> list[Plan]:
     return [node for node in nodes(plan) if node.get("Index Name") == index]
 
 
-def indexes_read(plan: Plan) -> set[str]:
-    return {node["Index Name"] for node in nodes(plan) if "Index Name" in node}
-
-
 def shown(plan: Plan) -> str:
     """The plan as text for an assertion's message."""
     return json.dumps(plan, indent=1)
