@@ -2,7 +2,8 @@
 """The project's two commands, with nothing but Python 3.11+ installed:
 
     python3 dev.py demo    set up everything and run the example shop's job burst
-    python3 dev.py test    run the whole test suite (lint, types, migrations, tests, docs)
+    python3 dev.py test    run the whole test suite (lint, types, migrations, docs, then the tests
+                           tier by tier: unit, integration, crash, chaos, browser)
 
 Both create .venv/ and install the project into it on first use, and use DATABASE_URL when it
 is set, else an embedded PostgreSQL kept in .pgdata/. `python3 dev.py stopdb` stops that server.
@@ -81,12 +82,45 @@ def test(args: list[str]) -> int:
         if run(tool(command), check=False) != 0:
             print(f"\n{name} failed.")
             return 1
-    step("pytest")
-    code = run(tool(["pytest", *args]), check=False)
+    code = pytest_in_tiers(args)
     print(
         f"\ndev.py test: {'passed' if code == 0 else 'FAILED'} in {time.monotonic() - started:.0f}s"
     )
     return code
+
+
+#: The test tiers, cheapest first (markers given by folder in tests/conftest.py).
+TIERS = ["unit", "integration", "property", "crash", "chaos", "browser"]
+
+#: pytest's exit code when a run selects no test: a tier the arguments leave empty.
+NO_TESTS_COLLECTED = 5
+
+
+def pytest_in_tiers(args: list[str]) -> int:
+    """Run pytest once per tier, fast first, stopping at the first tier that fails; `args` go
+    to every run (a path or -k narrows each tier; with a -m of their own, one plain run)."""
+    if any(arg.startswith("-m") for arg in args):
+        step("pytest")
+        return run(tool(["pytest", *args]), check=False)
+    times: list[str] = []
+    selected = False
+    for n, tier in enumerate(TIERS):
+        step(f"pytest: {tier} tests")
+        tier_started = time.monotonic()
+        code = run(tool(["pytest", "-m", tier, *args]), check=False)
+        if code == NO_TESTS_COLLECTED:
+            times.append(f"{tier} none selected")
+            continue
+        times.append(f"{tier} {time.monotonic() - tier_started:.0f}s")
+        if code != 0:
+            print(f"\nthe {tier} tests failed; not run: {', '.join(TIERS[n + 1 :]) or 'none'}")
+            return code
+        selected = True
+    print(f"\ntiers: {', '.join(times)}")
+    if not selected:
+        print("no tier selected any test")
+        return NO_TESTS_COLLECTED
+    return 0
 
 
 def demo(args: list[str]) -> int:

@@ -1,4 +1,5 @@
-"""Shared fixtures: a second connection, waiting with a deadline, threads released together."""
+"""The test tiers, and shared fixtures: a second connection, waiting with a deadline, threads
+released together."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -19,6 +21,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the fault-injection suite (tests/chaos) at full size; also CHAOS_FULL=1",
     )
+
+
+#: Each test's tier (a marker, registered in pyproject.toml) by the folder it is in, cheapest
+#: first; `python3 dev.py test` runs them in this order and stops at the first that fails.
+TIERS = {
+    "tests/unit": "unit",  # no database
+    "tests/integration": "integration",  # real PostgreSQL, in this process
+    "example_project": "integration",  # the example shop's own tests (Django's TestCase)
+    "tests/property": "property",  # Hypothesis state machines against real PostgreSQL
+    "tests/crash": "crash",  # real runjobs processes, real signals
+    "tests/chaos": "chaos",  # fault injection: killed workers, restarted or cut-off databases
+    "tests/browser": "browser",  # a real browser through the admin
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, so that no test file has to remember to."""
+    for item in items:
+        path = Path(item.path).resolve().relative_to(config.rootpath).as_posix()
+        tier = next((t for folder, t in TIERS.items() if path.startswith(f"{folder}/")), None)
+        if tier is None:
+            raise pytest.UsageError(
+                f"{path} is in no tier's folder: move it into one of {', '.join(TIERS)}, "
+                "or give its folder a tier in TIERS (tests/conftest.py)"
+            )
+        item.add_marker(tier)
 
 
 def connection_kwargs() -> dict[str, Any]:
@@ -36,7 +64,8 @@ def connection_kwargs() -> dict[str, Any]:
 
 @pytest.fixture
 def other_connection(transactional_db: None) -> Iterator[psycopg.Connection[Any]]:
-    """A second, independent session on the test database (autocommit)."""
+    """A second, independent session on the test database (autocommit). A test using it is
+    transactional (it sees only committed rows), whatever its django_db mark says."""
     with psycopg.connect(**connection_kwargs(), autocommit=True) as other:
         yield other
 
@@ -60,6 +89,20 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {predicate}")
         time.sleep(interval)
+
+
+def statistics_count(live: int, table: str = "pgjobs_job", timeout: float = 10) -> None:
+    """Wait until PostgreSQL's statistics count at least `live` live rows in `table` (committed
+    rows: a transaction=True test). A session sends its counts at most once a second, so this
+    asks the test's own session to send them now."""
+
+    def counted() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_stat_force_next_flush()")
+            cursor.execute("SELECT n_live_tup FROM pg_stat_user_tables WHERE relname = %s", [table])
+            return int(cursor.fetchone()[0]) >= live
+
+    wait_until(counted, timeout)
 
 
 def run_together(count: int, work: Callable[[int], object]) -> list[object]:

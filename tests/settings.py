@@ -72,6 +72,8 @@ TASKS = {
     "immediate": {"BACKEND": IMMEDIATE_BACKEND},
 }
 STATIC_URL = "/static/"
+# The admin tests log users in by the dozen; the default hasher's cost is meant for production.
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05}
 # The schedules of the periodic crash tests' runjobs processes.
@@ -81,5 +83,12 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"django_pgjobs": {"handlers": ["console"], "level": "INFO"}},
+    # A crash test that watches for the worker's debug lines starts it with
+    # PGJOBS_TEST_LOG_LEVEL=DEBUG.
+    "loggers": {
+        "django_pgjobs": {
+            "handlers": ["console"],
+            "level": os.environ.get("PGJOBS_TEST_LOG_LEVEL", "INFO"),
+        }
+    },
 }

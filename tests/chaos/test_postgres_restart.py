@@ -80,7 +80,7 @@ def test_workers_survive_fast_and_immediate_restarts_and_finish_every_job(
     assert not restarts, "the jobs ran out before every restart was done"
     assert all(worker.alive() for worker in pool.slots)  # nobody had to be restarted
     logs = "".join(worker.log() for worker in pool.slots)
-    assert "cannot reach the database" in logs
+    assert "cannot reach the database" in logs  # the workers noticed, and said so
     assert pool.stop() == [0] * len(pool.slots)
     # A restart cuts every worker off at once: each in-flight job may run again.
     report = check.check(

@@ -60,11 +60,12 @@ class WorkerProcess:
 
 @pytest.fixture
 def start_worker(transactional_db: None, tmp_path: Path) -> Iterator:
-    """start_worker("--concurrency", "4", ...) -> WorkerProcess; all are killed at teardown."""
+    """start_worker("--concurrency", "4", ..., env={...}) -> WorkerProcess; all are killed at
+    teardown."""
     started: list[WorkerProcess] = []
 
-    def start(*args: str) -> WorkerProcess:
-        worker = WorkerProcess(list(args), tmp_path / f"worker-{len(started)}.log")
+    def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
+        worker = WorkerProcess(list(args), tmp_path / f"worker-{len(started)}.log", env=env)
         started.append(worker)
         return worker
 

@@ -44,16 +44,30 @@ def stop_and_log(worker) -> str:
     return worker.log()
 
 
+#: What a worker logs (at DEBUG) each time it reads the controls and finds its queue paused.
+PAUSED = "paused queues: default"
+
+
 def test_pausing_a_queue_stops_claims_on_every_worker_until_it_resumes(start_worker):
-    workers = [start_worker("--concurrency", "2") for _ in range(3)]
+    debug = {"PGJOBS_TEST_LOG_LEVEL": "DEBUG"}
+    workers = [start_worker("--concurrency", "2", env=debug) for _ in range(3)]
     wait_until(lambda: all(worker.started() for worker in workers), timeout=20)
     Queue.objects.create(name="default", paused=True)
-    time.sleep(1.5)  # one controls interval (1 s) for every worker to read the pause
+    wait_until(lambda: all(PAUSED in worker.log() for worker in workers), timeout=10)
     Job.objects.bulk_enqueue("tests.tasks.record", ({"n": n} for n in range(30)))
+    reads = [worker.log().count(PAUSED) for worker in workers]
+    # Nothing is meant to happen now, so there is nothing to wait for: let 4 s pass on
+    # purpose, checking all along that no worker claims from the paused queue...
     deadline = time.monotonic() + 4
-    while time.monotonic() < deadline:  # for 4 s, no worker claims anything
+    while time.monotonic() < deadline:
         assert count(Status.READY) == 30, "a worker claimed from a paused queue"
         time.sleep(0.1)
+    # ...while every worker was awake, reading the controls again and finding the pause.
+    assert all(worker.alive() for worker in workers)
+    reads_after = [worker.log().count(PAUSED) for worker in workers]
+    assert all(after > before for after, before in zip(reads_after, reads, strict=True)), (
+        f"controls read before/after the 4 s: {reads} / {reads_after}"
+    )
     Queue.objects.filter(name="default").update(paused=False)
     wait_until(lambda: count(Status.SUCCEEDED) == 30, timeout=30)
     stop(workers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from collections import Counter
 
@@ -70,9 +71,13 @@ def test_a_second_sigterm_releases_the_running_job_at_once(start_worker):
     job = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 60})
     worker = start_worker("--grace", "60")
     wait_until(has_run(1), timeout=20)
+    wait_until(_listening, timeout=20)
     worker.signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert worker.alive()  # still inside its grace period
+    wait_until(lambda: not _listening(), timeout=10)  # it is stopping: its listener hung up
+    # It must not exit while its job runs inside the grace period: give it half a second to
+    # do what it must not.
+    with pytest.raises(subprocess.TimeoutExpired):
+        worker.wait(0.5)
     started = time.monotonic()
     worker.signal(signal.SIGTERM)
     assert worker.wait(10) == 0
@@ -96,6 +101,9 @@ def test_the_worker_survives_pg_terminate_backend_on_all_its_connections(start_w
     worker = start_worker("--concurrency", "4", "--batch-size", "4")
     wait_until(lambda: Execution.objects.count() > 50, timeout=30)
     for _ in range(3):
+        # Its listener and main loop are (back) on their connections; handler threads come
+        # and go.
+        wait_until(lambda: _listening() and _worker_backends() >= 2, timeout=10)
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -103,10 +111,11 @@ def test_the_worker_survives_pg_terminate_backend_on_all_its_connections(start_w
             )
             (terminated,) = cursor.fetchone()
         assert terminated >= 2  # the main loop, the listener and handler threads
-        time.sleep(0.3)
     wait_until(all_succeeded(400), timeout=60)
     assert worker.alive()
-    assert "database error in the worker loop" in worker.log() or "listener" in worker.log()
+    # Both its main loop and its listener lost their connections, said so, and reconnected.
+    log = worker.log()
+    assert "the database is back after" in log and "listener lost its connection" in log, log
 
 
 def test_a_job_running_three_times_longer_than_its_lease_is_never_reaped_while_its_worker_lives(
@@ -125,6 +134,16 @@ def test_a_job_running_three_times_longer_than_its_lease_is_never_reaped_while_i
     assert Execution.objects.filter(n=1).count() == 1
 
 
+def _worker_backends() -> int:
+    """Sessions on the test database other than the test's own: the worker's."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return int(cursor.fetchone()[0])
+
+
 def _listening() -> bool:
     with connection.cursor() as cursor:
         cursor.execute(
@@ -135,9 +154,13 @@ def _listening() -> bool:
 
 
 def test_with_listen_a_job_enqueued_to_an_idle_worker_starts_promptly(start_worker):
-    start_worker("--poll-interval", "30")
+    worker = start_worker("--poll-interval", "30")
     wait_until(_listening, timeout=20)
-    time.sleep(0.5)  # let its first polls find nothing and back off
+    # Nothing to wait for: let the worker idle on purpose, so that its polls back off (0.05 s,
+    # doubling) until the next is more than 2 s away (past 3.15 s the gap is 3.2 s). A job
+    # then starting within 2 s was woken by its NOTIFY, not found by a poll.
+    time.sleep(3.5)
+    assert worker.alive() and _listening() and not Execution.objects.exists()
     enqueued = time.monotonic()
     Job.objects.enqueue("tests.tasks.record", {"n": 1})
     wait_until(has_run(1), timeout=20, interval=0.01)
@@ -147,8 +170,12 @@ def test_with_listen_a_job_enqueued_to_an_idle_worker_starts_promptly(start_work
 def test_without_listen_a_job_starts_within_the_poll_ceiling(start_worker):
     worker = start_worker("--no-listen", "--poll-interval", "1")
     wait_until(lambda: "started" in worker.log(), timeout=20)
-    time.sleep(3)  # idle long enough to back off to the ceiling
-    assert not _listening()
+    # Nothing to wait for: let the worker idle on purpose until its polls have backed off to
+    # the ceiling (0.05 s doubling reaches 1 s after 1.55 s), and past the moment (3.15 s) when
+    # a worker without the ceiling would next poll only at 6.35 s.
+    time.sleep(3.5)
+    assert worker.alive() and not _listening() and not Execution.objects.exists()
+    assert "listen=no" in worker.log()
     enqueued = time.monotonic()
     Job.objects.enqueue("tests.tasks.record", {"n": 1})
     wait_until(has_run(1), timeout=20, interval=0.01)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import Counter
@@ -17,9 +16,10 @@ from django_pgjobs.data.jobs import turn_params
 from django_pgjobs.data.records import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
-from tests.factories import JobFactory
+from tests import plans
+from tests.factories import JobFactory, backlog
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 def test_claim_skips_a_job_locked_by_another_connection(other_connection):
@@ -98,6 +98,7 @@ def test_jobs_of_other_queues_and_statuses_are_not_claimed():
     assert Job.objects.claim(["default"], worker="w1", limit=10) == []
 
 
+@pytest.mark.django_db(transaction=True)  # threads: each claims on its own connection
 def test_eight_threads_claiming_2000_jobs_at_once_claim_each_exactly_once():
     Job.objects.bulk_enqueue("tests.tasks.noop", [{}] * 2000)
     claimed: list[list[object]] = [[] for _ in range(8)]
@@ -131,69 +132,39 @@ def _claim_params(queues: list[str], limit: int) -> dict:
     return turn_params([], [], queues, worker="w1", limit=limit, lease=60.0, results={})
 
 
-def _claim_plan(queues: list[str], limit: int) -> dict:
-    """EXPLAIN ANALYZE the worker's claim statement, rolled back so nothing is claimed."""
-    params = _claim_params(queues, limit)
-    with connection.cursor() as cursor:
-        cursor.execute("BEGIN")
-        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql.SETTLE_AND_CLAIM}", params)
-        (plan,) = cursor.fetchone()
-        cursor.execute("ROLLBACK")
-    return (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
-
-
-def _nodes(plan: dict):
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from _nodes(child)
-
-
-def _backlog(queues: dict[str, int], finished: int) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "INSERT INTO pgjobs_job (id, queue, task, payload, max_attempts, status, finished_at, "
-            "attempts) SELECT gen_random_uuid(), 'default', 'tests.tasks.noop', '{}', 3, "
-            "'succeeded', now(), 1 FROM generate_series(1, %s)",
-            [finished],
-        )
-        for queue, count in queues.items():
-            cursor.execute(
-                "INSERT INTO pgjobs_job (id, queue, task, payload, max_attempts, priority, run_at) "
-                "SELECT gen_random_uuid(), %s, 'tests.tasks.noop', '{}', 3, (g %% 5) - 2, "
-                "now() - g * interval '1 ms' FROM generate_series(1, %s) g",
-                [queue, count],
-            )
-        cursor.execute("ANALYZE pgjobs_job")
+def _claim_plan(queues: list[str], limit: int) -> plans.Plan:
+    """The worker's claim statement, run by EXPLAIN ANALYZE and rolled back."""
+    return plans.explain(sql.SETTLE_AND_CLAIM, _claim_params(queues, limit), analyze=True)
 
 
 def test_claim_uses_the_partial_claim_index_on_an_analyzed_table_of_mostly_finished_jobs():
-    _backlog({"default": 2_000}, finished=50_000)
+    backlog({"default": 2_000}, finished=50_000)
     plan = _claim_plan(["default"], limit=10)
-    scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
-    assert scans, json.dumps(plan, indent=1)
+    scans = plans.index_scans(plan, "pgjobs_job_claim_idx")
+    assert scans, plans.shown(plan)
     # An index range scan that stops at the limit: it reads 10 rows of the 2,000 ready, and
     # the only sort is of those few candidates (their turns), never of the backlog.
     assert scans[0]["Actual Rows"] == 10
-    sorts = [node for node in _nodes(plan) if node["Node Type"] == "Sort"]
-    assert all(node["Actual Rows"] <= 10 for node in sorts)
+    assert all(node["Actual Rows"] <= 10 for node in plans.of_type(plan, "Sort"))
 
 
 def test_a_claim_across_several_queues_never_sorts_the_backlog():
-    _backlog({"a": 20_000, "b": 20_000, "c": 20_000}, finished=1_000)
+    backlog({"a": 20_000, "b": 20_000, "c": 20_000}, finished=1_000)
     plan = _claim_plan(["a", "b", "c"], limit=10)
-    scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
+    scans = plans.index_scans(plan, "pgjobs_job_claim_idx")
     # One index range scan per queue (a lateral join: one scan node, looped), each stopping
     # at the limit.
-    assert sum(scan["Actual Loops"] for scan in scans) == 3, json.dumps(plan, indent=1)
+    assert sum(scan["Actual Loops"] for scan in scans) == 3, plans.shown(plan)
     assert all(scan["Actual Rows"] <= 10 for scan in scans)
-    sorts = [node for node in _nodes(plan) if node["Node Type"] == "Sort"]
+    sorts = plans.of_type(plan, "Sort")
     assert all(node["Actual Rows"] <= 30 for node in sorts)  # only the 3 × 10 candidates
 
 
+@pytest.mark.django_db(transaction=True)  # session settings, and the connection is closed
 def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared_plan():
     # A generic plan knows no parameter values: it can use the partial claim index only if
     # status = 'ready' is a literal in the statement, not a bound parameter.
-    _backlog({"default": 2_000}, finished=20_000)
+    backlog({"default": 2_000}, finished=20_000)
     connection.ensure_connection()
     connection.connection.prepare_threshold = 0  # psycopg prepares on the first execution
     try:
@@ -208,20 +179,16 @@ def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared
                 ["%SKIP LOCKED%"],
             )
             (name,) = cursor.fetchone()
-            arguments = _claim_params(["default"], limit=10)
-            order = dict.fromkeys(re.findall(r"%\((\w+)\)s", sql.SETTLE_AND_CLAIM))
-            values = psql.SQL(", ").join(psql.Literal(arguments[key]) for key in order)
-            execute = psql.SQL("EXPLAIN (FORMAT JSON) EXECUTE {}({})").format(
-                psql.Identifier(name), values
-            )
-            cursor.execute(execute.as_string(connection.connection))
-            (plan,) = cursor.fetchone()
+        arguments = _claim_params(["default"], limit=10)
+        order = dict.fromkeys(re.findall(r"%\((\w+)\)s", sql.SETTLE_AND_CLAIM))
+        values = psql.SQL(", ").join(psql.Literal(arguments[key]) for key in order)
+        execute = psql.SQL("EXECUTE {}({})").format(psql.Identifier(name), values)
+        plan = plans.explain(execute.as_string(connection.connection))
+        with connection.cursor() as cursor:
             cursor.execute("RESET plan_cache_mode")
     finally:
         connection.close()
-    plan = (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
-    scans = [node for node in _nodes(plan) if node.get("Index Name") == "pgjobs_job_claim_idx"]
-    assert scans, json.dumps(plan, indent=1)
+    assert plans.index_scans(plan, "pgjobs_job_claim_idx"), plans.shown(plan)
 
 
 def test_settle_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_statement():

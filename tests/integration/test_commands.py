@@ -7,13 +7,13 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 from django.db import connection
-from django.utils import timezone
 
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.status import Status
+from tests.conftest import statistics_count
 from tests.factories import JobFactory
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 def run(*args: str) -> str:
@@ -26,7 +26,7 @@ def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
     other_connection,
 ):
     JobFactory.create_batch(3)
-    JobFactory(future=True, attempts=1)
+    JobFactory(retrying=True)  # scheduled (its backoff) and retrying
     JobFactory(running=True)
     JobFactory(dead=True, queue="emails")
     with connection.cursor() as cursor:
@@ -37,6 +37,7 @@ def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
     other_connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     other_connection.execute("SELECT count(*) FROM pgjobs_job")  # holds a snapshot
     QueueStat.objects.create(seconds=10, worker="w", queue="default")  # a live worker serves it
+    statistics_count(live=6)
     report = json.loads(run("jobstats", "--json"))
     other_connection.execute("ROLLBACK")
     assert report["status"] == "healthy"
@@ -47,7 +48,7 @@ def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
     assert queues["default"]["running"] == 1
     assert queues["emails"]["failed"] == 1
     assert 89 < queues["default"]["oldest_due_seconds"] < 200
-    assert report["table"]["live_tuples"] >= 0
+    assert report["table"]["live_tuples"] >= 6  # the jobs this test wrote
     assert report["database"]["oldest_snapshot_query"] == "SELECT count(*) FROM pgjobs_job"
 
 
@@ -60,6 +61,7 @@ def test_prunejobs_deletes_old_finished_jobs_and_keeps_dead_letters():
     assert list(Job.objects.values_list("status", flat=True)) == [Status.FAILED]
 
 
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
 def test_runjobs_once_drains_what_is_due_and_restores_the_signal_handlers():
     import signal
 
@@ -100,7 +102,7 @@ def test_prune_keeps_each_final_status_for_its_own_retention(settings):
         "RETENTION": {"succeeded": timedelta(minutes=10), "failed": timedelta(days=7)}
     }
     old_success, new_success = JobFactory.create_batch(2, succeeded=True)
-    old_cancel = JobFactory(status=Status.CANCELLED, finished_at=timezone.now())
+    old_cancel = JobFactory(cancelled=True)
     old_dead, new_dead = JobFactory.create_batch(2, dead=True)
     finished_ago(old_success, 11 * 60)
     finished_ago(new_success, 9 * 60)

@@ -16,7 +16,7 @@ from django_pgjobs.runtime import execute
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 def claim(worker: str = "w1", limit: int = 1, queues: tuple[str, ...] = ("default",)) -> list[Job]:
@@ -135,6 +135,7 @@ def runjobs_once(*queues: str) -> None:
     call_command("runjobs", "--once", *args, verbosity=0)
 
 
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
 def test_a_worker_leaves_a_paused_queue_alone_and_serves_the_others():
     Queue.objects.create(name="default", paused=True)
     paused = JobFactory.create_batch(3)
@@ -144,6 +145,7 @@ def test_a_worker_leaves_a_paused_queue_alone_and_serves_the_others():
     assert status_of(other) == Status.SUCCEEDED
 
 
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
 def test_a_worker_runs_a_limited_queue_within_its_limit():
     Queue.objects.create(name="default", max_running=2)
     jobs = JobFactory.create_batch(5)
@@ -154,6 +156,7 @@ def test_a_worker_runs_a_limited_queue_within_its_limit():
 # ---- what workers report --------------------------------------------------------------------
 
 
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
 def test_a_worker_writes_its_counts_and_claim_latencies_per_queue():
     JobFactory.create_batch(4)
     JobFactory(task="tests.tasks.fails_permanently")
@@ -187,7 +190,8 @@ def received() -> Iterator[list[tuple[str, dict[str, Any]]]]:
         getattr(signals, name).disconnect(receiver)
 
 
-def test_lifecycle_signals_carry_the_job_its_duration_and_its_error(received):
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
+def test_lifecycle_signals_carry_the_job_its_duration_and_its_error(received, settings):
     good = Job.objects.enqueue("tests.tasks.noop")
     bad = Job.objects.enqueue("tests.tasks.always_fails", max_attempts=2)
     dead = Job.objects.enqueue("tests.tasks.fails_permanently")
@@ -198,15 +202,17 @@ def test_lifecycle_signals_carry_the_job_its_duration_and_its_error(received):
     assert [len(kwargs["jobs"]) for kwargs in by_name["job_enqueued"]] == [1, 1, 1]
     assert {kwargs["job"].pk for kwargs in by_name["job_started"]} == {good.pk, bad.pk, dead.pk}
     (succeeded,) = by_name["job_succeeded"]
-    assert succeeded["job"].pk == good.pk and succeeded["duration"] >= 0
+    assert succeeded["job"].pk == good.pk and 0 < succeeded["duration"] < 10
     (retried,) = by_name["job_retried"]
     assert retried["job"].pk == bad.pk and retried["error"].type == "RuntimeError"
-    assert retried["delay"] >= 0
+    # The backoff's full jitter: anywhere in the first attempt's window, [0, BACKOFF_BASE].
+    assert 0 <= retried["delay"] <= settings.PGJOBS["BACKOFF_BASE"]
     failed = {kwargs["job"].pk: kwargs["error"] for kwargs in by_name["job_failed"]}
     assert set(failed) == {bad.pk, dead.pk}
     assert "bad data" in failed[dead.pk].message
 
 
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
 def test_a_receiver_that_raises_breaks_neither_enqueue_nor_the_worker(caplog):
     def broken(sender: Any, **kwargs: Any) -> None:
         raise RuntimeError("receiver bug")

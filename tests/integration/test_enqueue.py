@@ -14,13 +14,14 @@ from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests import tasks
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 class Boom(Exception):
     pass
 
 
+@pytest.mark.django_db(transaction=True)  # a real ROLLBACK, not a savepoint's
 def test_enqueue_in_a_rolled_back_transaction_leaves_no_row():
     with pytest.raises(Boom), transaction.atomic():
         Job.objects.enqueue("tests.tasks.noop")
@@ -28,6 +29,7 @@ def test_enqueue_in_a_rolled_back_transaction_leaves_no_row():
     assert Job.objects.count() == 0
 
 
+@pytest.mark.django_db(transaction=True)  # a real COMMIT, not a savepoint's
 def test_enqueue_in_a_committed_transaction_leaves_exactly_one_row():
     with transaction.atomic():
         job = Job.objects.enqueue("tests.tasks.send_email", {"to": "a@example.com"})
@@ -39,6 +41,7 @@ def test_enqueue_in_a_committed_transaction_leaves_exactly_one_row():
     assert (row.status, row.attempts, row.payload) == (Status.READY, 0, {"to": "a@example.com"})
 
 
+@pytest.mark.django_db(transaction=True)  # BEGIN and COMMIT, no savepoints
 @pytest.mark.parametrize("wake_ups", [True, False])
 def test_enqueue_is_one_statement_on_the_callers_connection(settings, wake_ups):
     settings.PGJOBS = {**settings.PGJOBS, "NOTIFY": wake_ups}

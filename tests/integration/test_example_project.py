@@ -17,10 +17,7 @@ from django_pgjobs.status import Status
 from example_project.shop import services, tasks
 from example_project.shop.models import Order, Product
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.urls("example_project.urls"),
-]
+pytestmark = [pytest.mark.django_db, pytest.mark.urls("example_project.urls")]
 
 ORDER = {"email": "ada@example.com", "product": "mug", "quantity": "2", "country": "gb"}
 
@@ -46,6 +43,9 @@ def make_order(country: str = "GB") -> Order:
     )
 
 
+@pytest.mark.django_db(
+    transaction=True
+)  # the view's own transaction, not a savepoint in the test's
 def test_placing_an_order_commits_the_order_and_its_two_jobs_in_one_transaction(client):
     response = place(client)
 
@@ -70,6 +70,7 @@ class FailingTask:
         raise GatewayDown
 
 
+@pytest.mark.django_db(transaction=True)  # the view's own transaction rolled back, not a savepoint
 def test_a_view_that_fails_after_enqueueing_writes_neither_the_order_nor_any_job(
     client, monkeypatch
 ):
@@ -127,6 +128,7 @@ def test_a_warehouse_timeout_is_a_transient_error(monkeypatch):
     assert Order.objects.get(pk=order.pk).shipped_at is None
 
 
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
 @pytest.mark.usefixtures("signal_handlers_restored")
 def test_a_worker_confirms_and_charges_a_placed_order(client):
     place(client)

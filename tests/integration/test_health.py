@@ -14,9 +14,13 @@ from django.db.models.functions import Now
 from django_pgjobs.models import Queue, QueueStat
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability import stats
+from tests import plans
 from tests.conftest import wait_until
-from tests.factories import JobFactory
+from tests.factories import JobFactory, backlog
 
+# The report's now() is the start of its transaction: inside a test's transaction it would be
+# earlier than the rows the test wrote (their times are each statement's), and statistics count
+# committed rows only.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -29,7 +33,7 @@ def worker_row(
     )
 
 
-def backlog(count: int, waited: float, queue: str = "default") -> None:
+def due_jobs(count: int, waited: float, queue: str = "default") -> None:
     """`count` due jobs, the oldest due for `waited` seconds."""
     JobFactory.create_batch(count, queue=queue)
     with connection.cursor() as cursor:
@@ -57,7 +61,7 @@ def jobstats(*args: str) -> tuple[int, str]:
 
 def test_queue_figures_count_each_status_and_include_paused_and_served_queues():
     JobFactory.create_batch(3)
-    JobFactory(future=True, attempts=1)
+    JobFactory(retrying=True)  # scheduled (its backoff) and retrying
     JobFactory(running=True)
     JobFactory(dead=True, queue="emails")
     JobFactory(succeeded=True, queue="done")  # finished history is not counted
@@ -121,7 +125,7 @@ def test_an_empty_queue_with_a_live_worker_is_healthy_and_exits_zero():
 
 def test_a_backlog_older_than_the_threshold_means_workers_are_behind(settings):
     worker_row()
-    backlog(5, waited=400)
+    due_jobs(5, waited=400)
     Queue.objects.create(name="default", max_running=2)
     report = reports.collect()
     assert codes(report) == {"workers_behind"}
@@ -137,7 +141,7 @@ def test_a_backlog_older_than_the_threshold_means_workers_are_behind(settings):
 
 def test_a_growing_backlog_is_described_against_the_previous_sample():
     worker_row()
-    backlog(2, waited=400)
+    due_jobs(2, waited=400)
     first = reports.collect()
     JobFactory.create_batch(3)
     second = reports.collect(previous=first)
@@ -148,8 +152,8 @@ def test_a_growing_backlog_is_described_against_the_previous_sample():
 def test_due_jobs_in_a_queue_no_live_worker_serves_are_critical():
     worker_row(queue="other")
     worker_row(queue="default", worker="host:9:zz", ago=600)  # gone
-    backlog(3, waited=120)
-    backlog(2, waited=120, queue="paused")
+    due_jobs(3, waited=120)
+    due_jobs(2, waited=120, queue="paused")
     Queue.objects.create(name="paused", paused=True)
     report = reports.collect()
     assert codes(report) == {"no_worker_serves_a_queue"}
@@ -223,7 +227,7 @@ def test_a_listener_stuck_in_a_transaction_fills_the_notify_queue(settings, othe
 def test_strain_at_high_throughput_is_past_the_design_envelope(settings):
     settings.PGJOBS = {"HEALTH": {"ENVELOPE_JOBS_PER_SECOND": 10}}
     worker_row(claimed=9000, succeeded=9000, seconds=900)  # 10 jobs/s over 15 minutes
-    backlog(5, waited=400)
+    due_jobs(5, waited=400)
     assert codes(reports.collect()) == {"workers_behind", "past_the_design_envelope"}
     settings.PGJOBS = {"HEALTH": {"ENVELOPE_JOBS_PER_SECOND": 11}}
     assert codes(reports.collect()) == {"workers_behind"}
@@ -231,7 +235,7 @@ def test_strain_at_high_throughput_is_past_the_design_envelope(settings):
 
 def test_jobstats_json_has_the_verdict_reasons_and_every_section():
     worker_row(claimed=10, succeeded=10, latency_buckets=[10])
-    backlog(1, waited=400)
+    due_jobs(1, waited=400)
     code, out = jobstats("--json")
     document = json.loads(out)
     assert code == 1 and document["status"] == "warning"
@@ -244,21 +248,9 @@ def test_jobstats_json_has_the_verdict_reasons_and_every_section():
 # ---- cost ----------------------------------------------------------------------------------
 
 
-def explain(sql: str, params: object = None) -> str:
-    with connection.cursor() as cursor:
-        cursor.execute(f"EXPLAIN {sql}", params)
-        return "\n".join(row[0] for row in cursor.fetchall())
-
-
 def test_the_report_reads_the_partial_indexes_and_recent_rows_not_the_history():
+    backlog(finished=50_000)
     with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            INSERT INTO pgjobs_job (id, queue, task, payload, status, max_attempts, finished_at)
-            SELECT gen_random_uuid(), 'default', 't', '{}', 'succeeded', 3, now()
-            FROM generate_series(1, 50000)
-            """
-        )
         cursor.execute(
             """
             INSERT INTO pgjobs_queuestat (at, seconds, worker, queue, claimed, succeeded,
@@ -268,25 +260,25 @@ def test_the_report_reads_the_partial_indexes_and_recent_rows_not_the_history():
             FROM generate_series(1, 50000) AS n
             """
         )
-        cursor.execute("ANALYZE pgjobs_job")
         cursor.execute("ANALYZE pgjobs_queuestat")
     JobFactory.create_batch(5)
     JobFactory(running=True)
     JobFactory(dead=True)
-    plan = explain(stats.QUEUES_SQL)
-    assert "Seq Scan" not in plan, plan
+    plan = plans.explain(stats.QUEUES_SQL)
+    assert not plans.of_type(plan, "Seq Scan"), plans.shown(plan)
     for index in ("pgjobs_job_claim_idx", "pgjobs_job_running_idx", "pgjobs_job_dead_idx"):
-        assert index in plan, plan
+        assert plans.index_scans(plan, index), plans.shown(plan)
     params = {"windows": list(stats.WINDOWS), "longest": max(stats.WINDOWS), "intervals": 2,
               "slack": 5}  # fmt: skip
     for sql in (stats.ACTIVITY_SQL, stats.BUCKETS_SQL, stats.WORKERS_SQL):
-        plan = explain(sql, params)
-        assert "pgjobs_queuestat_at_idx" in plan and "Seq Scan" not in plan, plan
+        plan = plans.explain(sql, params)
+        assert plans.index_scans(plan, "pgjobs_queuestat_at_idx"), plans.shown(plan)
+        assert not plans.of_type(plan, "Seq Scan"), plans.shown(plan)
 
 
 def test_jobstats_watch_prints_a_sample_per_interval_until_interrupted(monkeypatch):
     worker_row()
-    backlog(2, waited=400)
+    due_jobs(2, waited=400)
     sleeps = []
 
     def sleep(seconds: float) -> None:

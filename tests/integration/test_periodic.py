@@ -15,7 +15,7 @@ from django_pgjobs.periodic import MAX_WAIT, Periodic
 from django_pgjobs.runtime.scheduler import Scheduler
 from tests.conftest import run_together, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 YEARLY = "0 0 1 1 *"  # one tick a year: every "worker" of a test computes the same due tick
 
@@ -70,6 +70,7 @@ def test_looking_when_nothing_is_due_makes_no_query(django_assert_num_queries):
         assert Scheduler("default", []).enqueue_due() == MAX_WAIT
 
 
+@pytest.mark.django_db(transaction=True)  # threads, each on its own connection
 def test_workers_looking_at_the_same_due_tick_at_once_enqueue_it_once():
     Scheduler("default", [schedule()]).enqueue_due()
     for round in range(1, 11):

@@ -7,7 +7,7 @@ from django.db import IntegrityError, connection, transaction
 
 from tests.factories import JobFactory
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 @pytest.mark.parametrize(

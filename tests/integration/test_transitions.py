@@ -13,10 +13,10 @@ from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Verdict
 from django_pgjobs.runtime import execute
 from django_pgjobs.status import Status
-from tests import tasks
-from tests.factories import JobFactory
+from tests import plans, tasks
+from tests.factories import JobFactory, backlog
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 def claim_one(worker: str = "w1", **kwargs) -> Job:
@@ -134,7 +134,7 @@ def test_heartbeat_extends_the_lease_from_the_database_clock():
     job = claim_one(lease=5)
     assert Job.objects.heartbeat([job], lease=300) == {job.pk}
     with connection.cursor() as cursor:
-        cursor.execute("SELECT leased_until - now() FROM pgjobs_job")
+        cursor.execute("SELECT leased_until - statement_timestamp() FROM pgjobs_job")
         (remaining,) = cursor.fetchone()
     assert remaining > timedelta(seconds=290)
 
@@ -168,7 +168,7 @@ def test_a_retry_waits_its_backoff_on_the_database_clock():
     job = claim_one()
     Job.objects.fail(job, Failure("RuntimeError", "boom"), permanent=False, delay=600)
     with connection.cursor() as cursor:
-        cursor.execute("SELECT run_at - now() FROM pgjobs_job")
+        cursor.execute("SELECT run_at - statement_timestamp() FROM pgjobs_job")
         (wait,) = cursor.fetchone()
     assert timedelta(seconds=590) < wait <= timedelta(seconds=600)
     assert Job.objects.claim(["default"], worker="w1", limit=1) == []
@@ -264,10 +264,12 @@ def test_replay_gives_a_dead_letter_a_fresh_attempt_budget_due_now():
 
 def test_replay_into_another_queue_and_only_for_failed_or_cancelled_jobs():
     dead = JobFactory(dead=True)
+    cancelled = JobFactory(cancelled=True)
     running = JobFactory(running=True)
     ready = JobFactory()
-    assert Job.objects.all().replay(queue="retries") == [dead.pk]
+    assert sorted(Job.objects.all().replay(queue="retries")) == sorted([dead.pk, cancelled.pk])
     assert Job.objects.get(pk=dead.pk).queue == "retries"
+    assert Job.objects.get(pk=cancelled.pk).status == Status.READY
     assert Job.objects.get(pk=running.pk).status == Status.RUNNING
     assert Job.objects.get(pk=ready.pk).queue == "default"
 
@@ -357,15 +359,9 @@ def test_prune_skips_rows_another_pruner_has_locked(other_connection):
 
 
 def test_finding_prunable_jobs_reads_a_range_of_ids_not_every_finished_job():
-    Job.objects.bulk_enqueue(tasks.noop, ({} for _ in range(20_000)))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE pgjobs_job SET status = 'succeeded', finished_at = now(), attempts = 1"
-        )
-        cursor.execute("ANALYZE pgjobs_job")
-        sql, params = Job.objects.prunable().values("pk").query.sql_with_params()
-        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", params)
-        plan = cursor.fetchone()[0][0]["Plan"]
+    backlog(finished=20_000)
+    sql, params = Job.objects.prunable().values("pk").query.sql_with_params()
+    plan = plans.explain(sql, params, analyze=True)
     # None is old enough: the ids (UUIDv7, enqueue time first) bound the search to nothing.
     assert plan["Node Type"] in ("Index Scan", "Index Only Scan", "Bitmap Heap Scan"), plan
     assert plan["Actual Rows"] == 0

@@ -10,10 +10,12 @@ from django.db import connections, transaction
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests.conftest import run_together, wait_until
+from tests.factories import JobFactory
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
+@pytest.mark.django_db(transaction=True)  # threads, each on its own connection
 @pytest.mark.parametrize("round", range(5))
 def test_eight_threads_enqueueing_one_key_at_once_create_one_job_and_all_get_it(round):
     returned = run_together(
@@ -24,8 +26,7 @@ def test_eight_threads_enqueueing_one_key_at_once_create_one_job_and_all_get_it(
 
 
 def test_a_finished_job_frees_its_key():
-    first = Job.objects.enqueue("tests.tasks.noop", unique_key="k")
-    Job.objects.filter(pk=first.pk).update(status=Status.SUCCEEDED, finished_at=first.created_at)
+    first = JobFactory(succeeded=True, unique_key="k")
     second = Job.objects.enqueue("tests.tasks.noop", unique_key="k")
     assert second.pk != first.pk and second.status == Status.READY
 
@@ -40,6 +41,7 @@ def waiting_on_a_lock() -> bool:
         return bool(cursor.fetchone()[0])
 
 
+@pytest.mark.django_db(transaction=True)  # threads, each on its own connection
 @pytest.mark.parametrize("outcome", ["commit", "rollback"])
 def test_an_enqueue_waits_for_an_uncommitted_job_with_its_key(outcome):
     inserted, finish = threading.Event(), threading.Event()

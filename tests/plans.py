@@ -1,0 +1,45 @@
+"""Query plans: EXPLAIN a statement on the test's connection, then find the nodes that matter."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from django.db import connection, transaction
+
+Plan = dict[str, Any]
+
+
+def explain(sql: str, params: object = None, *, analyze: bool = False) -> Plan:
+    """The root node of `sql`'s plan (EXPLAIN (FORMAT JSON)). With `analyze` the statement
+    runs, inside a transaction (or savepoint) that is rolled back, so it changes nothing."""
+    options = "ANALYZE, FORMAT JSON" if analyze else "FORMAT JSON"
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN ({options}) {sql}", params)
+        (document,) = cursor.fetchone()
+        transaction.set_rollback(True)
+    parsed = json.loads(document) if isinstance(document, str) else document
+    return parsed[0]["Plan"]
+
+
+def nodes(plan: Plan) -> Iterator[Plan]:
+    """Every node of the plan, the root first."""
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def of_type(plan: Plan, node_type: str) -> list[Plan]:
+    """The nodes of one type ("Sort", "Seq Scan", ...); a parallel scan counts as its type."""
+    return [node for node in nodes(plan) if node["Node Type"] == node_type]
+
+
+def index_scans(plan: Plan, index: str) -> list[Plan]:
+    """The nodes that read `index` (index, index-only and bitmap index scans alike)."""
+    return [node for node in nodes(plan) if node.get("Index Name") == index]
+
+
+def shown(plan: Plan) -> str:
+    """The plan as text for an assertion's message."""
+    return json.dumps(plan, indent=1)
