@@ -297,6 +297,21 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
         name, ceil = same_batch(two, 2)
         rows.append(Row(f"W3 drain {sizes.drain:,}, defaults, 2 processes", two.jobs_per_second,
                         "jobs/s", name, ceil, note=_cause(two)))  # fmt: skip
+        say("W3 drain, --processes 2 (one supervisor, two children)")
+        runs = [
+            workloads.drain(cluster, sizes.drain, 2, [], logs, startup, supervised=True)
+            for _ in range(repeat)
+        ]
+        supervised = sorted(runs, key=lambda d: d.jobs_per_second)[len(runs) // 2]
+        value = supervised.jobs_per_second
+        name, ceil = same_batch(supervised, 2)
+        assert w3 is not None
+        rows.append(Row(
+            f"W3 drain {sizes.drain:,}, defaults, --processes 2", value, "jobs/s", name, ceil,
+            "≥ 1.7 × 1 process and ≥ 20,000 jobs/s", value >= 1.7 * w3 and value >= 20_000,
+            f"{value / w3:.2f} × 1 process ({two.jobs_per_second / w3:.2f} × for 2 separate "
+            f"processes); {_cause(supervised)}",
+        ))  # fmt: skip
         say("W3 strict mode")
         strict = workloads.drain(cluster, sizes.strict, 1, ["--batch-size", "1"], logs, startup)
         name, ceil = claim_ceiling(1)

@@ -241,9 +241,11 @@ def startup_cpu(cluster: Cluster, logs: Path) -> float:
 
 def drain(
     cluster: Cluster, count: int, processes: int, args: list[str], logs: Path, startup: float,
-    fail_share: float = 0.0, env: dict[str, str] | None = None,
+    fail_share: float = 0.0, env: dict[str, str] | None = None, supervised: bool = False,
 ) -> Drain:  # fmt: skip
-    """Enqueue `count` jobs, then time `processes` × `runjobs --once` draining them."""
+    """Enqueue `count` jobs, then time `processes` × `runjobs --once` draining them; or, when
+    `supervised`, one `runjobs --processes <processes>` (a supervisor and its children: they
+    do not exit when drained, so it is stopped with SIGTERM once no job is left)."""
     reset(cluster)
     if fail_share:
         rng = random.Random(7)
@@ -258,11 +260,22 @@ def drain(
     before = counters(cluster)
     sampler = WaitSampler(cluster)
     sampler.start()
-    workers = [
-        start_worker(cluster, ["--once", *args], logs / "drain.log", **(env or {}))
-        for _ in range(processes)
-    ]
-    cpu = sum(reap_child(worker) for worker in workers)
+    polls = 0
+    if supervised:
+        supervisor = start_worker(
+            cluster, ["--processes", str(processes), *args], logs / "drain.log", **(env or {})
+        )
+        polls = _wait_drained(cluster, supervisor)
+        supervisor.send_signal(signal.SIGTERM)
+        # The supervisor's own CPU and its children's (reaped by it, so counted in its usage).
+        cpu = reap_child(supervisor)
+        processes += 1  # the supervisor's start-up too
+    else:
+        workers = [
+            start_worker(cluster, ["--once", *args], logs / "drain.log", **(env or {}))
+            for _ in range(processes)
+        ]
+        cpu = sum(reap_child(worker) for worker in workers)
     waits = sampler.stop()
     after = counters(cluster)
     with cluster.connect() as conn:
@@ -275,7 +288,7 @@ def drain(
     if finished != count:
         raise RuntimeError(f"drained {finished} of {count} jobs")
     window = max(window, 1e-3)
-    commits = after.commits - before.commits - sampler.queries - 6
+    commits = after.commits - before.commits - sampler.queries - polls - 6
     return Drain(
         jobs_per_second=(count - 1) / window,
         statements=(after.statements - before.statements) / count,
@@ -285,6 +298,23 @@ def drain(
         server_cpu=(after.server_cpu - before.server_cpu) / window,
         waits=waits,
     )
+
+
+def _wait_drained(cluster: Cluster, worker: subprocess.Popen[bytes]) -> int:
+    """Until no job is ready or running (by the monitor role, so that the statement counts
+    leave these polls out); returns how many polls that took (each a commit)."""
+    polls = 0
+    with cluster.connect(user="bench_monitor") as conn:
+        while True:
+            polls += 1
+            row = conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM pgjobs_job WHERE status IN ('ready', 'running'))"
+            ).fetchone()
+            if row is not None and not row[0]:
+                return polls
+            if worker.poll() is not None:
+                raise RuntimeError(f"runjobs exited with {worker.returncode} before the drain")
+            time.sleep(0.1)
 
 
 # ---- W5: latency ------------------------------------------------------------------------------

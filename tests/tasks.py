@@ -162,4 +162,5 @@ def writes_then_breaks_the_transaction(n: int) -> None:
 # The chaos suite's tasks and the crash tests' hostile handlers live in their own modules;
 # importing them here registers them (only installed apps' `tasks` modules are autodiscovered).
 from tests import hostile as hostile_tasks  # noqa: E402, F401
+from tests import process_tasks  # noqa: E402, F401
 from tests.chaos import tasks as chaos_tasks  # noqa: E402, F401
