@@ -102,6 +102,8 @@ class Supervisor:
         process = subprocess.Popen(command, env=env, start_new_session=True)
         self.children[slot] = Child(slot, child_id, process)
         logger.info("worker process %d started as %s", process.pid, child_id)
+        if self._stopping:  # a stop signal came while it was being started: it missed it
+            process.send_signal(signal.SIGTERM)
 
     def _reap_children(self) -> None:
         for slot, child in list(self.children.items()):

@@ -346,7 +346,7 @@ def test_children_are_replaced_after_max_jobs_and_every_job_runs_exactly_once(ru
     wait_until(lambda: statuses() == {Status.SUCCEEDED: count}, timeout=90)
     assert runs() == Counter(range(count))  # each exactly once: nothing lost, nothing doubled
     # The children that recorded their 50th outcome at the very end are replaced too: wait
-    # until the supervisor runs two children again, both up (see the xfail test below on a
+    # until the supervisor runs two children again, both up (see the test below on a
     # SIGTERM that reaches a child still starting).
     live = wait_until(steady(supervisor, 2), timeout=30)
     replaced = re.compile(r"worker process (\d+) exited to be replaced")
@@ -364,11 +364,6 @@ def test_children_are_replaced_after_max_jobs_and_every_job_runs_exactly_once(ru
     assert not any(alive(pid) for pid in live)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/worker.py _turn calls _check_limits() only when read_if_due() reports a "
-    "resumed queue, so --max-memory-per-child is never checked",
-)
 def test_a_worker_over_max_memory_exits_to_be_replaced(runjobs):
     worker = runjobs("--max-memory-per-child", "1")  # 1 MB: any Python process is over it
     wait_until(worker.started, timeout=30)
@@ -376,11 +371,6 @@ def test_a_worker_over_max_memory_exits_to_be_replaced(runjobs):
     assert "stops to be replaced: it uses" in worker.log()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/worker.py _turn calls _check_limits() only when read_if_due() reports a "
-    "resumed queue, so a child never notices that its supervisor is gone",
-)
 def test_children_stop_when_their_supervisor_is_killed(runjobs):
     supervisor = runjobs("--processes", "2")
     wait_until(lambda: supervisor.log().count(" started: ") == 2, timeout=60)
@@ -433,12 +423,6 @@ def test_reload_restarts_the_worker_when_a_module_changes_and_runs_the_new_code(
     # (Stopping it is left to the teardown: see the two tests below.)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="management/commands/runjobs.py _with_reloader registers stop_at_exit in Django's "
-    "reloader parent too, where `inner` never runs and `finished` is never set: every exit of "
-    "runjobs --reload waits the full finished.wait(10)",
-)
 def test_runjobs_reload_exits_promptly_on_sigterm(runjobs):
     worker = runjobs("--reload")
     wait_until(worker.started, timeout=60)
@@ -446,12 +430,6 @@ def test_runjobs_reload_exits_promptly_on_sigterm(runjobs):
     assert worker.wait(5) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runjobs --reload: SIGTERM reaches Django's reloader parent, whose handler "
-    "(sys.exit(0)) interrupts subprocess.run(), which SIGKILLs the worker process: the running "
-    "job is neither finished nor released and waits for its lease",
-)
 def test_sigterm_to_runjobs_reload_lets_the_running_job_finish(runjobs):
     job = Job.objects.enqueue(RECORD, {"n": 1, "seconds": 2})
     worker = runjobs("--reload", "--lease", "60")
@@ -508,13 +486,6 @@ def test_a_second_sigterm_to_the_supervisor_releases_the_running_jobs_at_once(ru
     assert {(job.status, job.attempts) for job in Job.objects.all()} == {(Status.READY, 0)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/supervisor.py _ended: a child killed by the SIGTERM the stopping supervisor "
-    "sent it, while it was still starting (before runjobs installed its handlers), counts as a "
-    "failure: the supervisor exits 1, logging nothing but runjobs.py's 'stopped without "
-    "recording or releasing every job it held'",
-)
 def test_sigterm_to_a_supervisor_whose_children_are_still_starting_exits_zero(runjobs):
     supervisor = runjobs("--processes", "2")
     wait_until(lambda: len(children_of(supervisor.pid)) == 2, timeout=30, interval=0.01)
@@ -542,12 +513,6 @@ def test_children_that_keep_dying_make_the_supervisor_give_up_with_a_non_zero_ex
     assert not supervised_by({supervisor.pid})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/supervisor.py run() returns 1 when it gives up, which is Exit.UNRELEASED: "
-    "runjobs.py handle() then says 'stopped without recording or releasing every job it held', "
-    "which is not what happened",
-)
 def test_a_supervisor_that_gives_up_does_not_blame_unreleased_jobs(runjobs):
     supervisor = runjobs("--processes", "3", env=CRASHING)
     assert supervisor.wait(90) != 0
