@@ -4,6 +4,10 @@
 ``django.tasks`` (Django 6) and with the ``django-tasks`` backport (Django 5.2). A Task's job has
 ``task = "django.tasks:<module path>"`` and ``payload = {"args": [...], "kwargs": {...},
 "backend": <alias>}``; its return value is kept in ``Job.result``.
+
+One module (longer than most) because it is the path TASKS names, and the backend, the runner
+of its jobs and the conversions between jobs and TaskResults change together with the
+framework's API; split, each part would import the framework's names on its own.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Every statement that changes a job, as one complete SQL text with named parameters.
 
+Longer than most modules on purpose: every statement and the reason for its shape in one place,
+so that what runs can be read (and reviewed) whole.
+
 A statement is chosen whole (e.g. with or without ON CONFLICT), never assembled from pieces, so
 what runs is what you read here. Times are the database's clock (``statement_timestamp()``),
 never the app's. The data layer binds parameters by name (data/jobs.py, data/enqueue.py).

@@ -1,5 +1,9 @@
 """The worker loop: claim into free slots, run handlers on threads, settle their outcomes in
-batches, and stop gracefully. It decides *when*; the data layer decides *how*."""
+batches, and stop gracefully. It decides *when*; the data layer decides *how*.
+
+A little over 300 lines: the loop and the state it shares with its parts (settling, handlers,
+leases, chores, controls), which live in the modules beside it.
+"""
 
 from __future__ import annotations
 

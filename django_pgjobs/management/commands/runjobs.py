@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 from argparse import SUPPRESS, ArgumentParser, ArgumentTypeError
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
-from django.utils import autoreload
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
+from django_pgjobs.runtime import reloading
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.supervisor import Supervisor
@@ -47,6 +43,10 @@ def _positive(kind: type[int] | type[float]) -> Any:
         return number
 
     return parse
+
+
+#: How to stop what runs now (the worker, or the supervisor), for --reload.
+_stoppers: list[Callable[..., None]] = []
 
 
 class Command(BaseCommand):
@@ -165,7 +165,7 @@ class Command(BaseCommand):
         def run() -> int:
             return self.run(options)
 
-        code = _with_reloader(run) if options["reload"] else run()
+        code = reloading.run(run, _stoppers) if options["reload"] else run()
         if code and options["processes"] > 1:
             raise CommandError(
                 "worker processes failed (kept dying, or stopped without releasing their "
@@ -211,7 +211,7 @@ class Command(BaseCommand):
             worker.stop()
 
         # Signal handlers belong to the main thread (under --reload the worker runs on another:
-        # the reloader stops it at exit instead, see _with_reloader).
+        # the reloader passes signals on, see runtime/reloading.py).
         main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS} if main else {}
         _stoppers.append(worker.stop)
@@ -223,70 +223,6 @@ class Command(BaseCommand):
             _stoppers.remove(worker.stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-
-
-#: How to stop what runs (for the reloader's exit).
-_stoppers: list[Callable[..., None]] = []
-
-
-def _with_reloader(run: Callable[[], int]) -> int:
-    """Run `run` under Django's autoreloader: a parent process starts a child that runs it and
-    watches the Python files, and starts it again when the child exits because one changed.
-
-    Django's own parent (run_with_reloader) SIGKILLs its child on SIGTERM, which would leave the
-    worker's jobs to their leases; this parent passes stop signals on instead, so the worker
-    stops as it always does. The child stops its worker at once when a file changed, releasing
-    the jobs, before it exits to be restarted."""
-    if os.environ.get(autoreload.DJANGO_AUTORELOAD_ENV) != "true":
-        return _reloading_parent()
-    reloader = autoreload.get_reloader()
-    codes: list[int] = []
-
-    def inner() -> None:
-        try:
-            codes.append(run())
-        finally:
-            reloader.stop()  # stopped by a signal: the process ends with it
-
-    def stop_at_exit() -> None:  # a file changed: the reloader exits the process
-        for stop in list(_stoppers):
-            stop(True)
-        for _ in range(100):
-            if codes:
-                break
-            time.sleep(0.1)
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        for stop in list(_stoppers):
-            stop()
-
-    # The worker runs on the reloader's thread; signals arrive on this one.
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, on_signal)
-    atexit.register(stop_at_exit)
-    autoreload.start_django(reloader, inner)
-    return codes[0] if codes else 0
-
-
-def _reloading_parent() -> int:
-    """Start the reloading child again whenever it exits because a file changed (status 3),
-    passing SIGTERM and SIGINT on to it; return its exit status otherwise."""
-    env = {**os.environ, autoreload.DJANGO_AUTORELOAD_ENV: "true"}
-    while True:
-        # Its own session: a terminal's Ctrl-C reaches it once, through this process.
-        child = subprocess.Popen(autoreload.get_child_arguments(), env=env, start_new_session=True)
-
-        def forward(signum: int, frame: FrameType | None, child: Any = child) -> None:
-            child.send_signal(signum)
-
-        previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
-        try:
-            code = child.wait()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        if code != 3:
-            return code
 
 
 def _child_args(options: dict[str, Any]) -> list[str]:
