@@ -161,6 +161,9 @@ DELETE = Action(
     flag=DELETION,
     logged=gettext_lazy("Deleted."),
     done=ngettext_lazy("%d job deleted.", "%d jobs deleted."),
+    skipped=gettext_lazy(
+        "running jobs are not deleted while their worker runs them; cancel them instead"
+    ),
 )
 ACTIONS = (REPLAY, RUN_NOW, CANCEL, DELETE)
 

@@ -11,8 +11,10 @@ import json
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.models import DELETION
 from django.contrib.admin.options import IS_POPUP_VAR
+from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import PAGE_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
@@ -22,10 +24,19 @@ from django.template.loader import render_to_string
 from django.urls import path, reverse
 from django.utils.html import format_html
 from django.utils.text import Truncator
+from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry
-from django_pgjobs.admin.actions import ACTIONS, DELETE, REPLAY, changelist_url, perform
+from django_pgjobs.admin.actions import (
+    ACTIONS,
+    DELETE,
+    LOGGED,
+    REPLAY,
+    apply,
+    changelist_url,
+    perform,
+)
 from django_pgjobs.admin.lists import (
     ERROR_TYPE,
     ErrorTypeFilter,
@@ -89,7 +100,8 @@ class BaseJobAdmin(ModelAdmin):
         return False  # jobs are enqueued by code
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return self._has(request, "delete")
+        # A running job's worker still runs its handler: deleting the row would not stop it.
+        return self._has(request, "delete") and not _running(obj)
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         return self._has(request, "replay")
@@ -184,6 +196,38 @@ class BaseJobAdmin(ModelAdmin):
             if action.button and action.name in offered and action.applies(job)
         ]
 
+    # ---- delete: through the guarded transition, never a running job ------------------------
+
+    def delete_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """Django's confirmation page; the deletion itself is JobQuerySet.discard, which leaves a
+        job alone if it started running since the page was shown."""
+        job = self.get_object(request, unquote(object_id))
+        if job is None or not self._has(request, "delete"):
+            return super().delete_view(request, object_id, extra_context)
+        if request.method == "POST" and not _running(job):
+            shown = str(job)
+            changed, _seen = apply(
+                request, Job.objects.filter(pk=job.pk), JobQuerySet.discard, DELETION,
+                str(DELETE.logged), only=LOGGED,
+            )  # fmt: skip
+            if changed:
+                return self.response_delete(request, shown, job.pk)  # type: ignore[arg-type]
+            job = self.get_object(request, unquote(object_id))  # it changed meanwhile
+        if _running(job):
+            assert job is not None
+            self.message_user(request, _refused(job), messages.ERROR)
+            return HttpResponseRedirect(reverse(self.url_name("change"), args=[job.pk]))
+        return super().delete_view(request, object_id, extra_context)
+
+    def delete_model(self, request: HttpRequest, obj: Job) -> None:
+        Job.objects.filter(pk=obj.pk).discard()
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        assert isinstance(queryset, JobQuerySet)
+        queryset.discard()
+
     # ---- replay everything matching the current filter ---------------------------------------
 
     def url_name(self, view: str) -> str:
@@ -261,6 +305,16 @@ class DeadLetterAdmin(BaseJobAdmin):
             .order_by("-jobs", "task", "error_type")
         )
         return {"summary": list(groups[:20])}
+
+
+def _running(job: Job | None) -> bool:
+    return job is not None and job.status == Status.RUNNING
+
+
+def _refused(job: Job) -> str:
+    return _(
+        "The job “%s” cannot be deleted while it runs: its worker still runs it. Cancel it instead."
+    ) % (job,)
 
 
 def _pretty_json(value: Any) -> str:

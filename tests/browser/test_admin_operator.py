@@ -1,0 +1,112 @@
+"""What an operator does in the admin, in a real browser (Debian's Chromium, driven by
+Playwright): search, save the Queues list, delete and cancel, read times and the error history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import LogEntry
+
+from django_pgjobs.models import Job, Queue
+from django_pgjobs.status import Status
+from tests.browser import test_admin_browser
+from tests.factories import JobFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+page = test_admin_browser.page  # the fixture: Chromium with Playwright
+
+PASSWORD = "correct-horse"
+
+
+def log_in(page: Any, live_server: Any, django_user_model: Any, path: str) -> None:
+    """Log in as a superuser, landing on `path`."""
+    if not django_user_model.objects.filter(username="operator").exists():
+        django_user_model.objects.create_superuser("operator", "ops@example.com", PASSWORD)
+    page.goto(f"{live_server.url}/admin/login/?next={path}")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+
+
+def expect() -> Any:
+    from playwright.sync_api import expect
+
+    return expect
+
+
+# ---- the Queues list saves ------------------------------------------------------------------
+
+
+def test_editing_paused_and_max_running_in_the_queues_list_and_pressing_save_saves(
+    page: Any, live_server: Any, django_user_model: Any
+) -> None:
+    Queue.objects.create(name="emails")
+    Queue.objects.create(name="reports", paused=True, max_running=2)
+    log_in(page, live_server, django_user_model, "/admin/pgjobs/queue/")
+
+    row = page.locator("#result_list tbody tr", has_text="emails")
+    row.locator("input[name$='-paused']").check()
+    row.locator("input[name$='-max_running']").fill("3")
+    page.get_by_role("button", name="Save").click()
+
+    expect()(page.locator(".messagelist")).to_contain_text("was changed successfully")
+    emails = Queue.objects.get(name="emails")
+    assert (emails.paused, emails.max_running) == (True, 3)
+    assert Queue.objects.get(name="reports").max_running == 2  # untouched
+    assert LogEntry.objects.filter(object_id="emails").exists()
+
+
+# ---- running jobs cannot be deleted -------------------------------------------------------------
+
+
+def job_page(live_server: Any, job: Job) -> str:
+    return f"{live_server.url}/admin/pgjobs/job/{job.pk}/change/"
+
+
+def test_a_running_job_offers_cancel_not_delete_and_its_delete_page_refuses(
+    page: Any, live_server: Any, django_user_model: Any
+) -> None:
+    running = JobFactory(running=True)
+    log_in(page, live_server, django_user_model, f"/admin/pgjobs/job/{running.pk}/change/")
+
+    expect()(page.locator(".pgjobs-cancel")).to_be_visible()
+    expect()(page.locator("a.deletelink")).to_have_count(0)
+
+    page.goto(f"{live_server.url}/admin/pgjobs/job/{running.pk}/delete/")
+    expect()(page.locator(".messagelist")).to_contain_text("cannot be deleted while it runs")
+    assert page.url == job_page(live_server, running)
+    assert Job.objects.get(pk=running.pk).status == Status.RUNNING
+
+
+def test_a_finished_job_is_deleted_from_its_page_and_the_deletion_logged(
+    page: Any, live_server: Any, django_user_model: Any
+) -> None:
+    done = JobFactory(succeeded=True)
+    log_in(page, live_server, django_user_model, f"/admin/pgjobs/job/{done.pk}/change/")
+    page.locator("a.deletelink").click()
+    page.get_by_role("button", name="Yes, I’m sure").click()
+    expect()(page.locator(".messagelist")).to_contain_text("was deleted successfully")
+    assert not Job.objects.filter(pk=done.pk).exists()
+    assert LogEntry.objects.filter(object_id=str(done.pk), action_flag=3).exists()
+
+
+def test_deleting_only_running_jobs_says_they_were_skipped_and_why(
+    page: Any, live_server: Any, django_user_model: Any
+) -> None:
+    running = JobFactory.create_batch(2, running=True)
+    log_in(page, live_server, django_user_model, "/admin/pgjobs/job/")
+    for job in running:
+        page.locator(f"input.action-select[value='{job.pk}']").check()
+    page.select_option("select[name=action]", "delete_jobs")
+    page.get_by_role("button", name="Go").click()
+    expect()(page.locator(".pgjobs-count")).to_have_text("Delete 2 jobs?")
+    page.get_by_role("button", name="Yes, I’m sure").click()
+
+    message = page.locator(".messagelist li")
+    expect()(message).to_have_class("warning")
+    expect()(message).to_have_text(
+        "0 jobs deleted. 2 skipped: running jobs are not deleted while their worker runs "
+        "them; cancel them instead."
+    )
+    assert Job.objects.filter(status=Status.RUNNING).count() == 2
