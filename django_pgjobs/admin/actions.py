@@ -79,7 +79,8 @@ class Action:
 
     name: str  # the action's name in the admin (POST["action"])
     description: StrOrPromise  # its entry in the changelist's menu
-    verb: StrOrPromise  # the confirmation page's question: "<verb> 3 jobs?"
+    title: StrOrPromise  # the confirmation page's title
+    question: StrOrPromise  # the confirmation page's question, "%d" the count, by ngettext_lazy
     permission: str  # ModelAdmin.has_<permission>_permission() decides who may
     transition: Callable[..., Sequence[Any]]  # returns the primary keys of the rows it changed
     flag: int  # the admin log's action flag, CHANGE or DELETION
@@ -89,6 +90,10 @@ class Action:
     form: type[ActionForm] | None = None
     button: StrOrPromise | None = None  # the detail page's button for a job it applies to
     applies: Callable[[Job], bool] = lambda job: False
+    #: The admin log's message for a job, by its status before the change (default `logged`).
+    logged_for: Callable[[Job], StrOrPromise] | None = None
+    #: Whether the transition takes the acting user's name (`by=`), to record in the job.
+    by_user: bool = False
 
     def admin_action(self) -> Callable[..., HttpResponse | None]:
         """The action as a ModelAdmin takes it in `actions`."""
@@ -105,7 +110,8 @@ class Action:
 REPLAY = Action(
     name="replay",
     description=gettext_lazy("Replay selected jobs…"),
-    verb=gettext_lazy("Replay"),
+    title=gettext_lazy("Replay jobs"),
+    question=ngettext_lazy("Replay %d job?", "Replay %d jobs?"),
     permission="replay",
     transition=JobQuerySet.replay,
     flag=CHANGE,
@@ -116,13 +122,15 @@ REPLAY = Action(
         "while no live job holds it"
     ),
     form=ReplayForm,
+    by_user=True,
     button=gettext_lazy("Replay…"),
     applies=lambda job: job.status in (Status.FAILED, Status.CANCELLED),
 )
 RUN_NOW = Action(
     name="run_now",
     description=gettext_lazy("Run selected jobs now…"),
-    verb=gettext_lazy("Run now"),
+    title=gettext_lazy("Run jobs now"),
+    question=ngettext_lazy("Run %d job now?", "Run %d jobs now?"),
     permission="run_now",
     transition=JobQuerySet.run_now,
     flag=CHANGE,
@@ -137,7 +145,8 @@ RUN_NOW = Action(
 CANCEL = Action(
     name="cancel",
     description=gettext_lazy("Cancel selected jobs…"),
-    verb=gettext_lazy("Cancel"),
+    title=gettext_lazy("Cancel jobs"),
+    question=ngettext_lazy("Cancel %d job?", "Cancel %d jobs?"),
     permission="cancel",
     transition=JobQuerySet.cancel,
     flag=CHANGE,
@@ -151,11 +160,18 @@ CANCEL = Action(
     applies=lambda job: (
         job.status == Status.READY or (job.status == Status.RUNNING and not job.cancel_requested)
     ),
+    # A running job is not cancelled yet: its handler may stop, or finish.
+    logged_for=lambda job: (
+        gettext_lazy("Cancellation requested.")
+        if job.status == Status.RUNNING
+        else gettext_lazy("Cancelled.")
+    ),
 )
 DELETE = Action(
     name="delete_jobs",
     description=gettext_lazy("Delete selected jobs…"),
-    verb=gettext_lazy("Delete"),
+    title=gettext_lazy("Delete jobs"),
+    question=ngettext_lazy("Delete %d job?", "Delete %d jobs?"),
     permission="delete",
     transition=JobQuerySet.discard,
     flag=DELETION,
@@ -179,9 +195,16 @@ def perform(
     confirmed = "post" in request.POST
     form = action.form(request.POST if confirmed else None) if action.form else None
     if not confirmed or (form is not None and not form.is_valid()):
-        return confirm(model_admin, request, queryset, action.verb, form)
-    options = form.cleaned_data if form is not None else {}
-    logged = str(action.logged) if form is None else form.change_message(str(action.logged))
+        return confirm(model_admin, request, queryset, action, form)
+    options = dict(form.cleaned_data) if form is not None else {}
+    if action.by_user:
+        options["by"] = request.user.get_username()
+    logged: str | Callable[[Any], str]
+    if action.logged_for is not None:
+        logged_for = action.logged_for
+        logged = lambda job: str(logged_for(job))  # noqa: E731
+    else:
+        logged = str(action.logged) if form is None else form.change_message(str(action.logged))
     changed, seen = apply(
         request,
         queryset,
@@ -200,12 +223,13 @@ def apply(
     queryset: QuerySet[Any],
     transition: Callable[[Any], Sequence[Any]],
     flag: int,
-    message: str,
+    message: str | Callable[[Any], str],
     *,
     only: Sequence[str] = (),
 ) -> tuple[int, int]:
     """Run `transition` over the selection, ACTION_BATCH rows per statement, and log each row it
-    changed (the transition returns their primary keys). Returns (changed, selected).
+    changed (the transition returns their primary keys) with `message`, or `message(row)` as the
+    row was before the change. Returns (changed, selected).
 
     `only` names the fields str(row) needs, read before the change so that the log names the
     rows even after a delete. Rows are logged as their concrete model (a dead letter as a job)."""
@@ -224,8 +248,12 @@ def apply(
         with transaction.atomic(using=router.db_for_write(model)):
             described = {row.pk: row for row in (selected.only(*only) if only else selected)}
             done = transition(selected)
-            if done:
-                LogEntry.objects.log_actions(user_id, [described[pk] for pk in done], flag, message)
+            by_message: dict[str, list[Model]] = {}
+            for row in (described[pk] for pk in done):
+                text = message if isinstance(message, str) else message(row)
+                by_message.setdefault(text, []).append(row)
+            for text, logged in by_message.items():
+                LogEntry.objects.log_actions(user_id, logged, flag, text)
         changed, seen, last = changed + len(done), seen + len(batch), batch[-1]
     return changed, seen
 
@@ -234,16 +262,17 @@ def confirm(
     model_admin: admin.ModelAdmin[Any],
     request: HttpRequest,
     queryset: QuerySet[Any],
-    verb: StrOrPromise,
+    action: Action,
     form: forms.Form | None = None,
 ) -> TemplateResponse:
     """The intermediate page of a bulk action: what it does, to how many jobs."""
+    count = queryset.count()
     context = {
         **model_admin.admin_site.each_context(request),
         "opts": model_admin.opts,
-        "title": _("%s jobs?") % verb,
-        "verb": verb,
-        "count": queryset.count(),
+        "title": action.title,
+        "question": action.question % count,
+        "count": count,
         "sample": list(queryset[:10]),
         "form": form,
         "action": request.POST.get("action", ""),

@@ -7,7 +7,6 @@ escaped. Nothing here runs an exact COUNT(*) over the table on a page load (list
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -20,14 +19,10 @@ from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
-from django.template.loader import render_to_string
 from django.urls import path, reverse
-from django.utils.html import format_html
-from django.utils.text import Truncator
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from django_pgjobs import registry
 from django_pgjobs.admin.actions import (
     ACTIONS,
     DELETE,
@@ -37,6 +32,7 @@ from django_pgjobs.admin.actions import (
     changelist_url,
     perform,
 )
+from django_pgjobs.admin.columns import JobColumns, status
 from django_pgjobs.admin.lists import (
     ERROR_TYPE,
     ErrorTypeFilter,
@@ -46,7 +42,6 @@ from django_pgjobs.admin.lists import (
     TaskFilter,
 )
 from django_pgjobs.data.queryset import JobQuerySet
-from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 
@@ -58,7 +53,13 @@ else:
     ModelAdmin = admin.ModelAdmin  # generic only in the type stubs
 
 
-class BaseJobAdmin(ModelAdmin):
+# The job page's fields: the times are shown in the active time zone, with their age.
+TRIES = "attempts_display"
+TIMES = ("run_at_display", "created_at_display", "started_at_display", "finished_at_display")
+LEASE = ("worker", "leased_until_display", "cancel_requested", "unique_key")
+
+
+class BaseJobAdmin(JobColumns, ModelAdmin):
     list_filter = ("status", QueueFilter, TaskFilter)
     list_per_page = 50
     show_full_result_count = False
@@ -70,19 +71,15 @@ class BaseJobAdmin(ModelAdmin):
     # Each defined once in actions.ACTIONS; the has_<permission>_permission methods gate them.
     actions = [action.admin_action() for action in ACTIONS]
     fieldsets = [
-        (None, {"fields": ["id", "task", "queue", "status", "priority", "attempts_display"]}),
-        (gettext_lazy("Times"), {"fields": ["run_at", "created_at", "started_at", "finished_at"]}),
-        (
-            gettext_lazy("Lease"),
-            {"fields": ["worker", "leased_until", "cancel_requested", "unique_key"]},
-        ),
+        (None, {"fields": ["id", "task", "queue", "status_display", "priority", TRIES]}),
+        (gettext_lazy("Times"), {"fields": TIMES}),
+        (gettext_lazy("Lease"), {"fields": LEASE}),
         (gettext_lazy("Payload and result"), {"fields": ["payload_display", "result_display"]}),
         (gettext_lazy("Errors"), {"fields": ["last_error", "error_history"]}),
     ]
     readonly_fields = [
-        "id", "task", "queue", "status", "priority", "attempts_display", "run_at",
-        "created_at", "started_at", "finished_at", "worker", "leased_until", "cancel_requested",
-        "unique_key", "payload_display", "result_display", "last_error", "error_history",
+        "id", "task", "queue", "status_display", "priority", TRIES, *TIMES, *LEASE,
+        "payload_display", "result_display", "last_error", "error_history",
     ]  # fmt: skip
 
     # ---- permissions: the proxy (dead letters) answers with the Job permissions ---------------
@@ -140,39 +137,7 @@ class BaseJobAdmin(ModelAdmin):
             match |= Q(id__endswith=term.lower())
         return queryset.filter(match), False
 
-    @admin.display(description=gettext_lazy("id"))
-    def short_id(self, job: Job) -> str:
-        return job.short_id
-
-    @admin.display(description=gettext_lazy("attempts"))
-    def attempts_display(self, job: Job) -> str:
-        return f"{job.attempts}/{job.max_attempts}"
-
-    @admin.display(description=gettext_lazy("last error"))
-    def error_line(self, job: Job, width: int = 100) -> str:
-        # The list annotates the head of last_error and defers the column itself.
-        head: str = job.error_head if hasattr(job, "error_head") else job.last_error
-        return Truncator(head.split("\n", 1)[0]).chars(width)
-
     # ---- detail ------------------------------------------------------------------------------
-
-    @admin.display(description=gettext_lazy("payload"))
-    def payload_display(self, job: Job) -> str:
-        try:
-            payload = registry.get_task(job.task).redacted(job.payload)
-        except UnknownTask:
-            payload = job.payload
-        return _pretty_json(payload)
-
-    @admin.display(description=gettext_lazy("result"))
-    def result_display(self, job: Job) -> str:
-        """The handler's return value, for tasks that keep it (e.g. Django Tasks)."""
-        return "—" if job.result is None else _pretty_json(job.result)
-
-    @admin.display(description=gettext_lazy("error history"))
-    def error_history(self, job: Job) -> str:
-        entries = [e if isinstance(e, dict) else {"message": repr(e)} for e in job.errors or []]
-        return render_to_string("admin/pgjobs/error_history.html", {"entries": entries})
 
     def change_view(
         self,
@@ -269,14 +234,14 @@ class BaseJobAdmin(ModelAdmin):
 
 class JobAdmin(BaseJobAdmin):
     list_display = [
-        "short_id", "task", "queue", "status", "priority", "attempts_display", "run_at",
-        "created_at", "finished_at", "error_line",
+        "short_id", "task", "queue", status, "priority", "attempts_display", "due", "created",
+        "finished", "error_line",
     ]  # fmt: skip
 
 
 class DeadLetterAdmin(BaseJobAdmin):
     list_display = [
-        "short_id", "task", "queue", "attempts_display", "finished_at", "final_error",
+        "short_id", "task", "queue", "attempts_display", "finished", "final_error",
     ]  # fmt: skip
     actions = [REPLAY.admin_action(), DELETE.admin_action()]
 
@@ -290,10 +255,6 @@ class DeadLetterAdmin(BaseJobAdmin):
 
     def get_list_filter(self, request: HttpRequest) -> tuple[type[admin.ListFilter], ...]:
         return (QueueFilter, TaskFilter, ErrorTypeFilter)
-
-    @admin.display(description=gettext_lazy("final error"))
-    def final_error(self, job: Job) -> str:
-        return self.error_line(job, width=200)
 
     def changelist_extra(self, cl: ChangeList) -> dict[str, Any]:
         """The summary above the list: dead letters (as filtered) by task and error type."""
@@ -315,8 +276,3 @@ def _refused(job: Job) -> str:
     return _(
         "The job “%s” cannot be deleted while it runs: its worker still runs it. Cancel it instead."
     ) % (job,)
-
-
-def _pretty_json(value: Any) -> str:
-    pretty = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
-    return format_html('<pre class="pgjobs-json">{}</pre>', pretty)

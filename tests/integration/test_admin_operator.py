@@ -4,13 +4,14 @@ confirmation pages' sentences, cancelling, the replay history, the replay queue 
 from __future__ import annotations
 
 import pytest
-from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.urls import reverse
 
+from django_pgjobs import registry
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
-from tests.integration.test_admin import JOBS, act, log_for, messages_of, reload
+from tests.integration.test_admin import DEAD, JOBS, act, log_for, messages_of, reload
 
 pytestmark = pytest.mark.django_db
 
@@ -68,3 +69,113 @@ def test_deleting_a_selection_of_running_jobs_reports_them_skipped_as_a_warning(
     assert [m.level_tag for m in response.context["messages"]] == ["warning"]
     assert reload(running).status == Status.RUNNING
     assert log_for(running) == []
+
+
+# ---- the confirmation pages ask in sentences ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("action", "factory", "title", "one", "two"),
+    [
+        ("replay", {"dead": True}, "Replay jobs", "Replay 1 job?", "Replay 2 jobs?"),
+        ("run_now", {"future": True}, "Run jobs now", "Run 1 job now?", "Run 2 jobs now?"),
+        ("cancel", {}, "Cancel jobs", "Cancel 1 job?", "Cancel 2 jobs?"),
+        ("delete_jobs", {}, "Delete jobs", "Delete 1 job?", "Delete 2 jobs?"),
+    ],
+)
+def test_each_confirmation_page_asks_a_proper_question(
+    admin_client, action, factory, title, one, two
+):
+    jobs = JobFactory.create_batch(2, **factory)
+    for selected, question in ((jobs[:1], one), (jobs, two)):
+        page = act(admin_client, JOBS, action, selected, confirm=False)
+        assert page.context["title"] == title
+        assert f'<p class="pgjobs-count">{question}</p>' in page.content.decode()
+
+
+# ---- cancelling -------------------------------------------------------------------------------
+
+
+def test_a_running_job_asked_to_cancel_shows_cancelling_and_is_logged_as_requested(
+    admin_client, admin_user
+):
+    ready, running = JobFactory(), JobFactory(running=True)
+    act(admin_client, JOBS, "cancel", [ready, running])
+    assert log_for(ready) == [(admin_user.username, CHANGE, "Cancelled.")]
+    assert log_for(running) == [(admin_user.username, CHANGE, "Cancellation requested.")]
+
+    listed = admin_client.get(JOBS).content.decode()
+    assert '<span class="pgjobs-status cancelling">cancelling</span>' in listed
+    assert '<span class="pgjobs-status ">cancelled</span>' in listed
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[running.pk]))
+    assert "cancelling" in page.content.decode()
+    assert page.context["job_actions"] == []  # nothing more to ask
+
+
+# ---- the last error and the replay history ------------------------------------------------------
+
+
+def test_the_lists_show_the_last_error_on_one_cut_line_with_the_whole_line_on_hover(admin_client):
+    long = "ValueError: " + "x" * 200
+    JobFactory(dead=True, last_error=f"{long}\nsecond line")
+    for url in (JOBS, DEAD):
+        content = admin_client.get(url).content.decode()
+        assert f'title="{long}"' in content
+        assert "ValueError: " + "x" * 67 + "…</span>" in content
+        assert "second line" not in content
+
+
+def test_a_replay_joins_the_history_with_who_when_and_the_queue_and_clears_the_last_error(
+    admin_client, admin_user
+):
+    job = JobFactory(
+        dead=True, last_error="PermanentError: no such user",
+        errors=[{"attempt": 1, "at": "2026-03-02T09:10:07.52+00:00", "worker": "w1",
+                 "type": "PermanentError", "message": "no such user"}],
+    )  # fmt: skip
+    act(admin_client, DEAD, "replay", [job], queue="emails")
+    row = reload(job)
+    assert row.last_error == ""
+    assert row.errors[0]["type"] == "PermanentError"
+    replay = row.errors[-1]
+    assert (replay["by"], replay["queue"]) == (admin_user.username, "emails")
+    assert "replayed_at" in replay
+
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[job.pk])).content.decode()
+    assert "Replayed" in page and f"by {admin_user.username}" in page
+    assert "into queue emails" in page
+
+
+def test_the_replay_entries_keep_the_history_bounded(settings):
+    settings.PGJOBS = {**settings.PGJOBS, "ERRORS_KEPT": 3}
+    job = JobFactory(dead=True, errors=[{"attempt": n, "type": "E"} for n in (1, 2, 3)])
+    for _ in range(2):
+        Job.objects.filter(pk=job.pk).replay(by="ops")
+        Job.objects.filter(pk=job.pk).update(status=Status.FAILED, finished_at=reload(job).run_at)
+    history = reload(job).errors
+    assert len(history) == 3
+    assert [e.get("attempt") for e in history] == [3, None, None]
+    assert [e.get("by") for e in history[1:]] == ["ops", "ops"]
+
+
+def test_a_job_that_succeeds_after_a_replay_shows_no_last_error(admin_client):
+    job = JobFactory(dead=True, last_error="PermanentError: no such user")
+    act(admin_client, DEAD, "replay", [job])
+    (claimed,) = Job.objects.claim(["default"], worker="w1", limit=1)
+    Job.objects.complete(claimed)
+    content = admin_client.get(JOBS).content.decode()
+    assert "no such user" not in content
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[job.pk])).content.decode()
+    assert "PermanentError" not in page.split("error history")[0]
+
+
+def test_a_replay_is_not_an_error_of_the_django_task_result():
+    from django_pgjobs.backend import to_task_result
+
+    job = JobFactory(
+        dead=True, task=f"{registry.DJANGO_TASK_PREFIX}tests.framework_tasks.noop",
+        payload={"args": [], "kwargs": {}, "backend": "default"},
+        errors=[{"attempt": 1, "type": "RuntimeError", "message": "x"}],
+    )  # fmt: skip
+    Job.objects.filter(pk=job.pk).replay(by="ops")
+    assert len(to_task_result(reload(job)).errors) == 1
