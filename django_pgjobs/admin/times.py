@@ -11,12 +11,12 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-#: The full form: unambiguous, to the second, with the zone's abbreviation.
-FULL = "Y-m-d H:i:s T"
+#: The full form: to the second, 24-hour, with the zone's abbreviation.
+FULL = "N j, Y, H:i:s T"
 
 
 def full(value: datetime | None) -> str:
-    """`value` in the active time zone, e.g. "2026-03-02 04:10:07 EST"; "—" for none."""
+    """`value` in the active time zone, e.g. "March 2, 2026, 04:10:07 EST"; "—" for none."""
     if value is None:
         return "—"
     return dateformat.format(timezone.localtime(value), FULL)

@@ -3,12 +3,17 @@ Playwright): search, save the Queues list, delete and cancel, read times and the
 
 from __future__ import annotations
 
+import re
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from django.contrib.admin.models import LogEntry
+from django.test import override_settings
+from django.utils import timezone
 
-from django_pgjobs.models import Job, Queue
+from django_pgjobs.models import Job, Queue, Schedule
 from django_pgjobs.status import Status
 from tests.browser import test_admin_browser
 from tests.factories import JobFactory
@@ -110,3 +115,47 @@ def test_deleting_only_running_jobs_says_they_were_skipped_and_why(
         "them; cancel them instead."
     )
     assert Job.objects.filter(status=Status.RUNNING).count() == 2
+
+
+# ---- times in the active time zone ----------------------------------------------------------
+
+
+@override_settings(TIME_ZONE="America/New_York")
+def test_times_show_in_the_active_time_zone_to_the_second_labelled_with_ages_in_lists(
+    page: Any, live_server: Any, django_user_model: Any, settings: Any
+) -> None:
+    settings.PGJOBS = {
+        **settings.PGJOBS,
+        "PERIODIC": {"daily": {"task": "tests.tasks.periodic_tick", "cron": "30 12 * * *"}},
+    }
+    failed_at = timezone.now() - timedelta(minutes=3, seconds=5)
+    job = JobFactory(
+        dead=True, finished_at=failed_at,
+        errors=[{"attempt": 1, "at": "2026-03-02T07:04:58.520113+00:00", "worker": "w1",
+                 "type": "KeyError", "message": "'user'"}],
+    )  # fmt: skip
+    Schedule.objects.create(
+        name="daily", task="tests.tasks.periodic_tick", cron="30 12 * * *", timezone="UTC",
+        last_tick=datetime(2026, 3, 2, 12, 30, tzinfo=UTC),
+    )  # fmt: skip
+    local = timezone.localtime(failed_at, ZoneInfo("America/New_York"))
+    log_in(page, live_server, django_user_model, "/admin/pgjobs/deadletter/")
+
+    finished = page.locator("#result_list .field-finished time")
+    expect()(finished).to_have_text("3 min ago")
+    expect()(finished).to_have_attribute("title", re.compile(local.strftime(r"%H:%M:%S E[SD]T$")))
+
+    page.get_by_role("link", name=job.short_id).click()
+    history = page.locator(".pgjobs-timeline .meta")
+    expect()(history).to_contain_text("March 2, 2026, 02:04:58 EST")  # 07:04:58 UTC
+    expect()(history).not_to_contain_text("+00:00")
+    expect()(page.locator(".field-finished_at_display")).to_contain_text(local.strftime("%H:%M:%S"))
+    expect()(page.locator(".field-finished_at_display")).to_contain_text("(3 min ago)")
+
+    page.goto(f"{live_server.url}/admin/pgjobs/schedule/")
+    expect()(page.locator("#result_list .field-next")).to_contain_text(
+        "March 3, 2026, 07:30:00 EST"  # 12:30 UTC
+    )
+    expect()(page.locator("#result_list .field-last")).to_contain_text(
+        "March 2, 2026, 07:30:00 EST"
+    )
