@@ -3,12 +3,14 @@ confirmation pages' sentences, cancelling, the replay history, the replay queue 
 
 from __future__ import annotations
 
+import html
+
 import pytest
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.urls import reverse
 
 from django_pgjobs import registry
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
 from tests.integration.test_admin import DEAD, JOBS, act, log_for, messages_of, reload
@@ -179,3 +181,43 @@ def test_a_replay_is_not_an_error_of_the_django_task_result():
     )  # fmt: skip
     Job.objects.filter(pk=job.pk).replay(by="ops")
     assert len(to_task_result(reload(job)).errors) == 1
+
+
+# ---- replay into a queue no worker serves -------------------------------------------------------
+
+
+def a_worker_serves(*queues: str) -> None:
+    for queue in queues:
+        QueueStat.objects.create(worker="web-1:77", queue=queue, seconds=10)
+
+
+def test_replay_into_a_queue_no_live_worker_serves_warns_once_with_the_served_queues(admin_client):
+    a_worker_serves("default", "emails")
+    job = JobFactory(dead=True)
+    page = act(admin_client, DEAD, "replay", [job], queue="emalis")
+    content = page.content.decode()
+    assert "No live worker serves the queue “emalis”" in html.unescape(content)
+    assert "Live workers serve: default, emails." in html.unescape(content)
+    assert '<option value="emails">' in content  # offered as the field's suggestions
+    assert reload(job).status == Status.FAILED and log_for(job) == []
+
+    response = act(admin_client, DEAD, "replay", [job], queue="emalis", unserved="emalis")
+    assert messages_of(response) == ["1 job replayed."]
+    assert reload(job).queue == "emalis"
+
+
+def test_replay_into_a_served_queue_or_its_own_queue_does_not_warn(admin_client):
+    a_worker_serves("default", "emails")
+    first, second = JobFactory(dead=True), JobFactory(dead=True, queue="gone")
+    assert messages_of(act(admin_client, DEAD, "replay", [first], queue="emails")) == [
+        "1 job replayed."
+    ]
+    assert messages_of(act(admin_client, DEAD, "replay", [second])) == ["1 job replayed."]
+
+
+def test_a_queue_confirmed_for_one_name_is_asked_again_for_another(admin_client):
+    a_worker_serves("default")
+    job = JobFactory(dead=True)
+    page = act(admin_client, DEAD, "replay", [job], queue="reports", unserved="emalis")
+    assert "No live worker serves the queue" in html.unescape(page.content.decode())
+    assert reload(job).status == Status.FAILED
