@@ -8,7 +8,6 @@ escaped. Nothing here runs an exact COUNT(*) over the table on a page load (list
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from uuid import UUID
 
 from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION
@@ -17,12 +16,13 @@ from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import PAGE_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Count, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
+from django_pgjobs.admin import search
 from django_pgjobs.admin.actions import (
     ACTIONS,
     DELETE,
@@ -68,6 +68,9 @@ class BaseJobAdmin(JobColumns, ModelAdmin):
     sortable_by = ()  # newest first; other orders would sort the whole table
     ordering = ("-id",)
     list_display_links = ("short_id",)
+    # The box is shown when search_fields is set; get_search_results does the searching.
+    search_fields = ("task",)
+    search_help_text = search.HELP
     # Each defined once in actions.ACTIONS; the has_<permission>_permission methods gate them.
     actions = [action.admin_action() for action in ACTIONS]
     fieldsets = [
@@ -124,18 +127,9 @@ class BaseJobAdmin(JobColumns, ModelAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
     ) -> tuple[QuerySet[Job], bool]:
-        """An id (full or the short form shown in the list), a task name, or a unique key."""
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        try:
-            return queryset.filter(pk=UUID(term)), False  # the primary key index, nothing else
-        except ValueError:
-            pass
-        match = Q(task__icontains=term) | Q(unique_key=term)
-        if len(term) == 12 and all(c in "0123456789abcdef" for c in term.lower()):
-            match |= Q(id__endswith=term.lower())
-        return queryset.filter(match), False
+        """An id, its start or its short form, a task name, or a live job's unique key
+        (admin/search.py: each through an index)."""
+        return search.search(queryset, search_term), False
 
     # ---- detail ------------------------------------------------------------------------------
 

@@ -159,3 +159,38 @@ def test_times_show_in_the_active_time_zone_to_the_second_labelled_with_ages_in_
     expect()(page.locator("#result_list .field-last")).to_contain_text(
         "March 2, 2026, 07:30:00 EST"
     )
+
+
+# ---- search ---------------------------------------------------------------------------------
+
+
+def test_the_search_box_finds_a_job_by_short_id_id_prefix_and_task_name_on_both_lists(
+    page: Any, live_server: Any, django_user_model: Any
+) -> None:
+    wanted = JobFactory(dead=True, task="tests.tasks.send_email")
+    JobFactory.create_batch(3, dead=True)
+    live = JobFactory(task="tests.tasks.send_email")
+    log_in(page, live_server, django_user_model, "/admin/pgjobs/job/")
+    rows = page.locator("#result_list tbody tr")
+
+    def search_for(term: str) -> None:
+        page.fill("#searchbar", term)
+        page.press("#searchbar", "Enter")
+
+    search_for(wanted.short_id)
+    expect()(rows).to_have_count(1)
+    expect()(rows.first.locator(".field-short_id")).to_have_text(wanted.short_id)
+
+    search_for(str(wanted.pk))
+    expect()(rows).to_have_count(1)
+
+    search_for("send_email")
+    expect()(rows).to_have_count(2)
+    expect()(rows.first.locator(".field-short_id")).to_have_text(live.short_id)
+
+    page.goto(f"{live_server.url}/admin/pgjobs/deadletter/")
+    search_for("send_email")
+    expect()(rows).to_have_count(1)
+    expect()(rows.first.locator(".field-short_id")).to_have_text(wanted.short_id)
+    search_for(str(wanted.pk)[:7])  # the start of the id: the jobs of the same 17 minutes
+    expect()(rows).to_have_count(4)
