@@ -22,7 +22,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from django_pgjobs.admin import times
+from django_pgjobs.admin import charts, times
 from django_pgjobs.admin.actions import apply
 from django_pgjobs.data.queues import QueueQuerySet
 from django_pgjobs.models import Queue
@@ -105,6 +105,7 @@ class QueueAdmin(ModelAdmin):
                 for name in ("last_autovacuum", "last_vacuum", "last_autoanalyze")
             },
             "data": reports.as_dict(report),
+            "charts": charts.windows(),
             "activity": reports.activity_rows(report),
             "alive": report.alive,
             "silent": report.silent,
