@@ -59,6 +59,7 @@ class Job(models.Model):
         permissions = [
             ("replay_job", _("Can replay failed or cancelled jobs")),
             ("cancel_job", _("Can cancel jobs")),
+            ("edit_payload_job", _("Can edit a failed or cancelled job's payload before replay")),
         ]
         indexes = [
             # Due jobs in claim order: a claim is a range scan that stops after its batch.

@@ -22,7 +22,7 @@ from django.urls import path, reverse
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from django_pgjobs.admin import search
+from django_pgjobs.admin import payloads, search
 from django_pgjobs.admin.actions import (
     ACTIONS,
     DELETE,
@@ -112,6 +112,9 @@ class BaseJobAdmin(JobColumns, ModelAdmin):
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return self._has(request, "cancel")
 
+    def has_edit_payload_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "edit_payload")
+
     # ---- list --------------------------------------------------------------------------------
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
@@ -142,6 +145,8 @@ class BaseJobAdmin(JobColumns, ModelAdmin):
     ) -> HttpResponse:
         job = self.get_object(request, object_id)
         context = {**(extra_context or {}), "job_actions": self.job_actions(request, job)}
+        if job is not None and payloads.applies(job) and payloads.may_edit(self, request, job):
+            context["edit_payload_url"] = reverse(self.url_name("edit_payload"), args=[job.pk])
         return super().change_view(request, object_id, form_url, context)
 
     def job_actions(self, request: HttpRequest, job: Job | None) -> list[tuple[str, StrOrPromise]]:
@@ -193,9 +198,17 @@ class BaseJobAdmin(JobColumns, ModelAdmin):
         return f"admin:{self.opts.app_label}_{self.opts.model_name}_{view}"
 
     def get_urls(self) -> list[Any]:
-        name = f"{self.opts.app_label}_{self.opts.model_name}_replay_matching"
-        view = self.admin_site.admin_view(self.replay_matching_view)
-        return [path("replay-matching/", view, name=name), *super().get_urls()]
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        replay_matching = self.admin_site.admin_view(self.replay_matching_view)
+        edit_payload = self.admin_site.admin_view(self.edit_payload_view)
+        return [
+            path("replay-matching/", replay_matching, name=f"{prefix}_replay_matching"),
+            path("<path:object_id>/edit-payload/", edit_payload, name=f"{prefix}_edit_payload"),
+            *super().get_urls(),
+        ]
+
+    def edit_payload_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        return payloads.edit_payload_view(self, request, unquote(object_id))
 
     def replay_matching_view(self, request: HttpRequest) -> HttpResponse:
         """Replay every job the changelist shows for these filters, with no rows selected."""

@@ -1,4 +1,5 @@
-"""The admin's search and filter by task: an index on `task`.
+"""The admin's search and filter by task: an index on `task`; and the permission to edit a
+failed or cancelled job's payload before replay.
 
 Built without locking the table (CREATE INDEX CONCURRENTLY, so the migration is not atomic):
 workers and enqueues keep running while it builds. If it is interrupted, run migrate again; a
@@ -19,6 +20,10 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
+        migrations.AlterModelOptions(
+            name='job',
+            options={'permissions': [('replay_job', 'Can replay failed or cancelled jobs'), ('cancel_job', 'Can cancel jobs'), ('edit_payload_job', "Can edit a failed or cancelled job's payload before replay")], 'verbose_name': 'job', 'verbose_name_plural': 'jobs'},
+        ),
         migrations.SeparateDatabaseAndState(
             state_operations=[
                 migrations.AddIndex(
