@@ -3,8 +3,10 @@ Playwright): search, save the Queues list, delete and cancel, read times and the
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -13,13 +15,14 @@ from django.contrib.admin.models import LogEntry
 from django.test import override_settings
 from django.utils import timezone
 
-from django_pgjobs.models import Job, Queue, Schedule
+from django_pgjobs.models import Job, Queue, QueueStat, Schedule
 from django_pgjobs.status import Status
 from tests.browser import test_admin_browser
 from tests.factories import JobFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 page = test_admin_browser.page  # the fixture: Chromium with Playwright
+SCREENSHOTS = test_admin_browser.SCREENSHOTS
 
 PASSWORD = "correct-horse"
 
@@ -165,11 +168,16 @@ def test_times_show_in_the_active_time_zone_to_the_second_labelled_with_ages_in_
 
 
 def test_the_search_box_finds_a_job_by_short_id_id_prefix_and_task_name_on_both_lists(
-    page: Any, live_server: Any, django_user_model: Any
+    page: Any, live_server: Any, django_user_model: Any, tmp_path: Path
 ) -> None:
-    wanted = JobFactory(dead=True, task="tests.tasks.send_email")
+    wanted = JobFactory(
+        dead=True, task="tests.tasks.send_email", queue="emails",
+        last_error="smtplib.SMTPServerDisconnected: Connection unexpectedly closed while "
+        "sending to ada@example.com after 3 attempts; the server said: 421 try again later",
+    )  # fmt: skip
     JobFactory.create_batch(3, dead=True)
-    live = JobFactory(task="tests.tasks.send_email")
+    live = JobFactory(task="tests.tasks.send_email", queue="emails", running=True)
+    Job.objects.filter(pk=live.pk).cancel()  # running: cancelling until its attempt ends
     log_in(page, live_server, django_user_model, "/admin/pgjobs/job/")
     rows = page.locator("#result_list tbody tr")
 
@@ -187,6 +195,15 @@ def test_the_search_box_finds_a_job_by_short_id_id_prefix_and_task_name_on_both_
     search_for("send_email")
     expect()(rows).to_have_count(2)
     expect()(rows.first.locator(".field-short_id")).to_have_text(live.short_id)
+    expect()(rows.first.locator(".field-status")).to_have_text("cancelling")
+    # The last error is on screen, cut to the room the other columns leave, whole on hover.
+    error = rows.nth(1).locator(".field-error_line")
+    cell, filters = error.bounding_box(), page.locator("#changelist-filter").bounding_box()
+    assert cell["x"] + cell["width"] <= filters["x"]
+    assert cell["height"] < 40  # one line
+    expect()(error.locator("span")).to_have_attribute("title", re.compile("421 try again later$"))
+    shots = SCREENSHOTS if os.environ.get("PGJOBS_SCREENSHOTS") else tmp_path
+    page.screenshot(path=shots / "admin-jobs-search.png")
 
     page.goto(f"{live_server.url}/admin/pgjobs/deadletter/")
     search_for("send_email")
@@ -194,3 +211,33 @@ def test_the_search_box_finds_a_job_by_short_id_id_prefix_and_task_name_on_both_
     expect()(rows.first.locator(".field-short_id")).to_have_text(wanted.short_id)
     search_for(str(wanted.pk)[:7])  # the start of the id: the jobs of the same 17 minutes
     expect()(rows).to_have_count(4)
+
+
+# ---- replay into a queue no worker serves ----------------------------------------------------
+
+
+def test_replay_into_a_queue_no_worker_serves_warns_and_offers_the_served_ones(
+    page: Any, live_server: Any, django_user_model: Any, tmp_path: Path
+) -> None:
+    for queue in ("default", "emails"):
+        QueueStat.objects.create(worker="web-1:41:a", queue=queue, seconds=10)
+    job = JobFactory(dead=True, task="tests.tasks.send_email", queue="emails")
+    log_in(page, live_server, django_user_model, f"/admin/pgjobs/deadletter/{job.pk}/change/")
+    page.get_by_role("button", name="Replay…").click()
+    expect()(page.locator(".helptext")).to_contain_text("Live workers serve: default, emails.")
+    options = page.locator("datalist#pgjobs-served-queues option")
+    assert [options.nth(n).get_attribute("value") for n in range(options.count())] == [
+        "default", "emails",
+    ]  # fmt: skip
+
+    page.fill("#id_queue", "emalis")
+    page.get_by_role("button", name="Yes, I’m sure").click()
+    expect()(page.locator(".errorlist")).to_contain_text("No live worker serves the queue “emalis”")
+    shots = SCREENSHOTS if os.environ.get("PGJOBS_SCREENSHOTS") else tmp_path
+    page.screenshot(path=shots / "admin-replay-unserved.png")
+    assert Job.objects.get(pk=job.pk).status == Status.FAILED
+
+    page.fill("#id_queue", "emails")
+    page.get_by_role("button", name="Yes, I’m sure").click()
+    expect()(page.locator(".messagelist")).to_contain_text("1 job replayed.")
+    assert Job.objects.get(pk=job.pk).status == Status.READY
