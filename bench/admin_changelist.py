@@ -7,8 +7,9 @@ Creates the database if needed, fills pgjobs_job with --rows jobs (COPY; mostly 
 ready, running, failed and cancelled ones, realistic payloads and error histories), then loads
 each page through Django's test client as a superuser and prints the median and worst time, the
 number of queries and the slowest query. For comparison it also times the exact COUNT(*) a stock
-changelist would run on every load. Refuses to run without DATABASE_URL, so it never fills the
-development database.
+changelist would run on every load. Then it prints the plan (EXPLAIN ANALYZE) of every query of
+the job table that each search runs, and fails if one of them reads the table sequentially.
+Refuses to run without DATABASE_URL, so it never fills the development database.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
-TASKS = ["shop.tasks.send_email", "shop.tasks.charge_card", "shop.tasks.issue_invoice"]
+# The example shop's registered tasks (the search box matches parts of registered names), and one
+# rare task: a job in RARE_EVERY.
+SHOP = "example_project.shop.tasks."
+TASKS = [f"{SHOP}send_confirmation", f"{SHOP}charge_card", f"{SHOP}issue_invoice"]
+RARE_TASK, RARE_EVERY = f"{SHOP}notify_warehouse", 10_000
 QUEUES = ["default", "emails", "payments"]
 TRACEBACK = 'Traceback (most recent call last):\n  File "shop/tasks.py", line 31\n' * 40
 
@@ -50,6 +55,7 @@ def main() -> None:
     call_command("migrate", verbosity=0)
     fill(args.rows)
     report(args.repeat)
+    explain_searches()
 
 
 def create_database(url: str) -> None:
@@ -103,6 +109,8 @@ def row(n: int, rows: int, now_ms: int) -> tuple[Any, ...]:
     job_id = uuid.UUID(int=(ms << 80) | (0x7 << 76) | (0x2 << 62) | (n & ((1 << 62) - 1)))
     at = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(ms / 1000))
     task, queue = TASKS[n % 3], QUEUES[n % 3]
+    if n % RARE_EVERY == 5:
+        task = RARE_TASK
     payload = json.dumps({"order_id": n, "email": f"user{n}@example.com", "note": "x" * 300})
     kind = n % 100
     status, attempts, lease, worker, error, errors, finished = (
@@ -153,11 +161,11 @@ def report(repeat: int) -> None:
         ("jobs, status=ready", f"{jobs}?status__exact=ready"),
         ("jobs, status=failed", f"{jobs}?status__exact=failed"),
         ("jobs, queue=payments", f"{jobs}?queue=payments"),
-        ("jobs, search full id", f"{jobs}?q={dead.pk}"),
-        ("jobs, search short id", f"{jobs}?q={dead.short_id}"),
-        ("jobs, search task text", f"{jobs}?q=charge_card"),
+        *((f"jobs, search {label}", f"{jobs}?q={term}") for label, term in searches(dead)),
         ("dead letters", dead_letters),
-        ("dead letters, task", f"{dead_letters}?task=shop.tasks.charge_card"),
+        ("dead letters, task", f"{dead_letters}?task={SHOP}charge_card"),
+        ("dead letters, search short", f"{dead_letters}?q={dead.short_id}"),
+        ("dead letters, search task", f"{dead_letters}?q=charge_card"),
         ("job detail", f"{jobs}{dead.pk}/change/"),
     ]
     print(f"\n{'page':<26}{'median ms':>10}{'max ms':>9}{'SQL ms':>8}{'queries':>9}  slowest query")
@@ -186,6 +194,66 @@ def report(repeat: int) -> None:
             times.append((time.perf_counter() - started) * 1000)
     label = "exact COUNT(*) (reference)"
     print(f"{label:<26}{statistics.median(times):>10.1f}{max(times):>9.1f}")
+
+
+def searches(dead: Any) -> list[tuple[str, str]]:
+    """What the search box is given: each way a term names jobs."""
+    return [
+        ("full id", str(dead.pk)),
+        ("id prefix", str(dead.pk)[:13]),
+        ("short id", dead.short_id),
+        ("task", "charge_card"),
+        ("rare task", "notify_warehouse"),
+    ]
+
+
+def explain_searches() -> None:
+    """The plan of every query of the job table each search page runs (EXPLAIN ANALYZE)."""
+    from django.contrib.auth.models import User
+    from django.db import connection
+    from django.test import Client
+    from django.test.utils import CaptureQueriesContext
+
+    from django_pgjobs.models import Job
+
+    client = Client()
+    client.force_login(User.objects.get(username="bench"))
+    dead = Job.objects.dead().order_by("-id").first()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pgjobs_job")
+        (rows,) = cursor.fetchone()
+    print(f"\nThe searches' plans over {rows:,} jobs")
+    scans = []
+    for url in ("/admin/pgjobs/job/", "/admin/pgjobs/deadletter/"):
+        for label, term in searches(dead):
+            with CaptureQueriesContext(connection) as queries:
+                assert client.get(url, {"q": term}).status_code == 200
+            print(f"\n== {url}?q={term}  ({label})")
+            for query in queries.captured_queries:
+                sql = query["sql"]
+                if '"pgjobs_job"' not in sql or sql.startswith("EXPLAIN"):
+                    continue
+                with connection.cursor() as cursor:
+                    cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}")
+                    (measured,) = cursor.fetchone()
+                    cursor.execute(f"EXPLAIN (ANALYZE, COSTS OFF, SUMMARY ON) {sql}")
+                    plan = "\n".join(f"   {line}" for (line,) in cursor.fetchall())
+                print(f"-- {sql[:110]}…\n{plan}")
+                read = table_rows_read(measured[0]["Plan"])
+                if read > rows // 10:
+                    scans.append(f"{url}?q={term}: {read:,} rows read by {sql[:60]}")
+    if scans:
+        raise SystemExit("These searches read much of the job table:\n" + "\n".join(scans))
+
+
+def table_rows_read(node: dict[str, Any]) -> int:
+    """How many rows of the job table the plan's sequential scans read. (A capped count of a
+    common match may read a few thousand rows in table order and stop: that is cheap.)"""
+    read = 0
+    if node["Node Type"] == "Seq Scan" and node.get("Relation Name") == "pgjobs_job":
+        loops = node.get("Actual Loops", 1)
+        read += (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * loops
+    return read + sum(table_rows_read(child) for child in node.get("Plans", []))
 
 
 if __name__ == "__main__":

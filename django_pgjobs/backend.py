@@ -265,7 +265,11 @@ def to_task_result(job: Job, task: Task[Any, Any] | None = None) -> TaskResult[A
         args=args,
         kwargs=kwargs,
         backend=alias,
-        errors=[_task_error(entry) for entry in job.errors if isinstance(entry, Mapping)],
+        errors=[
+            _task_error(entry)
+            for entry in job.errors
+            if isinstance(entry, Mapping) and "replayed_at" not in entry  # a replay, not an error
+        ],
         worker_ids=_worker_ids(job),
     )
     if status == Status.SUCCEEDED:

@@ -59,6 +59,7 @@ class Job(models.Model):
         permissions = [
             ("replay_job", _("Can replay failed or cancelled jobs")),
             ("cancel_job", _("Can cancel jobs")),
+            ("edit_payload_job", _("Can edit a failed or cancelled job's payload before replay")),
         ]
         indexes = [
             # Due jobs in claim order: a claim is a range scan that stops after its batch.
@@ -81,6 +82,10 @@ class Job(models.Model):
                 name="pgjobs_job_running_idx",
                 condition=Q(status=Status.RUNNING),
             ),
+            # The admin's search and filter by task: a rare task's jobs without reading the
+            # table. One entry per task name and page, deduplicated, so it stays small; like
+            # every index on all jobs, it is written at enqueue and at each change of status.
+            models.Index(fields=["task"], name="pgjobs_job_task_idx"),
             # Dead letters, newest first, without scanning the finished history.
             models.Index(
                 fields=["-id"],

@@ -19,21 +19,18 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.admin.views.main import PAGE_VAR
-from django.core.exceptions import ValidationError
 from django.db import router, transaction
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext, ngettext_lazy
 
+from django_pgjobs.admin.forms import ActionForm, ReplayForm
 from django_pgjobs.data.queryset import JobQuerySet
-from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
-from django_pgjobs.validation import check_queue
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -44,42 +41,14 @@ ACTION_BATCH = 1000
 LOGGED = ("id", "task", "status")
 
 
-class ActionForm(forms.Form):
-    """The options an action asks for on its confirmation page: its cleaned data become the
-    transition's keyword arguments."""
-
-    def change_message(self, default: str) -> str:
-        """The admin log's message for the rows changed with these options."""
-        return default
-
-
-class ReplayForm(ActionForm):
-    queue = forms.CharField(
-        label=gettext_lazy("Into queue"),
-        required=False,
-        max_length=100,
-        help_text=gettext_lazy("Leave empty to replay each job into its own queue."),
-    )
-
-    def clean_queue(self) -> str | None:
-        queue: str = self.cleaned_data["queue"].strip()
-        try:
-            return check_queue(queue) if queue else None
-        except EnqueueError as error:
-            raise ValidationError(str(error)) from None
-
-    def change_message(self, default: str) -> str:
-        queue = self.cleaned_data["queue"]
-        return _("Replayed into queue %s.") % queue if queue else default
-
-
 @dataclass(frozen=True)
 class Action:
     """One bulk action on jobs, from the menu entry to the message that reports it."""
 
     name: str  # the action's name in the admin (POST["action"])
     description: StrOrPromise  # its entry in the changelist's menu
-    verb: StrOrPromise  # the confirmation page's question: "<verb> 3 jobs?"
+    title: StrOrPromise  # the confirmation page's title
+    question: StrOrPromise  # the confirmation page's question, "%d" the count, by ngettext_lazy
     permission: str  # ModelAdmin.has_<permission>_permission() decides who may
     transition: Callable[..., Sequence[Any]]  # returns the primary keys of the rows it changed
     flag: int  # the admin log's action flag, CHANGE or DELETION
@@ -89,6 +58,10 @@ class Action:
     form: type[ActionForm] | None = None
     button: StrOrPromise | None = None  # the detail page's button for a job it applies to
     applies: Callable[[Job], bool] = lambda job: False
+    #: The admin log's message for a job, by its status before the change (default `logged`).
+    logged_for: Callable[[Job], StrOrPromise] | None = None
+    #: Whether the transition takes the acting user's name (`by=`), to record in the job.
+    by_user: bool = False
 
     def admin_action(self) -> Callable[..., HttpResponse | None]:
         """The action as a ModelAdmin takes it in `actions`."""
@@ -105,7 +78,8 @@ class Action:
 REPLAY = Action(
     name="replay",
     description=gettext_lazy("Replay selected jobs…"),
-    verb=gettext_lazy("Replay"),
+    title=gettext_lazy("Replay jobs"),
+    question=ngettext_lazy("Replay %d job?", "Replay %d jobs?"),
     permission="replay",
     transition=JobQuerySet.replay,
     flag=CHANGE,
@@ -116,13 +90,15 @@ REPLAY = Action(
         "while no live job holds it"
     ),
     form=ReplayForm,
+    by_user=True,
     button=gettext_lazy("Replay…"),
     applies=lambda job: job.status in (Status.FAILED, Status.CANCELLED),
 )
 RUN_NOW = Action(
     name="run_now",
     description=gettext_lazy("Run selected jobs now…"),
-    verb=gettext_lazy("Run now"),
+    title=gettext_lazy("Run jobs now"),
+    question=ngettext_lazy("Run %d job now?", "Run %d jobs now?"),
     permission="run_now",
     transition=JobQuerySet.run_now,
     flag=CHANGE,
@@ -137,7 +113,8 @@ RUN_NOW = Action(
 CANCEL = Action(
     name="cancel",
     description=gettext_lazy("Cancel selected jobs…"),
-    verb=gettext_lazy("Cancel"),
+    title=gettext_lazy("Cancel jobs"),
+    question=ngettext_lazy("Cancel %d job?", "Cancel %d jobs?"),
     permission="cancel",
     transition=JobQuerySet.cancel,
     flag=CHANGE,
@@ -151,16 +128,26 @@ CANCEL = Action(
     applies=lambda job: (
         job.status == Status.READY or (job.status == Status.RUNNING and not job.cancel_requested)
     ),
+    # A running job is not cancelled yet: its handler may stop, or finish.
+    logged_for=lambda job: (
+        gettext_lazy("Cancellation requested.")
+        if job.status == Status.RUNNING
+        else gettext_lazy("Cancelled.")
+    ),
 )
 DELETE = Action(
     name="delete_jobs",
     description=gettext_lazy("Delete selected jobs…"),
-    verb=gettext_lazy("Delete"),
+    title=gettext_lazy("Delete jobs"),
+    question=ngettext_lazy("Delete %d job?", "Delete %d jobs?"),
     permission="delete",
     transition=JobQuerySet.discard,
     flag=DELETION,
     logged=gettext_lazy("Deleted."),
     done=ngettext_lazy("%d job deleted.", "%d jobs deleted."),
+    skipped=gettext_lazy(
+        "running jobs are not deleted while their worker runs them; cancel them instead"
+    ),
 )
 ACTIONS = (REPLAY, RUN_NOW, CANCEL, DELETE)
 
@@ -176,9 +163,16 @@ def perform(
     confirmed = "post" in request.POST
     form = action.form(request.POST if confirmed else None) if action.form else None
     if not confirmed or (form is not None and not form.is_valid()):
-        return confirm(model_admin, request, queryset, action.verb, form)
-    options = form.cleaned_data if form is not None else {}
-    logged = str(action.logged) if form is None else form.change_message(str(action.logged))
+        return confirm(model_admin, request, queryset, action, form)
+    options = form.options() if isinstance(form, ActionForm) else {}
+    if action.by_user:
+        options["by"] = request.user.get_username()
+    logged: str | Callable[[Any], str]
+    if action.logged_for is not None:
+        logged_for = action.logged_for
+        logged = lambda job: str(logged_for(job))  # noqa: E731
+    else:
+        logged = str(action.logged) if form is None else form.change_message(str(action.logged))
     changed, seen = apply(
         request,
         queryset,
@@ -197,12 +191,13 @@ def apply(
     queryset: QuerySet[Any],
     transition: Callable[[Any], Sequence[Any]],
     flag: int,
-    message: str,
+    message: str | Callable[[Any], str],
     *,
     only: Sequence[str] = (),
 ) -> tuple[int, int]:
     """Run `transition` over the selection, ACTION_BATCH rows per statement, and log each row it
-    changed (the transition returns their primary keys). Returns (changed, selected).
+    changed (the transition returns their primary keys) with `message`, or `message(row)` as the
+    row was before the change. Returns (changed, selected).
 
     `only` names the fields str(row) needs, read before the change so that the log names the
     rows even after a delete. Rows are logged as their concrete model (a dead letter as a job)."""
@@ -221,8 +216,12 @@ def apply(
         with transaction.atomic(using=router.db_for_write(model)):
             described = {row.pk: row for row in (selected.only(*only) if only else selected)}
             done = transition(selected)
-            if done:
-                LogEntry.objects.log_actions(user_id, [described[pk] for pk in done], flag, message)
+            by_message: dict[str, list[Model]] = {}
+            for row in (described[pk] for pk in done):
+                text = message if isinstance(message, str) else message(row)
+                by_message.setdefault(text, []).append(row)
+            for text, logged in by_message.items():
+                LogEntry.objects.log_actions(user_id, logged, flag, text)
         changed, seen, last = changed + len(done), seen + len(batch), batch[-1]
     return changed, seen
 
@@ -231,16 +230,17 @@ def confirm(
     model_admin: admin.ModelAdmin[Any],
     request: HttpRequest,
     queryset: QuerySet[Any],
-    verb: StrOrPromise,
+    action: Action,
     form: forms.Form | None = None,
 ) -> TemplateResponse:
     """The intermediate page of a bulk action: what it does, to how many jobs."""
+    count = queryset.count()
     context = {
         **model_admin.admin_site.each_context(request),
         "opts": model_admin.opts,
-        "title": _("%s jobs?") % verb,
-        "verb": verb,
-        "count": queryset.count(),
+        "title": action.title,
+        "question": action.question % count,
+        "count": count,
         "sample": list(queryset[:10]),
         "form": form,
         "action": request.POST.get("action", ""),

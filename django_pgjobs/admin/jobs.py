@@ -7,25 +7,32 @@ escaped. Nothing here runs an exact COUNT(*) over the table on a page load (list
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
-from uuid import UUID
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.models import DELETION
 from django.contrib.admin.options import IS_POPUP_VAR
+from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import PAGE_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Count, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
-from django.template.loader import render_to_string
 from django.urls import path, reverse
-from django.utils.html import format_html
-from django.utils.text import Truncator
+from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from django_pgjobs import registry
-from django_pgjobs.admin.actions import ACTIONS, DELETE, REPLAY, changelist_url, perform
+from django_pgjobs.admin import payloads, search
+from django_pgjobs.admin.actions import (
+    ACTIONS,
+    DELETE,
+    LOGGED,
+    REPLAY,
+    apply,
+    changelist_url,
+    perform,
+)
+from django_pgjobs.admin.columns import JobColumns, status
 from django_pgjobs.admin.lists import (
     ERROR_TYPE,
     ErrorTypeFilter,
@@ -35,7 +42,6 @@ from django_pgjobs.admin.lists import (
     TaskFilter,
 )
 from django_pgjobs.data.queryset import JobQuerySet
-from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 
@@ -47,7 +53,13 @@ else:
     ModelAdmin = admin.ModelAdmin  # generic only in the type stubs
 
 
-class BaseJobAdmin(ModelAdmin):
+# The job page's fields: the times are shown in the active time zone, with their age.
+TRIES = "attempts_display"
+TIMES = ("run_at_display", "created_at_display", "started_at_display", "finished_at_display")
+LEASE = ("worker", "leased_until_display", "cancel_requested", "unique_key")
+
+
+class BaseJobAdmin(JobColumns, ModelAdmin):
     list_filter = ("status", QueueFilter, TaskFilter)
     list_per_page = 50
     show_full_result_count = False
@@ -56,22 +68,21 @@ class BaseJobAdmin(ModelAdmin):
     sortable_by = ()  # newest first; other orders would sort the whole table
     ordering = ("-id",)
     list_display_links = ("short_id",)
+    # The box is shown when search_fields is set; get_search_results does the searching.
+    search_fields = ("task",)
+    search_help_text = search.HELP
     # Each defined once in actions.ACTIONS; the has_<permission>_permission methods gate them.
     actions = [action.admin_action() for action in ACTIONS]
     fieldsets = [
-        (None, {"fields": ["id", "task", "queue", "status", "priority", "attempts_display"]}),
-        (gettext_lazy("Times"), {"fields": ["run_at", "created_at", "started_at", "finished_at"]}),
-        (
-            gettext_lazy("Lease"),
-            {"fields": ["worker", "leased_until", "cancel_requested", "unique_key"]},
-        ),
+        (None, {"fields": ["id", "task", "queue", "status_display", "priority", TRIES]}),
+        (gettext_lazy("Times"), {"fields": TIMES}),
+        (gettext_lazy("Lease"), {"fields": LEASE}),
         (gettext_lazy("Payload and result"), {"fields": ["payload_display", "result_display"]}),
         (gettext_lazy("Errors"), {"fields": ["last_error", "error_history"]}),
     ]
     readonly_fields = [
-        "id", "task", "queue", "status", "priority", "attempts_display", "run_at",
-        "created_at", "started_at", "finished_at", "worker", "leased_until", "cancel_requested",
-        "unique_key", "payload_display", "result_display", "last_error", "error_history",
+        "id", "task", "queue", "status_display", "priority", TRIES, *TIMES, *LEASE,
+        "payload_display", "result_display", "last_error", "error_history",
     ]  # fmt: skip
 
     # ---- permissions: the proxy (dead letters) answers with the Job permissions ---------------
@@ -89,7 +100,8 @@ class BaseJobAdmin(ModelAdmin):
         return False  # jobs are enqueued by code
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return self._has(request, "delete")
+        # A running job's worker still runs its handler: deleting the row would not stop it.
+        return self._has(request, "delete") and not _running(obj)
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         return self._has(request, "replay")
@@ -99,6 +111,9 @@ class BaseJobAdmin(ModelAdmin):
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return self._has(request, "cancel")
+
+    def has_edit_payload_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "edit_payload")
 
     # ---- list --------------------------------------------------------------------------------
 
@@ -115,52 +130,11 @@ class BaseJobAdmin(ModelAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
     ) -> tuple[QuerySet[Job], bool]:
-        """An id (full or the short form shown in the list), a task name, or a unique key."""
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        try:
-            return queryset.filter(pk=UUID(term)), False  # the primary key index, nothing else
-        except ValueError:
-            pass
-        match = Q(task__icontains=term) | Q(unique_key=term)
-        if len(term) == 12 and all(c in "0123456789abcdef" for c in term.lower()):
-            match |= Q(id__endswith=term.lower())
-        return queryset.filter(match), False
-
-    @admin.display(description=gettext_lazy("id"))
-    def short_id(self, job: Job) -> str:
-        return job.short_id
-
-    @admin.display(description=gettext_lazy("attempts"))
-    def attempts_display(self, job: Job) -> str:
-        return f"{job.attempts}/{job.max_attempts}"
-
-    @admin.display(description=gettext_lazy("last error"))
-    def error_line(self, job: Job, width: int = 100) -> str:
-        # The list annotates the head of last_error and defers the column itself.
-        head: str = job.error_head if hasattr(job, "error_head") else job.last_error
-        return Truncator(head.split("\n", 1)[0]).chars(width)
+        """An id, its start or its short form, a task name, or a live job's unique key
+        (admin/search.py: each through an index)."""
+        return search.search(queryset, search_term), False
 
     # ---- detail ------------------------------------------------------------------------------
-
-    @admin.display(description=gettext_lazy("payload"))
-    def payload_display(self, job: Job) -> str:
-        try:
-            payload = registry.get_task(job.task).redacted(job.payload)
-        except UnknownTask:
-            payload = job.payload
-        return _pretty_json(payload)
-
-    @admin.display(description=gettext_lazy("result"))
-    def result_display(self, job: Job) -> str:
-        """The handler's return value, for tasks that keep it (e.g. Django Tasks)."""
-        return "—" if job.result is None else _pretty_json(job.result)
-
-    @admin.display(description=gettext_lazy("error history"))
-    def error_history(self, job: Job) -> str:
-        entries = [e if isinstance(e, dict) else {"message": repr(e)} for e in job.errors or []]
-        return render_to_string("admin/pgjobs/error_history.html", {"entries": entries})
 
     def change_view(
         self,
@@ -171,6 +145,8 @@ class BaseJobAdmin(ModelAdmin):
     ) -> HttpResponse:
         job = self.get_object(request, object_id)
         context = {**(extra_context or {}), "job_actions": self.job_actions(request, job)}
+        if job is not None and payloads.applies(job) and payloads.may_edit(self, request, job):
+            context["edit_payload_url"] = reverse(self.url_name("edit_payload"), args=[job.pk])
         return super().change_view(request, object_id, form_url, context)
 
     def job_actions(self, request: HttpRequest, job: Job | None) -> list[tuple[str, StrOrPromise]]:
@@ -184,15 +160,55 @@ class BaseJobAdmin(ModelAdmin):
             if action.button and action.name in offered and action.applies(job)
         ]
 
+    # ---- delete: through the guarded transition, never a running job ------------------------
+
+    def delete_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """Django's confirmation page; the deletion itself is JobQuerySet.discard, which leaves a
+        job alone if it started running since the page was shown."""
+        job = self.get_object(request, unquote(object_id))
+        if job is None or not self._has(request, "delete"):
+            return super().delete_view(request, object_id, extra_context)
+        if request.method == "POST" and not _running(job):
+            shown = str(job)
+            changed, _seen = apply(
+                request, Job.objects.filter(pk=job.pk), JobQuerySet.discard, DELETION,
+                str(DELETE.logged), only=LOGGED,
+            )  # fmt: skip
+            if changed:
+                return self.response_delete(request, shown, job.pk)  # type: ignore[arg-type]
+            job = self.get_object(request, unquote(object_id))  # it changed meanwhile
+        if _running(job):
+            assert job is not None
+            self.message_user(request, _refused(job), messages.ERROR)
+            return HttpResponseRedirect(reverse(self.url_name("change"), args=[job.pk]))
+        return super().delete_view(request, object_id, extra_context)
+
+    def delete_model(self, request: HttpRequest, obj: Job) -> None:
+        Job.objects.filter(pk=obj.pk).discard()
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        assert isinstance(queryset, JobQuerySet)
+        queryset.discard()
+
     # ---- replay everything matching the current filter ---------------------------------------
 
     def url_name(self, view: str) -> str:
         return f"admin:{self.opts.app_label}_{self.opts.model_name}_{view}"
 
     def get_urls(self) -> list[Any]:
-        name = f"{self.opts.app_label}_{self.opts.model_name}_replay_matching"
-        view = self.admin_site.admin_view(self.replay_matching_view)
-        return [path("replay-matching/", view, name=name), *super().get_urls()]
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        replay_matching = self.admin_site.admin_view(self.replay_matching_view)
+        edit_payload = self.admin_site.admin_view(self.edit_payload_view)
+        return [
+            path("replay-matching/", replay_matching, name=f"{prefix}_replay_matching"),
+            path("<path:object_id>/edit-payload/", edit_payload, name=f"{prefix}_edit_payload"),
+            *super().get_urls(),
+        ]
+
+    def edit_payload_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        return payloads.edit_payload_view(self, request, unquote(object_id))
 
     def replay_matching_view(self, request: HttpRequest) -> HttpResponse:
         """Replay every job the changelist shows for these filters, with no rows selected."""
@@ -225,14 +241,14 @@ class BaseJobAdmin(ModelAdmin):
 
 class JobAdmin(BaseJobAdmin):
     list_display = [
-        "short_id", "task", "queue", "status", "priority", "attempts_display", "run_at",
-        "created_at", "finished_at", "error_line",
+        "short_id", "task", "queue", status, "priority", "attempts_display", "due", "created",
+        "finished", "error_line",
     ]  # fmt: skip
 
 
 class DeadLetterAdmin(BaseJobAdmin):
     list_display = [
-        "short_id", "task", "queue", "attempts_display", "finished_at", "final_error",
+        "short_id", "task", "queue", "attempts_display", "finished", "final_error",
     ]  # fmt: skip
     actions = [REPLAY.admin_action(), DELETE.admin_action()]
 
@@ -247,10 +263,6 @@ class DeadLetterAdmin(BaseJobAdmin):
     def get_list_filter(self, request: HttpRequest) -> tuple[type[admin.ListFilter], ...]:
         return (QueueFilter, TaskFilter, ErrorTypeFilter)
 
-    @admin.display(description=gettext_lazy("final error"))
-    def final_error(self, job: Job) -> str:
-        return self.error_line(job, width=200)
-
     def changelist_extra(self, cl: ChangeList) -> dict[str, Any]:
         """The summary above the list: dead letters (as filtered) by task and error type."""
         groups = (
@@ -263,6 +275,11 @@ class DeadLetterAdmin(BaseJobAdmin):
         return {"summary": list(groups[:20])}
 
 
-def _pretty_json(value: Any) -> str:
-    pretty = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
-    return format_html('<pre class="pgjobs-json">{}</pre>', pretty)
+def _running(job: Job | None) -> bool:
+    return job is not None and job.status == Status.RUNNING
+
+
+def _refused(job: Job) -> str:
+    return _(
+        "The job “%s” cannot be deleted while it runs: its worker still runs it. Cancel it instead."
+    ) % (job,)

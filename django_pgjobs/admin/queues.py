@@ -18,9 +18,11 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
+from django_pgjobs.admin import charts, times
 from django_pgjobs.admin.actions import apply
 from django_pgjobs.data.queues import QueueQuerySet
 from django_pgjobs.models import Queue
@@ -35,11 +37,15 @@ else:
 
 
 class QueueAdmin(ModelAdmin):
-    list_display = ["name", "paused", "max_running", "updated_at"]
+    list_display = ["name", "paused", "max_running", "updated"]
     list_editable = ["paused", "max_running"]
     search_fields = ["name"]
     ordering = ["name"]
     actions = ["pause", "resume"]
+
+    @admin.display(description=gettext_lazy("updated"))
+    def updated(self, queue: Queue) -> SafeString | str:
+        return times.ago(queue.updated_at)
 
     def has_pause_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("pgjobs.pause_queue")
@@ -93,7 +99,13 @@ class QueueAdmin(ModelAdmin):
             "opts": self.opts,
             "title": _("Health report"),
             "report": report,
+            "at": times.full(report.at),
+            "vacuumed": {
+                name: times.moment(getattr(report.table, name))
+                for name in ("last_autovacuum", "last_vacuum", "last_autoanalyze")
+            },
             "data": reports.as_dict(report),
+            "charts": charts.windows(),
             "activity": reports.activity_rows(report),
             "alive": report.alive,
             "silent": report.silent,

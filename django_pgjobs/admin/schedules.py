@@ -8,9 +8,11 @@ from zoneinfo import ZoneInfo
 
 from django.contrib import admin
 from django.http import HttpRequest
+from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
 from django_pgjobs import periodic
+from django_pgjobs.admin import times
 from django_pgjobs.cron import next_tick
 from django_pgjobs.models import Schedule
 
@@ -23,10 +25,10 @@ else:
 class ScheduleAdmin(ModelAdmin):
     """Schedules are declared in code and settings, so nothing here changes them."""
 
-    list_display = ("name", "task", "cron", "timezone", "last_tick", "next_tick", "declared")
+    list_display = ("name", "task", "cron", "timezone", "last", "next", "declared")
     search_fields = ("name", "task")
     ordering = ("name",)
-    fields = ("name", "task", "cron", "timezone", "last_tick", "next_tick", "declared")
+    fields = ("name", "task", "cron", "timezone", "last", "next", "declared")
     readonly_fields = fields
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -38,7 +40,17 @@ class ScheduleAdmin(ModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: Schedule | None = None) -> bool:
         return False
 
+    @admin.display(description=_("last tick"))
+    def last(self, schedule: Schedule) -> SafeString | str:
+        """The last tick handled, in the active time zone (cron reads the schedule's own)."""
+        return times.moment(schedule.last_tick)
+
     @admin.display(description=_("next tick"))
+    def next(self, schedule: Schedule) -> SafeString | str:
+        """When a worker will next enqueue it, in the active time zone; "—" for a schedule no
+        longer declared."""
+        return times.moment(self.next_tick(schedule))
+
     def next_tick(self, schedule: Schedule) -> datetime | None:
         """When a worker will next enqueue it; none for a schedule no longer declared."""
         if not self.declared(schedule):

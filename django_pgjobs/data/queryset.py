@@ -16,6 +16,7 @@ from django.db.models.functions import Now
 
 from django_pgjobs import validation
 from django_pgjobs.conf import get_settings
+from django_pgjobs.data import sql
 from django_pgjobs.ids import uuid7_floor
 from django_pgjobs.status import LIVE, Status
 
@@ -51,12 +52,16 @@ class JobQuerySet(models.QuerySet["Job"]):
     # Transitions over a selection of jobs; each returns the ids of the jobs it changed, so
     # callers can report how many and the admin can log exactly which.
 
-    def replay(self, *, queue: str | None = None) -> list[UUID]:
+    def replay(self, *, queue: str | None = None, by: str | None = None) -> list[UUID]:
         """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
         another queue). Skips other statuses, jobs whose unique_key a live job holds, and of
         several selected jobs sharing a unique_key all but the oldest. Never fails as a whole:
-        the jobs it skipped are the selected ones it does not return."""
-        into = [None if queue is None else validation.check_queue(queue)]
+        the jobs it skipped are the selected ones it does not return.
+
+        The replay joins the job's error history (when, `by` whom, into which queue), and
+        last_error is cleared: the history keeps the errors, the job has none since."""
+        into = None if queue is None else validation.check_queue(queue)
+        kept = sql.errors_kept(get_settings().ERRORS_KEPT)
         self._for_write = True
         for _ in range(REPLAY_TRIES):
             try:
@@ -65,8 +70,11 @@ class JobQuerySet(models.QuerySet["Job"]):
                         "status = 'ready', attempts = 0, run_at = statement_timestamp(), "
                         "scheduled = false, "
                         "finished_at = NULL, leased_until = NULL, cancel_requested = false, "
-                        "queue = COALESCE(%s, j.queue)",
-                        into,
+                        "queue = COALESCE(%s, j.queue), last_error = '', "
+                        "errors = jsonb_path_query_array(j.errors || jsonb_build_array("
+                        "jsonb_build_object('replayed_at', statement_timestamp(), "
+                        "'by', %s::text, 'queue', COALESCE(%s, j.queue))), %s::jsonpath)",
+                        [into, by, into, kept],
                         guard="j.status IN ('failed', 'cancelled')",
                     )
             except IntegrityError:

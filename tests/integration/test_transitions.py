@@ -258,7 +258,8 @@ def test_replay_gives_a_dead_letter_a_fresh_attempt_budget_due_now():
     assert Job.objects.filter(pk=dead.pk).replay() == [dead.pk]
     row = Job.objects.get(pk=dead.pk)
     assert (row.status, row.attempts, row.finished_at) == (Status.READY, 0, None)
-    assert row.errors == dead.errors  # the history stays for inspection
+    assert row.errors[:-1] == dead.errors  # the history stays for inspection,
+    assert "replayed_at" in row.errors[-1]  # and records the replay
     assert claim_one().pk == dead.pk
 
 

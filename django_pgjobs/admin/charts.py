@@ -1,0 +1,174 @@
+"""The health report's charts: throughput, claim latency (p50, p95), retries and failures per
+queue over the last hour and the last day, from the QueueStat rows workers write.
+
+Drawn on the server as inline SVG (no script, nothing fetched from elsewhere), coloured with the
+admin's CSS variables for axes and text so that they read in its light and dark themes. Every
+point carries its numbers in a <title> (shown on hover), and each chart has a table of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import connections
+from django.utils import timezone
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
+
+from django_pgjobs.admin import times
+from django_pgjobs.models import LATENCY_BUCKETS
+from django_pgjobs.observability.stats import job_database, latency_quantile
+
+#: (label, seconds shown, seconds per point).
+WINDOWS = (
+    (gettext_lazy("Last hour"), 3600, 60),
+    (gettext_lazy("Last day"), 86400, 1800),
+)
+WIDTH, HEIGHT = 520, 150
+LEFT, RIGHT, TOP, BOTTOM = 48, 10, 10, 22
+#: One colour per queue, mid-tone so that they read on the light and the dark theme alike.
+COLOURS = (
+    "#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
+)  # fmt: skip
+
+# Each bucket of the latency histogram summed by its position (no row is expanded), per queue
+# and point; the rows of the window alone are read, through the index on `at`.
+_HISTOGRAM = ", ".join(
+    f"sum(COALESCE((latency_buckets->>{n})::bigint, 0))" for n in range(len(LATENCY_BUCKETS) + 1)
+)
+SERIES_SQL = f"""
+    SELECT queue, floor(EXTRACT(EPOCH FROM at) / %(step)s)::bigint AS slot,
+           sum(succeeded), sum(retried), sum(failed), {_HISTOGRAM}
+    FROM pgjobs_queuestat
+    WHERE at > %(since)s
+    GROUP BY 1, 2
+"""
+
+
+@dataclass
+class Chart:
+    """One chart: a line per series over the window's points, and the geometry to draw it."""
+
+    title: str
+    unit: str
+    slots: list[int]  # the points' slot numbers (start time // step)
+    step: int
+    series: list[dict[str, Any]] = field(default_factory=list)  # name, colour, dashed, values
+
+    @property
+    def top(self) -> float:
+        values = [v for s in self.series for v in s["values"] if v is not None]
+        return nice(max(values, default=0.0))
+
+    def x(self, index: int) -> float:
+        span = max(len(self.slots) - 1, 1)
+        return LEFT + (WIDTH - LEFT - RIGHT) * index / span
+
+    def y(self, value: float) -> float:
+        return TOP + (HEIGHT - TOP - BOTTOM) * (1 - value / (self.top or 1))
+
+    def label(self, index: int) -> str:
+        moment = datetime.fromtimestamp(self.slots[index] * self.step, UTC)
+        return timezone.localtime(moment).strftime("%H:%M")
+
+    def drawing(self) -> dict[str, Any]:
+        """What the template draws: lines (split where there is no data), points with their
+        numbers, axis ticks, and the table."""
+        lines, points = [], []
+        for serie in self.series:
+            segments: list[list[str]] = [[]]
+            for index, value in enumerate(serie["values"]):
+                if value is None:
+                    segments.append([])
+                    continue
+                x, y = self.x(index), self.y(value)
+                segments[-1].append(f"{x:.1f},{y:.1f}")
+                when = times.full(datetime.fromtimestamp(self.slots[index] * self.step, UTC))
+                points.append({
+                    "x": f"{x:.1f}", "y": f"{y:.1f}", "colour": serie["colour"],
+                    "title": f"{serie['name']} · {when} · {show(value)} {self.unit}",
+                })  # fmt: skip
+            for segment in segments:
+                if segment:
+                    lines.append({**serie, "points": " ".join(segment)})
+        count = len(self.slots)
+        ticks = [{"x": f"{self.x(i):.1f}", "label": self.label(i)} for i in range(0, count, 10)]
+        levels = [
+            {"y": f"{self.y(self.top * part):.1f}", "label": show(self.top * part)}
+            for part in (0, 0.5, 1)
+        ]
+        rows = [[self.label(i), *(show(s["values"][i]) for s in self.series)] for i in range(count)]
+        return {
+            "chart": self, "lines": lines, "points": points, "ticks": ticks, "levels": levels,
+            "rows": rows, "width": WIDTH, "height": HEIGHT, "left": LEFT,
+            "right": WIDTH - RIGHT, "bottom": HEIGHT - BOTTOM,
+        }  # fmt: skip
+
+
+def nice(value: float) -> float:
+    """A round upper bound for an axis: 1, 2 or 5 times a power of ten."""
+    if value <= 0:
+        return 1.0
+    power = 10.0 ** math.floor(math.log10(value))
+    return next(float(m * power) for m in (1, 2, 5, 10) if m * power >= value)
+
+
+def show(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.0f}" if value >= 100 or value == int(value) else f"{value:.3g}"
+
+
+def windows(db: str | None = None) -> list[dict[str, Any]]:
+    """The charts of each window, for the report page."""
+    db = job_database(db)
+    with connections[db].cursor() as cursor:
+        cursor.execute("SELECT now()")
+        (now,) = cursor.fetchone()
+        shown = []
+        for label, span, step in WINDOWS:
+            cursor.execute(SERIES_SQL, {"step": step, "since": now - timedelta(seconds=span)})
+            shown.append({"label": label, "charts": charts(cursor.fetchall(), now, span, step)})
+    return shown
+
+
+def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> list[Any]:
+    """The four charts of one window from its rows (queue, slot, succeeded, retried, failed,
+    histogram...)."""
+    last = math.floor(now.timestamp() / step)
+    slots = list(range(last - span // step + 1, last + 1))
+    by_queue: dict[str, dict[int, tuple[Any, ...]]] = {}
+    for queue, slot, *figures in rows:
+        by_queue.setdefault(queue, {})[slot] = tuple(figures)
+    made = {
+        "throughput": Chart(_("Throughput"), _("jobs/min"), slots, step),
+        "latency": Chart(_("Claim latency, p50 and p95 (dashed)"), "s", slots, step),
+        "retries": Chart(_("Retries"), _("per point"), slots, step),
+        "failures": Chart(_("Failures (dead letters)"), _("per point"), slots, step),
+    }
+    for number, (queue, by_slot) in enumerate(sorted(by_queue.items())):
+        colour = COLOURS[number % len(COLOURS)]
+        at = [by_slot.get(slot) for slot in slots]
+        line = {"name": queue, "colour": colour, "dashed": False}
+        made["throughput"].series.append(
+            {**line, "values": [None if f is None else (f[0] + f[2]) * 60 / step for f in at]}
+        )
+        for quantile, dashed in ((0.5, False), (0.95, True)):
+            made["latency"].series.append({
+                **line, "name": f"{queue} p{round(quantile * 100)}", "dashed": dashed,
+                "values": [None if f is None else latency(f, quantile) for f in at],
+            })  # fmt: skip
+        made["retries"].series.append(
+            {**line, "values": [None if f is None else float(f[1]) for f in at]}
+        )
+        made["failures"].series.append(
+            {**line, "values": [None if f is None else float(f[2]) for f in at]}
+        )
+    return [chart.drawing() for chart in made.values()]
+
+
+def latency(figures: tuple[Any, ...], quantile: float) -> float | None:
+    return latency_quantile([int(n) for n in figures[3:]], quantile)

@@ -1,0 +1,149 @@
+"""What the job lists and the job page show of a job: its status as an operator reads it, times
+(admin/times.py), the last error on one line, the payload, result and history.
+
+Everything shown from job data goes through format_html or the template engine: escaped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.contrib import admin
+from django.template.loader import render_to_string
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.text import Truncator
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
+
+from django_pgjobs import registry
+from django_pgjobs.admin import times
+from django_pgjobs.errors import UnknownTask
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+
+#: How much of the last error's first line a list shows; the job page shows all of it.
+ERROR_WIDTH = 80
+
+
+def status_text(job: Job) -> str:
+    """The status, and whether a cancellation is under way: a running job asked to cancel is
+    "cancelling" until its attempt ends."""
+    if job.cancel_requested and job.status == Status.RUNNING:
+        return _("cancelling")
+    if job.cancel_requested and job.status == Status.SUCCEEDED:
+        return _("succeeded (cancel requested)")
+    return str(job.get_status_display())
+
+
+@admin.display(description=gettext_lazy("status"))
+def status(job: Job) -> SafeString:
+    """The lists' status column (a function, so that its cells keep the class field-status)."""
+    marked = "cancelling" if job.cancel_requested and job.status == Status.RUNNING else ""
+    return format_html('<span class="pgjobs-status {}">{}</span>', marked, status_text(job))
+
+
+class JobColumns:
+    """The display methods of the Jobs and Dead letters admins."""
+
+    # ---- lists -------------------------------------------------------------------------------
+
+    @admin.display(description=gettext_lazy("id"))
+    def short_id(self, job: Job) -> str:
+        return job.short_id
+
+    @admin.display(description=gettext_lazy("attempts"))
+    def attempts_display(self, job: Job) -> str:
+        return f"{job.attempts}/{job.max_attempts}"
+
+    @admin.display(description=gettext_lazy("last error"))
+    def error_line(self, job: Job) -> SafeString | str:
+        """The first line of the last error, cut to ERROR_WIDTH characters; all of the line
+        (as far as the list read it) on hover."""
+        # The list annotates the head of last_error and defers the column itself.
+        head: str = job.error_head if hasattr(job, "error_head") else job.last_error
+        line = head.split("\n", 1)[0]
+        if not line:
+            return ""
+        short = Truncator(line).chars(ERROR_WIDTH)
+        return format_html('<span class="pgjobs-error" title="{}">{}</span>', line, short)
+
+    @admin.display(description=gettext_lazy("final error"))
+    def final_error(self, job: Job) -> SafeString | str:
+        return self.error_line(job)
+
+    @admin.display(description=gettext_lazy("run at"))
+    def due(self, job: Job) -> SafeString | str:
+        return times.ago(job.run_at)
+
+    @admin.display(description=gettext_lazy("created"))
+    def created(self, job: Job) -> SafeString | str:
+        return times.ago(job.created_at)
+
+    @admin.display(description=gettext_lazy("finished"))
+    def finished(self, job: Job) -> SafeString | str:
+        return times.ago(job.finished_at)
+
+    # ---- the job page ------------------------------------------------------------------------
+
+    @admin.display(description=gettext_lazy("status"))
+    def status_display(self, job: Job) -> str:
+        return status_text(job)
+
+    @admin.display(description=gettext_lazy("run at"))
+    def run_at_display(self, job: Job) -> SafeString | str:
+        return times.moment(job.run_at)
+
+    @admin.display(description=gettext_lazy("created at"))
+    def created_at_display(self, job: Job) -> SafeString | str:
+        return times.moment(job.created_at)
+
+    @admin.display(description=gettext_lazy("started at"))
+    def started_at_display(self, job: Job) -> SafeString | str:
+        return times.moment(job.started_at)
+
+    @admin.display(description=gettext_lazy("finished at"))
+    def finished_at_display(self, job: Job) -> SafeString | str:
+        return times.moment(job.finished_at)
+
+    @admin.display(description=gettext_lazy("leased until"))
+    def leased_until_display(self, job: Job) -> SafeString | str:
+        return times.moment(job.leased_until)
+
+    @admin.display(description=gettext_lazy("payload"))
+    def payload_display(self, job: Job) -> str:
+        return pretty_json(shown_payload(job))
+
+    @admin.display(description=gettext_lazy("result"))
+    def result_display(self, job: Job) -> str:
+        """The handler's return value, for tasks that keep it (e.g. Django Tasks)."""
+        return "—" if job.result is None else pretty_json(job.result)
+
+    @admin.display(description=gettext_lazy("error history"))
+    def error_history(self, job: Job) -> str:
+        """Each failed attempt, and each replay (who, when, into which queue), oldest first."""
+        entries = [history_entry(e) for e in job.errors or []]
+        return render_to_string("admin/pgjobs/error_history.html", {"entries": entries})
+
+
+def history_entry(entry: Any) -> dict[str, Any]:
+    """One entry of a job's history, for the template: its time in the active time zone."""
+    if not isinstance(entry, dict):
+        return {"message": repr(entry), "when": ""}
+    if "replayed_at" in entry:
+        return {**entry, "replay": True, "when": times.recorded(entry["replayed_at"])}
+    return {**entry, "when": times.recorded(entry.get("at"))}
+
+
+def shown_payload(job: Job) -> Any:
+    """The payload with the keys its task redacts hidden."""
+    try:
+        return registry.get_task(job.task).redacted(job.payload)
+    except UnknownTask:
+        return job.payload
+
+
+def pretty_json(value: Any) -> str:
+    pretty = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+    return format_html('<pre class="pgjobs-json">{}</pre>', pretty)

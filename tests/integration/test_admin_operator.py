@@ -1,0 +1,223 @@
+"""The operator's admin through Django's test client: deletes that refuse running jobs, the
+confirmation pages' sentences, cancelling, the replay history, the replay queue warning."""
+
+from __future__ import annotations
+
+import html
+
+import pytest
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.urls import reverse
+
+from django_pgjobs import registry
+from django_pgjobs.models import Job, QueueStat
+from django_pgjobs.status import Status
+from tests.factories import JobFactory
+from tests.integration.test_admin import DEAD, JOBS, act, log_for, messages_of, reload
+
+pytestmark = pytest.mark.django_db
+
+
+def delete_url(job: Job, model: str = "job") -> str:
+    return reverse(f"admin:pgjobs_{model}_delete", args=[job.pk])
+
+
+# ---- delete ---------------------------------------------------------------------------------
+
+
+def test_a_posted_delete_of_a_running_job_is_refused_and_changes_nothing(admin_client):
+    running = JobFactory(running=True)
+    response = admin_client.post(delete_url(running), {"post": "yes"}, follow=True)
+    assert "cannot be deleted while it runs" in messages_of(response)[0]
+    assert response.redirect_chain[-1][0] == reverse("admin:pgjobs_job_change", args=[running.pk])
+    assert reload(running).status == Status.RUNNING
+    assert not LogEntry.objects.exists()
+
+
+def test_a_job_that_started_running_after_the_confirmation_page_is_not_deleted(admin_client):
+    job = JobFactory()
+    page = admin_client.get(delete_url(job))
+    assert page.status_code == 200
+    Job.objects.claim(["default"], worker="w1", limit=1)  # claimed while the page was open
+    response = admin_client.post(delete_url(job), {"post": "yes"}, follow=True)
+    assert "cannot be deleted while it runs" in messages_of(response)[0]
+    assert reload(job).status == Status.RUNNING and log_for(job) == []
+
+
+def test_the_job_page_deletes_a_finished_job_through_the_guarded_delete_and_logs_it(
+    admin_client, admin_user
+):
+    job = JobFactory(dead=True)
+    response = admin_client.post(delete_url(job), {"post": "yes"}, follow=True)
+    assert messages_of(response) == [f"The job “{job}” was deleted successfully."]
+    assert not Job.objects.filter(pk=job.pk).exists()
+    assert log_for(job) == [(admin_user.username, DELETION, "Deleted.")]
+
+
+def test_the_running_job_page_offers_cancel_and_no_delete(admin_client):
+    running = JobFactory(running=True)
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[running.pk]))
+    assert page.context["has_delete_permission"] is False
+    assert [name for name, _ in page.context["job_actions"]] == ["cancel"]
+
+
+def test_deleting_a_selection_of_running_jobs_reports_them_skipped_as_a_warning(admin_client):
+    running, done = JobFactory(running=True), JobFactory(succeeded=True)
+    response = act(admin_client, JOBS, "delete_jobs", [running, done])
+    assert messages_of(response) == [
+        "1 job deleted. 1 skipped: running jobs are not deleted while their worker runs them; "
+        "cancel them instead."
+    ]
+    assert [m.level_tag for m in response.context["messages"]] == ["warning"]
+    assert reload(running).status == Status.RUNNING
+    assert log_for(running) == []
+
+
+# ---- the confirmation pages ask in sentences ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("action", "factory", "title", "one", "two"),
+    [
+        ("replay", {"dead": True}, "Replay jobs", "Replay 1 job?", "Replay 2 jobs?"),
+        ("run_now", {"future": True}, "Run jobs now", "Run 1 job now?", "Run 2 jobs now?"),
+        ("cancel", {}, "Cancel jobs", "Cancel 1 job?", "Cancel 2 jobs?"),
+        ("delete_jobs", {}, "Delete jobs", "Delete 1 job?", "Delete 2 jobs?"),
+    ],
+)
+def test_each_confirmation_page_asks_a_proper_question(
+    admin_client, action, factory, title, one, two
+):
+    jobs = JobFactory.create_batch(2, **factory)
+    for selected, question in ((jobs[:1], one), (jobs, two)):
+        page = act(admin_client, JOBS, action, selected, confirm=False)
+        assert page.context["title"] == title
+        assert f'<p class="pgjobs-count">{question}</p>' in page.content.decode()
+
+
+# ---- cancelling -------------------------------------------------------------------------------
+
+
+def test_a_running_job_asked_to_cancel_shows_cancelling_and_is_logged_as_requested(
+    admin_client, admin_user
+):
+    ready, running = JobFactory(), JobFactory(running=True)
+    act(admin_client, JOBS, "cancel", [ready, running])
+    assert log_for(ready) == [(admin_user.username, CHANGE, "Cancelled.")]
+    assert log_for(running) == [(admin_user.username, CHANGE, "Cancellation requested.")]
+
+    listed = admin_client.get(JOBS).content.decode()
+    assert '<span class="pgjobs-status cancelling">cancelling</span>' in listed
+    assert '<span class="pgjobs-status ">cancelled</span>' in listed
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[running.pk]))
+    assert "cancelling" in page.content.decode()
+    assert page.context["job_actions"] == []  # nothing more to ask
+
+
+# ---- the last error and the replay history ------------------------------------------------------
+
+
+def test_the_lists_show_the_last_error_on_one_cut_line_with_the_whole_line_on_hover(admin_client):
+    long = "ValueError: " + "x" * 200
+    JobFactory(dead=True, last_error=f"{long}\nsecond line")
+    for url in (JOBS, DEAD):
+        content = admin_client.get(url).content.decode()
+        assert f'title="{long}"' in content
+        assert "ValueError: " + "x" * 67 + "…</span>" in content
+        assert "second line" not in content
+
+
+def test_a_replay_joins_the_history_with_who_when_and_the_queue_and_clears_the_last_error(
+    admin_client, admin_user
+):
+    job = JobFactory(
+        dead=True, last_error="PermanentError: no such user",
+        errors=[{"attempt": 1, "at": "2026-03-02T09:10:07.52+00:00", "worker": "w1",
+                 "type": "PermanentError", "message": "no such user"}],
+    )  # fmt: skip
+    act(admin_client, DEAD, "replay", [job], queue="emails")
+    row = reload(job)
+    assert row.last_error == ""
+    assert row.errors[0]["type"] == "PermanentError"
+    replay = row.errors[-1]
+    assert (replay["by"], replay["queue"]) == (admin_user.username, "emails")
+    assert "replayed_at" in replay
+
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[job.pk])).content.decode()
+    assert "Replayed" in page and f"by {admin_user.username}" in page
+    assert "into queue emails" in page
+
+
+def test_the_replay_entries_keep_the_history_bounded(settings):
+    settings.PGJOBS = {**settings.PGJOBS, "ERRORS_KEPT": 3}
+    job = JobFactory(dead=True, errors=[{"attempt": n, "type": "E"} for n in (1, 2, 3)])
+    for _ in range(2):
+        Job.objects.filter(pk=job.pk).replay(by="ops")
+        Job.objects.filter(pk=job.pk).update(status=Status.FAILED, finished_at=reload(job).run_at)
+    history = reload(job).errors
+    assert len(history) == 3
+    assert [e.get("attempt") for e in history] == [3, None, None]
+    assert [e.get("by") for e in history[1:]] == ["ops", "ops"]
+
+
+def test_a_job_that_succeeds_after_a_replay_shows_no_last_error(admin_client):
+    job = JobFactory(dead=True, last_error="PermanentError: no such user")
+    act(admin_client, DEAD, "replay", [job])
+    (claimed,) = Job.objects.claim(["default"], worker="w1", limit=1)
+    Job.objects.complete(claimed)
+    content = admin_client.get(JOBS).content.decode()
+    assert "no such user" not in content
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[job.pk])).content.decode()
+    assert "PermanentError" not in page.split("error history")[0]
+
+
+def test_a_replay_is_not_an_error_of_the_django_task_result():
+    from django_pgjobs.backend import to_task_result
+
+    job = JobFactory(
+        dead=True, task=f"{registry.DJANGO_TASK_PREFIX}tests.framework_tasks.noop",
+        payload={"args": [], "kwargs": {}, "backend": "default"},
+        errors=[{"attempt": 1, "type": "RuntimeError", "message": "x"}],
+    )  # fmt: skip
+    Job.objects.filter(pk=job.pk).replay(by="ops")
+    assert len(to_task_result(reload(job)).errors) == 1
+
+
+# ---- replay into a queue no worker serves -------------------------------------------------------
+
+
+def a_worker_serves(*queues: str) -> None:
+    for queue in queues:
+        QueueStat.objects.create(worker="web-1:77", queue=queue, seconds=10)
+
+
+def test_replay_into_a_queue_no_live_worker_serves_warns_once_with_the_served_queues(admin_client):
+    a_worker_serves("default", "emails")
+    job = JobFactory(dead=True)
+    page = act(admin_client, DEAD, "replay", [job], queue="emalis")
+    content = page.content.decode()
+    assert "No live worker serves the queue “emalis”" in html.unescape(content)
+    assert "Live workers serve: default, emails." in html.unescape(content)
+    assert '<option value="emails">' in content  # offered as the field's suggestions
+    assert reload(job).status == Status.FAILED and log_for(job) == []
+
+    response = act(admin_client, DEAD, "replay", [job], queue="emalis", unserved="emalis")
+    assert messages_of(response) == ["1 job replayed."]
+    assert reload(job).queue == "emalis"
+
+
+def test_replay_into_a_served_queue_or_its_own_queue_does_not_warn(admin_client):
+    a_worker_serves("default", "emails")
+    first, second = JobFactory(dead=True), JobFactory(dead=True, queue="gone")
+    assert messages_of(act(admin_client, DEAD, "replay", [first], queue="emails")) == [
+        "1 job replayed."
+    ]
+    assert messages_of(act(admin_client, DEAD, "replay", [second])) == ["1 job replayed."]
+
+
+def test_a_queue_confirmed_for_one_name_is_asked_again_for_another(admin_client):
+    a_worker_serves("default")
+    job = JobFactory(dead=True)
+    page = act(admin_client, DEAD, "replay", [job], queue="reports", unserved="emalis")
+    assert "No live worker serves the queue" in html.unescape(page.content.decode())
+    assert reload(job).status == Status.FAILED
