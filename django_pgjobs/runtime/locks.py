@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.backends.signals import connection_created
 
 #: The longest one of the worker's statements waits for a lock; past it the statement fails and
@@ -35,7 +35,10 @@ class LockWaits:
         self._threads.add(threading.get_ident())
         connection = connections[self.db]
         if connection.connection is not None:
-            self._set(connection)
+            try:
+                self._set(connection)
+            except DatabaseError:
+                connection.close()  # gone already: set again when the worker reconnects
 
     def stop(self) -> None:
         connection_created.disconnect(self._on_connect)
