@@ -183,7 +183,9 @@ def check_indexes(
     leaves an invalid one behind, which the planner never uses). Needs the database:
     `manage.py check --database default`, and migrate."""
     alias = _alias()
-    if databases is None or alias not in databases or _migrations_pending(alias):
+    if databases is None or alias not in databases or not _postgresql(alias):
+        return []  # another backend is pgjobs.E001's to report, without a crash here
+    if _migrations_pending(alias):
         return []  # not migrated yet (migrate runs these checks first): migrate builds them
     messages: list[CheckMessage] = []
     with connections[alias].cursor() as cursor:
@@ -219,6 +221,10 @@ def check_indexes(
     return messages
 
 
+def _postgresql(alias: str) -> bool:
+    return connections[alias].vendor == "postgresql"
+
+
 def _migrations_pending(alias: str) -> bool:
     """Whether some of this app's migrations are not applied on `alias`."""
     loader = MigrationLoader(connections[alias])
@@ -233,7 +239,7 @@ def check_served_queues(
     """Registered tasks whose queue no running worker serves, judged from the workers'
     QueueStat rows; silent when no worker runs at all (a build machine, say)."""
     alias = _alias()
-    if databases is None or alias not in databases:
+    if databases is None or alias not in databases or not _postgresql(alias):
         return []
     alive = [worker for worker in stats.worker_stats(alias) if worker.alive]
     if not alive:
