@@ -292,8 +292,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             "claims": [job.claims for job in jobs],
             "worker": _one_worker([job.worker for job in jobs]),
         }
-        found = rows.execute(self._write_db(), statement, params)
-        return {row[0]: bool(row[1:] and row[1]) for row in found}
+        return dict(rows.execute(self._write_db(), statement, params))
 
     def _write_db(self) -> str:
         return self._db or router.db_for_write(self.model)

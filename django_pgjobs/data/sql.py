@@ -228,9 +228,10 @@ HEARTBEAT = """
     RETURNING j.id, j.cancel_requested
 """
 
-# Which of a worker's claims it still holds (a plain read: no lock, no wait).
+# Which of a worker's claims it still holds (a plain read: no lock, no wait), in the shape of
+# HEARTBEAT's result.
 HELD = """
-    SELECT j.id FROM pgjobs_job AS j
+    SELECT j.id, j.cancel_requested FROM pgjobs_job AS j
     JOIN unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
       ON j.id = mine.id AND j.claims = mine.claims
     WHERE j.status = 'running' AND j.worker = %(worker)s
