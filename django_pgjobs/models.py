@@ -50,6 +50,13 @@ class Job(models.Model):
     #: past it, whatever its priority. Claims take it from there once due, and workers move
     #: due ones into the claim index (see data/sql.py).
     scheduled = models.BooleanField(default=False, db_default=False)
+    #: What the running handler last reported of its progress ({"done", "total", "note", "at"}),
+    #: written by the worker's lease keeper at most about once a second. Unindexed, so the
+    #: write stays a HOT update.
+    progress = models.JSONField(null=True, blank=True)
+    #: Context carried with the job from its enqueue, as message headers are (e.g. the W3C
+    #: `traceparent` of the request that enqueued it). Unindexed; empty for most jobs.
+    headers = models.JSONField(null=True, blank=True)
 
     objects: ClassVar[JobManager] = JobManager()
 

@@ -24,6 +24,7 @@ NEW_JOB: dict[str, Any] = {
     "status": Status.READY.value, "attempts": 0, "leased_until": None, "worker": None,
     "last_error": "", "errors": [], "finished_at": None, "started_at": None,
     "cancel_requested": False, "result": None, "claims": 0, "scheduled": False,
+    "progress": None, "headers": None,
 }  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 JOB_COLUMNS = (
     "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts",
     "leased_until", "worker", "last_error", "errors", "created_at", "finished_at", "unique_key",
-    "started_at", "cancel_requested", "result", "claims", "scheduled",
+    "started_at", "cancel_requested", "result", "claims", "scheduled", "progress", "headers",
 )  # fmt: skip
 
 #: The claim's ORDER BY within one queue, and the claim index's columns after `queue`.
@@ -112,7 +112,7 @@ INSERT_JOBS = """
 # - turns: the queues take turns (each queue's best job, then each queue's second best, ...;
 #   ties in claim order), so an old backlog in one queue never starves another.
 # - claimed: running, leased for %(lease)s seconds, attempts counting this one, and the claim
-#   counted (its fencing token).
+#   counted (its fencing token); the progress a previous attempt reported is cleared.
 #
 # Rows come back tagged by kind in one shape: claimed jobs with every column (JOB_COLUMNS
 # order), settled jobs with their id, claim and new status, the other columns NULL.
@@ -189,7 +189,7 @@ SETTLE_AND_CLAIM = """
     claimed AS (
         UPDATE pgjobs_job AS j
         SET status = 'running', attempts = j.attempts + 1, claims = j.claims + 1,
-            worker = %(worker)s, scheduled = false,
+            worker = %(worker)s, scheduled = false, progress = NULL,
             started_at = statement_timestamp(),
             leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
         FROM turns
@@ -197,12 +197,12 @@ SETTLE_AND_CLAIM = """
         RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
                   j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
                   j.created_at, j.finished_at, j.unique_key, j.started_at,
-                  j.cancel_requested, j.result, j.claims, j.scheduled
+                  j.cancel_requested, j.result, j.claims, j.scheduled, j.progress, j.headers
     )
     SELECT 'claimed' AS kind, * FROM claimed
     UNION ALL
     SELECT 'settled', id, NULL, NULL, NULL, status, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims, NULL
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims, NULL, NULL, NULL
     FROM (SELECT * FROM succeeded UNION ALL SELECT * FROM failed) AS settled
 """
 

@@ -1,0 +1,27 @@
+"""A running job's reported progress, and the headers carried with a job from its enqueue.
+
+Two nullable columns without a default: adding them changes only the catalog, not a row, so
+the migration takes a moment on any table size.
+"""
+
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+
+    dependencies = [
+        ('pgjobs', '0009_admin'),
+    ]
+
+    operations = [
+        migrations.AddField(
+            model_name='job',
+            name='progress',
+            field=models.JSONField(blank=True, null=True),
+        ),
+        migrations.AddField(
+            model_name='job',
+            name='headers',
+            field=models.JSONField(blank=True, null=True),
+        ),
+    ]
