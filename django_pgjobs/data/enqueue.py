@@ -7,10 +7,11 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django_pgjobs import registry, validation
+from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows, sql, wakeups
 from django_pgjobs.data.records import NewJob
-from django_pgjobs.errors import EnqueueError
+from django_pgjobs.errors import EnqueueError, PayloadMismatch
 from django_pgjobs.ids import uuid7
 from django_pgjobs.status import Status
 
@@ -28,29 +29,30 @@ NEW_JOB: dict[str, Any] = {
 }  # fmt: skip
 
 
-def new_job(
+def new_jobs(
     task_or_name: Task | str,
-    payload: dict[str, Any] | None,
+    payloads: Sequence[dict[str, Any] | None],
     *,
     queue: str | None,
     priority: int | None,
     run_at: datetime | None,
     delay: float | timedelta | None,
     max_attempts: int | None,
-    unique_key: str | None,
-) -> NewJob:
-    """A job to insert, every option checked (EnqueueError before anything is written): each
-    option given, else the task's default, else the PGJOBS default."""
+    unique_key: str | None = None,
+) -> list[NewJob]:
+    """Jobs to insert, one per payload, every option checked once (each given, else the task's
+    default, else the PGJOBS default) and each payload on its own: EnqueueError before anything
+    is written, naming the payload's position when there are several."""
     settings = get_settings()
     task = registry.resolve(task_or_name)
     if run_at is not None and delay is not None:
         raise EnqueueError("Pass run_at or delay, not both.")
-    return NewJob(
+    options = NewJob(
         id=uuid7(),
         # An empty name is an error, not "the default queue" (`_first`, not `or`).
         queue=validation.check_queue(_first(queue, task.queue, settings.DEFAULT_QUEUE)),
         task=task.name,
-        payload_json=validation.payload_json(payload, settings.MAX_PAYLOAD_BYTES),
+        payload_json="{}",
         priority=validation.check_priority(
             _first(priority, task.priority, settings.DEFAULT_PRIORITY)
         ),
@@ -61,6 +63,29 @@ def new_job(
         ),
         unique_key=None if unique_key is None else validation.check_unique_key(unique_key),
     )
+    jobs = []
+    for index, payload in enumerate(payloads):
+        try:
+            payload_json = _checked_payload(task, payload, settings.MAX_PAYLOAD_BYTES)
+        except EnqueueError as error:
+            if len(payloads) == 1:
+                raise
+            raise EnqueueError(f"payloads[{index}]: {error}") from None
+        jobs.append(options._replace(id=uuid7(), payload_json=payload_json))
+    return jobs
+
+
+def _checked_payload(task: Task, payload: dict[str, Any] | None, max_bytes: int) -> str:
+    """The payload as JSON text, once it survives jsonb and fits the task's handler."""
+    text = validation.payload_json(payload, max_bytes)
+    # An integration's job (a Django Task's) has a payload of its own shape: its backend
+    # checks the arguments in it (backend.PgJobsBackend.enqueue).
+    if registry.runner_for(task.name) is None:
+        try:
+            check_arguments(task.func, task.name, (), payload or {})
+        except PayloadMismatch as error:
+            raise EnqueueError(f"{error}.") from None
+    return text
 
 
 def insert(

@@ -17,13 +17,12 @@ from uuid import UUID
 
 from django.db import connections, models, router, transaction
 
-from django_pgjobs import signals, validation
+from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.ids import uuid7
 from django_pgjobs.status import LIVE, Status
 
 if TYPE_CHECKING:
@@ -66,8 +65,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         With a `unique_key` that a ready or running job already holds, nothing is written and
         that job is returned instead.
         """
-        job = enqueue.new_job(
-            task, payload, queue=queue, priority=priority, run_at=run_at, delay=delay,
+        (job,) = enqueue.new_jobs(
+            task, [payload], queue=queue, priority=priority, run_at=run_at, delay=delay,
             max_attempts=max_attempts, unique_key=unique_key,
         )  # fmt: skip
         db = self._write_db()
@@ -100,17 +99,11 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     ) -> list[Job]:
         """Write many jobs of one task, `batch_size` per statement. Every payload is checked
         before anything is written."""
-        # The options are the same for every job: check them once, then each payload.
-        options = enqueue.new_job(
-            task, None, queue=queue, priority=priority, run_at=run_at, delay=delay,
-            max_attempts=max_attempts, unique_key=None,
-        )  # fmt: skip
-        limit = get_settings().MAX_PAYLOAD_BYTES
         checked = [{} if payload is None else payload for payload in payloads]
-        new = [
-            options._replace(id=uuid7(), payload_json=validation.payload_json(payload, limit))
-            for payload in checked
-        ]
+        new = enqueue.new_jobs(
+            task, checked, queue=queue, priority=priority, run_at=run_at, delay=delay,
+            max_attempts=max_attempts,
+        )  # fmt: skip
         jobs: list[Job] = []
         db = self._write_db()
         for start in range(0, len(new), batch_size):
