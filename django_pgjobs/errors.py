@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.db import ProgrammingError
+
 from django_pgjobs.delays import as_seconds
 
 
@@ -33,6 +35,12 @@ class UnknownTask(EnqueueError, LookupError):
 
 class PayloadMismatch(TypeError):
     """The payload's keys do not fit the handler's signature (a permanent error)."""
+
+
+class NotMigrated(ProgrammingError):
+    """A pgjobs table or column does not exist: run ``manage.py migrate``. A database error
+    (Django's ProgrammingError), whose message says so, raised where django-pgjobs meets it:
+    enqueue, the admin, ``jobstats``, ``runjobs``."""
 
 
 class JobCancelled(PermanentError):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django_pgjobs import registry, validation
+from django_pgjobs import registry, schema, validation
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows, sql, wakeups
@@ -108,7 +108,8 @@ def insert(
     if len(jobs) == 1:
         statement = sql.INSERT_JOB if first.unique_key is None else sql.INSERT_UNIQUE_JOB
         params |= {"id": first.id, "payload": first.payload_json, "unique_key": first.unique_key}
-        found = rows.execute(db, statement, params, binary=True)
+        with schema.migrated():  # a missing table says: run manage.py migrate
+            found = rows.execute(db, statement, params, binary=True)
         inserted = {job_id: written for job_id, *written, _ in found}
     else:
         assert all(job.unique_key is None for job in jobs), "many jobs never share a unique_key"
@@ -116,7 +117,8 @@ def insert(
             "ids": [job.id for job in jobs],
             "payloads": [job.payload_json for job in jobs],
         }
-        ((*written, count, _),) = rows.execute(db, sql.INSERT_JOBS, params, binary=True)
+        with schema.migrated():
+            ((*written, count, _),) = rows.execute(db, sql.INSERT_JOBS, params, binary=True)
         assert count == len(jobs), "one statement inserts them all"
         inserted = dict.fromkeys(params["ids"], written)
     made = []

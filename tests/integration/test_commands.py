@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import json
+import uuid
 from datetime import timedelta
 from io import StringIO
 
@@ -50,6 +52,47 @@ def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
     assert 89 < queues["default"]["oldest_due_seconds"] < 200
     assert report["table"]["live_tuples"] >= 6  # the jobs this test wrote
     assert report["database"]["oldest_snapshot_query"] == "SELECT count(*) FROM pgjobs_job"
+
+
+def as_a_user_who_reads(*tables: str) -> None:
+    """Go on as a new database user who may read only `tables`, without pg_monitor (the role
+    and the switch are undone with the test's transaction)."""
+    role = f"pgjobs_probe_{uuid.uuid4().hex[:12]}"
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE ROLE {role}")
+        cursor.execute(f"GRANT SELECT ON {', '.join(tables)} TO {role}")
+        cursor.execute(f"SET LOCAL ROLE {role}")
+
+
+def test_jobstats_that_may_not_read_the_figures_exits_unknown_in_one_line():
+    as_a_user_who_reads("pgjobs_job", "pgjobs_queue")
+    out = StringIO()
+    with pytest.raises(SystemExit) as exited:
+        call_command("jobstats", stdout=out)
+    assert exited.value.code == 3
+    assert out.getvalue() == (
+        "verdict: UNKNOWN: the report could not be read (permission denied for table "
+        "pgjobs_queuestat): the database user needs SELECT on the pgjobs tables, and the "
+        "pg_monitor role to read PostgreSQL's statistics\n"
+    )
+
+
+def test_jobstats_says_when_other_users_sessions_are_hidden_from_it():
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_has_role('pg_read_all_stats', 'USAGE')")
+        (sees_all,) = cursor.fetchone()
+    assert ("hidden from this database user" in report()) is not sees_all
+    as_a_user_who_reads("pgjobs_job", "pgjobs_queue", "pgjobs_queuestat")
+    assert "(other users' sessions are hidden from this database user: " in report()
+    assert json.loads(report("--json"))["database"]["sees_all_sessions"] is False
+
+
+def report(*args: str) -> str:
+    """What jobstats prints, whatever its verdict (the server's other sessions count too)."""
+    out = StringIO()
+    with contextlib.suppress(SystemExit):
+        call_command("jobstats", *args, stdout=out)
+    return out.getvalue()
 
 
 def test_prunejobs_deletes_old_finished_jobs_and_keeps_dead_letters():

@@ -1,0 +1,80 @@
+"""The commands against a database that is down or never migrated, as real processes: one line
+saying what is wrong and what to do, and the exit status each documents, never a traceback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.chaos.servers import free_port
+from tests.conftest import connection_kwargs
+from tests.crash.conftest import manage, scratch_database
+
+
+@pytest.fixture
+def unmigrated(transactional_db: None) -> Iterator[str]:
+    """A new, empty database: what a project has before its first `migrate`."""
+    with scratch_database("unmigrated") as name:
+        yield name
+
+
+def test_enqueue_before_migrate_says_to_run_migrate(unmigrated):
+    done = manage(
+        "shell", "-c", "from tests import tasks; tasks.noop.enqueue()",
+        PGJOBS_TEST_DATABASE=unmigrated,
+    )  # fmt: skip
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        "django_pgjobs.errors.NotMigrated: the pgjobs tables are missing or out of date "
+        '(relation "pgjobs_job" does not exist): run `manage.py migrate`'
+    ), done.stderr
+
+
+def test_runjobs_before_migrate_says_to_run_migrate(unmigrated):
+    done = manage("runjobs", "--once", PGJOBS_TEST_DATABASE=unmigrated)
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("CommandError: the pgjobs tables are missing or out of date (relation ")
+    ), done.stderr
+    assert "run `manage.py migrate`" in done.stderr
+
+
+def test_jobstats_before_migrate_is_critical_and_says_to_run_migrate(unmigrated):
+    done = manage("jobstats", PGJOBS_TEST_DATABASE=unmigrated)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout.startswith("verdict: CRITICAL: the pgjobs tables are missing")
+    assert "run `manage.py migrate` on the database 'default'" in done.stdout
+    assert (len(done.stdout.splitlines()), done.stderr) == (1, "")
+
+
+def test_the_deploy_checks_before_migrate_list_the_migrations_without_a_traceback(unmigrated):
+    done = manage("check", "--deploy", "--database", "default", PGJOBS_TEST_DATABASE=unmigrated)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "(pgjobs.W025) 10 migrations of django-pgjobs are not applied on the database " in (
+        done.stderr
+    )
+    assert "0001_initial, 0002_queue_storage_settings, 0003_deadletter and 7 more" in done.stderr
+    assert "HINT: Run `manage.py migrate`" in done.stderr
+
+
+def test_jobstats_with_the_database_down_is_critical_in_one_line():
+    url = f"postgres://postgres@127.0.0.1:{free_port()}/{connection_kwargs()['dbname']}"
+    done = manage("jobstats", DATABASE_URL=url)
+    assert done.returncode == 2  # critical: the monitoring plugin's 1 would be a mere warning
+    assert done.stdout.startswith("verdict: CRITICAL: the database 'default' cannot be used: ")
+    assert "Connection refused" in done.stdout
+    assert (len(done.stdout.splitlines()), done.stderr) == (1, "")
+    as_json = manage("jobstats", "--json", DATABASE_URL=url)
+    assert as_json.returncode == 2
+    assert '"status": "critical"' in as_json.stdout
+
+
+@pytest.mark.parametrize("args", [["--watch", "0"], ["--watch", "soon"], ["--no-such-option"]])
+def test_jobstats_with_a_bad_command_line_exits_unknown_not_critical(args):
+    done = manage("jobstats", *args)
+    assert done.returncode == 3
+    assert "jobstats: error: " in done.stderr
