@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.db import connections, router
 
 from django_pgjobs import registry, schema
@@ -227,6 +227,26 @@ def _postgresql(alias: str) -> bool:
 def _migrations_pending(alias: str) -> bool:
     """Whether some of this app's migrations are not applied on `alias`."""
     return bool(schema.pending_migrations(alias))
+
+
+@register(deploy=True)
+def check_database_checks_ran(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """`check --deploy` without --database skips the checks that need the database: say so,
+    once, and how to run them."""
+    alias = _alias()
+    if databases is not None and alias in databases:
+        return []
+    return [
+        Info(
+            "django-pgjobs's database checks did not run: whether its migrations are applied "
+            "(W025), whether the job table's indexes are valid (E021), which queues no running "
+            "worker serves (W024).",
+            hint=f"Run `manage.py check --deploy --database {alias}` to run them.",
+            id="pgjobs.I001",
+        )
+    ]
 
 
 @register(Tags.database, deploy=True)

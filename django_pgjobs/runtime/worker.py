@@ -19,7 +19,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
-from django_pgjobs.runtime import execute, listener, policy
+from django_pgjobs.runtime import execute, listener, policy, served
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
@@ -104,6 +104,7 @@ class Worker:
             self.id, ",".join(options.queues), options.concurrency, options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
+        served.warn(self.db, options.queues, self.id)
         self._lock_waits.limit_this_thread()
         self._start_threads()
         outage = Outage()

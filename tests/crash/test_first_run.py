@@ -14,7 +14,8 @@ from tests.crash.conftest import manage, scratch_database
 
 @pytest.fixture
 def unmigrated(transactional_db: None) -> Iterator[str]:
-    """A new, empty database: what a project has before its first `migrate`."""
+    """A new, empty database: what a project has before its first `migrate` (runjobs on one:
+    tests/crash/test_outage.py)."""
     with scratch_database("unmigrated") as name:
         yield name
 
@@ -30,17 +31,6 @@ def test_enqueue_before_migrate_says_to_run_migrate(unmigrated):
         "django_pgjobs.errors.NotMigrated: the pgjobs tables are missing or out of date "
         '(relation "pgjobs_job" does not exist): run `manage.py migrate`'
     ), done.stderr
-
-
-def test_runjobs_before_migrate_says_to_run_migrate(unmigrated):
-    done = manage("runjobs", "--once", PGJOBS_TEST_DATABASE=unmigrated)
-    assert done.returncode == 1
-    assert (
-        done.stderr.strip()
-        .splitlines()[-1]
-        .startswith("CommandError: the pgjobs tables are missing or out of date (relation ")
-    ), done.stderr
-    assert "run `manage.py migrate`" in done.stderr
 
 
 def test_jobstats_before_migrate_is_critical_and_says_to_run_migrate(unmigrated):

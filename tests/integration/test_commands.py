@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import uuid
 from datetime import timedelta
 from io import StringIO
@@ -115,6 +116,44 @@ def test_runjobs_once_drains_what_is_due_and_restores_the_signal_handlers():
     assert signal.getsignal(signal.SIGTERM) is before
     assert Job.objects.filter(status=Status.SUCCEEDED).count() == 5
     assert Job.objects.filter(status=Status.READY).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runjobs_warns_at_start_of_a_queue_nothing_uses_and_of_queues_nobody_serves(
+    caplog, signal_handlers_restored
+):
+    QueueStat.objects.create(seconds=10, worker="elsewhere", queue="payments")  # alive, serving
+    call_command("runjobs", "--once", "--queue", "emial", "--queue", "default", verbosity=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    typo = [line for line in warnings if "'emial'" in line]
+    assert len(typo) == 1
+    assert (
+        "serves the queue 'emial', which no registered task, periodic schedule or Django "
+        in (typo[0])
+    )
+    assert "a typo in --queue? Jobs reach it only when enqueued with queue='emial'." in typo[0]
+    assert (
+        "no running worker serves the queue 'emails', which tests.tasks.send_email, "
+        "example_project.shop.tasks.send_confirmation use: its jobs wait until a worker does "
+        "(runjobs --queue emails; this one serves emial, default)."
+    ) in warnings
+    assert "no running worker serves the queue 'warehouse', " in "\n".join(warnings)
+    served_elsewhere_or_here = tuple(
+        f"no running worker serves the queue {q!r}" for q in ("payments", "default")
+    )
+    assert not [line for line in warnings if line.startswith(served_elsewhere_or_here)]
+
+
+def test_check_deploy_without_a_database_points_at_the_database_checks():
+    out = StringIO()
+    call_command("check", "--deploy", stderr=out, stdout=out)
+    assert "(pgjobs.I001) django-pgjobs's database checks did not run: " in out.getvalue()
+    assert "HINT: Run `manage.py check --deploy --database default` to run them." in (
+        out.getvalue()
+    )
+    out = StringIO()
+    call_command("check", "--deploy", "--database", "default", stderr=out, stdout=out)
+    assert "pgjobs.I001" not in out.getvalue()
 
 
 @pytest.mark.parametrize(
