@@ -110,5 +110,6 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
             "activity": reports.activity_rows(report),
             "alive": report.alive,
             "silent": report.silent,
+            "stopped": report.stopped,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)

@@ -243,12 +243,12 @@ class Worker:
     def lease_of(self, job: Job) -> float:
         return execute.limits_of(job, self.lease)[0]
 
-    def _report(self, seconds: float) -> None:
+    def _report(self, seconds: float, stopping: bool = False) -> None:
         """Write what this worker did per queue since the last report (QueueStat rows), and
-        log it in one line."""
+        log it in one line; `stopping`: the last report, which also says the worker stopped."""
         activity, self.activity = self.activity, ActivityTally()
         QueueStat.objects.using(self.db).bulk_create(
-            activity.rows(self.id, seconds, self.options.queues)
+            activity.rows(self.id, seconds, self.options.queues, stopping)
         )
         log_activity(activity, seconds, len(self._in_flight))
 
@@ -323,7 +323,7 @@ class Worker:
         reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
         seconds = max(1e-3, time.monotonic() - reporter.since)
         try:
-            self._report(seconds)
+            self._report(seconds, stopping=True)
         except DatabaseError:
             log_activity(self.activity, seconds, len(self._in_flight))
         connections.close_all()

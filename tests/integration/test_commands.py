@@ -12,6 +12,7 @@ from django.core.management import call_command
 from django.db import connection
 
 from django_pgjobs.models import Job, QueueStat
+from django_pgjobs.observability import stats
 from django_pgjobs.status import Status
 from tests.conftest import statistics_count
 from tests.factories import JobFactory
@@ -119,6 +120,25 @@ def test_runjobs_once_drains_what_is_due_and_restores_the_signal_handlers():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_worker_that_stopped_is_reported_stopped_not_alive(signal_handlers_restored):
+    JobFactory.create_batch(3)
+    call_command("runjobs", "--once", verbosity=0)
+    (worker,) = stats.worker_stats()
+    assert (worker.alive, worker.stopped, worker.queues) == (False, True, ["default"])
+    text = report()
+    assert "workers: 0 alive; stopped in the last 15 minutes: " in text
+    assert f"{worker.worker} " in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runjobs_warns_of_a_lease_under_ten_seconds(caplog, signal_handlers_restored):
+    call_command("runjobs", "--once", "--lease", "2", verbosity=0)
+    assert "--lease 2 is under 10s: heartbeats go out every lease/3 and the reaper looks " in (
+        caplog.text
+    )
+
+
+@pytest.mark.django_db(transaction=True)
 def test_runjobs_warns_at_start_of_a_queue_nothing_uses_and_of_queues_nobody_serves(
     caplog, signal_handlers_restored
 ):
@@ -162,13 +182,25 @@ def test_check_deploy_without_a_database_points_at_the_database_checks():
         (["--queue", "bad queue"], "not a valid queue name"),
         (["--concurrency", "0"], "must be greater than 0"),
         (["--lease", "soon"], "is not a number"),
+        (
+            ["--lease", "0.5"],
+            "argument --lease: must be at least 1 second, got 0.5: heartbeats renew a lease "
+            "every lease/3 seconds, so a shorter lease is lost while its job still runs",
+        ),
+        (["--lease", "inf"], "must be at least 1 second, got inf"),
+        (
+            ["--grace", "-1"],
+            "argument --grace: must be 0 or more seconds, got -1: the time running jobs get "
+            "to finish after a stop signal",
+        ),
+        (["--grace", "nan"], "must be 0 or more seconds, got nan"),
     ],
 )
 def test_runjobs_refuses_bad_options_with_a_clear_message(option, message, capsys):
     from django.core.management import CommandError
 
     with pytest.raises(CommandError, match=message):
-        call_command("runjobs", *option)
+        call_command("runjobs", *option, "--once")  # without the check, it must not hang
 
 
 def finished_ago(job: Job, seconds: float) -> None:

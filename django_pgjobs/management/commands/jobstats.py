@@ -193,6 +193,9 @@ def _workers(report: Report) -> str:
     if silent:
         gone = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in silent)
         text += f"; silent in the last {max(WINDOWS) // 60} minutes: {gone}"
+    if report.stopped:
+        ended = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in report.stopped)
+        text += f"; stopped in the last {max(WINDOWS) // 60} minutes: {ended}"
     return text
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from django_pgjobs import checks
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.runtime import reloading
@@ -23,6 +24,8 @@ from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.validation import check_queue
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+logger = logging.getLogger("django_pgjobs.runtime.worker")
 
 
 def _queue(value: str) -> str:
@@ -43,6 +46,39 @@ def _positive(kind: type[int] | type[float]) -> Any:
         return number
 
     return parse
+
+
+#: The shortest --lease: heartbeats renew leases every lease/3 seconds, so below a second the
+#: lease keeper would renew more than three times a second and lose leases to any statement
+#: that takes a moment. Leases under checks.MIN_LEASE (10 s) are accepted with a warning.
+MIN_LEASE = 1.0
+
+
+def _lease(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    if not MIN_LEASE <= seconds < 1e9:
+        raise ArgumentTypeError(
+            f"must be at least {MIN_LEASE:g} second, got {value}: heartbeats renew a lease "
+            f"every lease/3 seconds, so a shorter lease is lost while its job still runs "
+            f"(use {checks.MIN_LEASE:g} or more in production)"
+        )
+    return seconds
+
+
+def _grace(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= seconds < 1e9:
+        raise ArgumentTypeError(
+            f"must be 0 or more seconds, got {value}: the time running jobs get to finish "
+            "after a stop signal (0 releases them at once)"
+        )
+    return seconds
 
 
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
@@ -84,14 +120,14 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--lease",
-            type=_positive(float),
+            type=_lease,
             help="seconds a claim holds a job before it may be reaped; heartbeats "
             "extend it every lease/3 (default PGJOBS['LEASE'], "
             f"{get_settings().LEASE:g})",
         )
         parser.add_argument(
             "--grace",
-            type=float,
+            type=_grace,
             default=defaults.grace,
             help="seconds running jobs get to finish on shutdown before they are "
             f"released back to ready (default {defaults.grace:g})",
@@ -154,6 +190,15 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         _show_logs(options["verbosity"])
+        lease = options["lease"]
+        if lease is not None and lease < checks.MIN_LEASE:
+            logger.warning(
+                "--lease %g is under %gs: heartbeats go out every lease/3 and the reaper looks "
+                "every 5 s, so a worker paused for more than %gs (a database failover, a long "
+                "garbage collection) loses its jobs to another worker while their handlers "
+                "still run (see check pgjobs.W021)",
+                lease, checks.MIN_LEASE, lease,
+            )  # fmt: skip
         if options["processes"] > 1 and options["once"]:
             raise CommandError("--once runs one worker; leave out --processes.")
         if options["processes"] > 1 and options["metrics_port"]:
@@ -196,7 +241,7 @@ class Command(BaseCommand):
                 concurrency=options["concurrency"],
                 batch_size=options["batch_size"],
                 lease=options["lease"],
-                grace=max(0.0, options["grace"]),
+                grace=options["grace"],
                 poll_interval=options["poll_interval"],
                 listen=options["listen"],
                 once=options["once"],
