@@ -42,17 +42,18 @@ def used_queues() -> dict[str, list[str]]:
     return used
 
 
-def warn(db: str, queues: Sequence[str], worker: str) -> None:
+def warn(db: str, queues: Sequence[str], who: str) -> None:
     """Log a warning for each queue served that nothing uses, and one for the tasks' queues
-    that neither this worker nor another running worker serves."""
+    that neither `who` (a worker, or a supervisor's workers) nor another running worker
+    serves."""
     used = used_queues()
     for queue in queues:
         if queue not in used:
             logger.warning(
-                "worker %s serves the queue %r, which no registered task, periodic schedule or "
-                "Django Tasks backend uses (they use %s): a typo in --queue? Jobs reach it only "
-                "when enqueued with queue=%r.",
-                worker, queue, _listed(sorted(used)), queue,
+                "the queue %r, served by %s, is used by no registered task, periodic schedule or "
+                "Django Tasks backend (they use %s): a typo in --queue? Jobs reach it only when "
+                "enqueued with queue=%r.",
+                queue, who, _listed(sorted(used)), queue,
             )  # fmt: skip
     unserved = sorted(set(used) - set(queues))
     if not unserved:
@@ -65,8 +66,8 @@ def warn(db: str, queues: Sequence[str], worker: str) -> None:
         if queue not in others:
             logger.warning(
                 "no running worker serves the queue %r, which %s use: its jobs wait until a "
-                "worker does (runjobs --queue %s; this one serves %s).",
-                queue, _listed(used[queue]), queue, _listed(queues),
+                "worker does (runjobs --queue %s; served by %s: %s).",
+                queue, _listed(used[queue]), queue, who, _listed(queues),
             )  # fmt: skip
 
 

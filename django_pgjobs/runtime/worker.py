@@ -104,7 +104,8 @@ class Worker:
             self.id, ",".join(options.queues), options.concurrency, options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
-        served.warn(self.db, options.queues, self.id)
+        if options.parent_pid is None:  # a supervisor's children: it said so once for all
+            served.warn(self.db, options.queues, f"worker {self.id}")
         self._lock_waits.limit_this_thread()
         self._start_threads()
         outage = Outage()

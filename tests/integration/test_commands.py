@@ -145,17 +145,18 @@ def test_runjobs_warns_at_start_of_a_queue_nothing_uses_and_of_queues_nobody_ser
     QueueStat.objects.create(seconds=10, worker="elsewhere", queue="payments")  # alive, serving
     call_command("runjobs", "--once", "--queue", "emial", "--queue", "default", verbosity=0)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (worker,) = [w.worker for w in stats.worker_stats() if w.worker != "elsewhere"]
     typo = [line for line in warnings if "'emial'" in line]
     assert len(typo) == 1
     assert (
-        "serves the queue 'emial', which no registered task, periodic schedule or Django "
-        in (typo[0])
-    )
+        f"the queue 'emial', served by worker {worker}, is used by no registered task, periodic "
+        "schedule or Django Tasks backend"
+    ) in typo[0]
     assert "a typo in --queue? Jobs reach it only when enqueued with queue='emial'." in typo[0]
     assert (
         "no running worker serves the queue 'emails', which tests.tasks.send_email, "
         "example_project.shop.tasks.send_confirmation use: its jobs wait until a worker does "
-        "(runjobs --queue emails; this one serves emial, default)."
+        f"(runjobs --queue emails; served by worker {worker}: emial, default)."
     ) in warnings
     assert "no running worker serves the queue 'warehouse', " in "\n".join(warnings)
     served_elsewhere_or_here = tuple(

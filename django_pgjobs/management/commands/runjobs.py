@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -12,11 +13,13 @@ from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import router
 
 from django_pgjobs import checks
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.runtime import reloading
+from django_pgjobs.models import Job
+from django_pgjobs.runtime import reloading, served
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.supervisor import Supervisor
@@ -191,7 +194,8 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         _show_logs(options["verbosity"])
         lease = options["lease"]
-        if lease is not None and lease < checks.MIN_LEASE:
+        # A supervisor's children leave the warnings to it (runjobs --processes).
+        if lease is not None and lease < checks.MIN_LEASE and not options["supervised_by"]:
             logger.warning(
                 "--lease %g is under %gs: heartbeats go out every lease/3 and the reaper looks "
                 "every 5 s, so a worker paused for more than %gs (a database failover, a long "
@@ -227,6 +231,9 @@ class Command(BaseCommand):
     def run(self, options: dict[str, Any]) -> int:
         """Run the supervisor or the worker until stopped; returns the exit code."""
         if options["processes"] > 1:
+            queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
+            who = f"the workers of supervisor {os.getpid()}"
+            served.warn(router.db_for_write(Job), queues, who)
             supervisor = Supervisor(options["processes"], _child_args(options))
             _stoppers.append(supervisor.stop)
             try:
