@@ -3,13 +3,17 @@ saying what is wrong and what to do, and the exit status each documents, never a
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 
 from tests.chaos.servers import free_port
 from tests.conftest import connection_kwargs
-from tests.crash.conftest import manage, scratch_database
+from tests.crash.conftest import ROOT, manage, scratch_database
 
 
 @pytest.fixture
@@ -68,3 +72,19 @@ def test_jobstats_with_a_bad_command_line_exits_unknown_not_critical(args):
     done = manage("jobstats", *args)
     assert done.returncode == 3
     assert "jobstats: error: " in done.stderr
+
+
+def test_jobstats_watch_goes_on_through_an_outage_and_exits_with_the_last_samples_status():
+    url = f"postgres://postgres@127.0.0.1:{free_port()}/{connection_kwargs()['dbname']}"
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "DATABASE_URL": url}
+    with subprocess.Popen(
+        [sys.executable, "manage.py", "jobstats", "--watch", "0.1"], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as watch:  # fmt: skip
+        assert watch.stdout is not None and watch.stderr is not None
+        lines = [watch.stdout.readline() for _ in range(3)]  # three samples: it did not stop
+        watch.send_signal(signal.SIGINT)  # Ctrl-C
+        assert watch.wait(30) == 2
+        assert "Traceback" not in watch.stderr.read()
+    critical = "verdict: CRITICAL: the database 'default' cannot be used: "
+    assert all(line.startswith(critical) for line in lines), lines
