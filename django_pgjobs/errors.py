@@ -38,9 +38,9 @@ class PayloadMismatch(TypeError):
 
 
 class NotMigrated(ProgrammingError):
-    """A pgjobs table or column does not exist: run ``manage.py migrate``. A database error
-    (Django's ProgrammingError), whose message says so, raised where django-pgjobs meets it:
-    enqueue, the admin, ``jobstats``, ``runjobs``."""
+    """A pgjobs table or column does not exist: run ``manage.py migrate``. Raised by enqueue,
+    a database error all the same (Django's ProgrammingError); the admin, ``jobstats`` and
+    ``runjobs`` say the same in their own way."""
 
 
 class JobCancelled(PermanentError):
