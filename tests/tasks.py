@@ -164,3 +164,27 @@ def writes_then_breaks_the_transaction(n: int) -> None:
 from tests import hostile as hostile_tasks  # noqa: E402, F401
 from tests import process_tasks  # noqa: E402, F401
 from tests.chaos import tasks as chaos_tasks  # noqa: E402, F401
+
+
+@task(max_attempts=5)
+def ledger(n: int, seconds: float = 0.0) -> None:
+    """One ledger row per run (ChaosExecution: job, attempt, worker), then take `seconds`: the
+    NATS tests' handler."""
+    import os
+    import time
+
+    from django_pgjobs import current_job
+    from tests.models import ChaosExecution
+
+    job = current_job()
+    assert job is not None
+    ChaosExecution.objects.create(
+        job_id=job.pk, attempt=job.attempts, worker=job.worker, pid=os.getpid(), ok=True
+    )
+    time.sleep(seconds)
+
+
+@task(max_attempts=3)
+def fails_and_counts() -> None:
+    _count("fails_and_counts")
+    raise RuntimeError("boom")

@@ -10,12 +10,15 @@ import django_pgjobs
 
 ROOT = Path(django_pgjobs.__file__).parent
 #: Imports inside functions that are not there to dodge a cycle: the package loads before the
-#: models can (django_pgjobs/__init__.py), and stats must import without settings.
+#: models can (django_pgjobs/__init__.py), and stats must import without settings; the NATS
+#: integration needs an extra (nats-py), imported only when a queue uses NATS.
 ALLOWED_LATE = {
     ("django_pgjobs", "django_pgjobs.runtime.execute"),
     ("django_pgjobs", "django_pgjobs.runtime.cancellation"),
     ("django_pgjobs.observability.stats", "django_pgjobs.models"),
     ("django_pgjobs.management.commands.runjobs", "django_pgjobs.metrics"),
+    ("django_pgjobs.management.commands.runjobs", "django_pgjobs.jetstream.workers"),
+    ("django_pgjobs.management.commands.relayjobs", "django_pgjobs.jetstream.workers"),
 }
 
 

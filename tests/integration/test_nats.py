@@ -1,0 +1,164 @@
+"""Queues carried by NATS JetStream, against a real nats-server: the outbox and its relay, the
+worker, retries, dead letters written back and replayed, shared work and fan-out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import transaction
+
+from django_pgjobs import transports
+from django_pgjobs.models import DeadLetter, Job
+from django_pgjobs.status import Status
+from tests import tasks
+from tests.conftest import wait_until
+from tests.integration.nats_helpers import (
+    WorkerThread,
+    bridge,
+    nats_queue,
+    relay,
+    stream_messages,
+)
+from tests.models import ChaosExecution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def queue(settings: Any) -> Iterator[str]:
+    with nats_queue(settings) as name:
+        yield name
+
+
+class Boom(Exception):
+    pass
+
+
+def test_a_job_whose_enqueue_rolls_back_is_never_published(queue: str) -> None:
+    with pytest.raises(Boom), transaction.atomic():
+        tasks.ledger.using(queue=queue).enqueue(n=1)
+        raise Boom
+    committed = tasks.ledger.using(queue=queue).enqueue(n=2)
+
+    assert relay().round() == 1
+    assert stream_messages(queue) == 1
+    assert not Job.objects.filter(pk=committed.pk).exists()  # the outbox row went with it
+
+
+def test_a_relay_that_fails_before_its_commit_publishes_nothing_twice(queue: str) -> None:
+    jobs = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(50)], queue=queue)
+    crashing = relay()
+    publish = crashing._publish
+
+    def publish_then_die(batch: list[Job]) -> None:
+        publish(batch)  # the stream has them...
+        raise Boom  # ...but the rows' deletion never commits
+
+    crashing._publish = publish_then_die  # type: ignore[method-assign]
+    with pytest.raises(Boom):
+        crashing.round()
+    assert Job.objects.filter(queue=queue, status=Status.READY).count() == 50
+
+    assert relay().round() == 50
+    assert stream_messages(queue) == 50  # the second publish of each id was dropped
+    assert not Job.objects.filter(pk__in=[job.pk for job in jobs]).exists()
+
+
+def test_a_delayed_job_waits_in_the_outbox_until_it_is_due(queue: str) -> None:
+    later = tasks.ledger.using(queue=queue, delay=3600).enqueue(n=1)
+    tasks.ledger.using(queue=queue).enqueue(n=2)
+
+    assert relay().round() == 1
+    assert Job.objects.get(pk=later.pk).status == Status.READY
+
+    Job.objects.filter(pk=later.pk).run_now()
+    assert relay().round() == 1
+    assert stream_messages(queue) == 2
+
+
+def test_each_committed_job_runs_once(queue: str) -> None:
+    jobs = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(40)], queue=queue)
+    relay().round()
+
+    with WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.count() >= 40, timeout=30)
+
+    runs = list(ChaosExecution.objects.values_list("job_id", flat=True))
+    assert sorted(runs) == sorted(job.pk for job in jobs)
+    assert not DeadLetter.objects.filter(queue=queue).exists()
+
+
+def test_a_failing_job_is_retried_then_dead_lettered_in_postgresql_and_replayed(
+    queue: str,
+) -> None:
+    tasks.calls.clear()
+    job = tasks.fails_and_counts.using(queue=queue).enqueue()  # max_attempts=3
+    relay().round()
+
+    with WorkerThread(queue):
+        dead = wait_until(lambda: DeadLetter.objects.filter(pk=job.pk, status="failed").first(),
+                          timeout=30)  # fmt: skip
+        assert tasks.calls["fails_and_counts"] == 3
+        assert dead.attempts == 3
+        assert dead.task == job.task and dead.payload == {} and dead.queue == queue
+        assert dead.last_error.startswith("RuntimeError")
+        assert [entry["attempt"] for entry in dead.errors] == [3]
+        assert dead.finished_at is not None
+
+        # Replay from the admin's transition: ready again in the outbox, relayed under a new
+        # message id, run again through NATS.
+        assert DeadLetter.objects.filter(pk=job.pk).replay(by="test") == [job.pk]
+        assert relay().round() == 1
+        wait_until(lambda: tasks.calls["fails_and_counts"] == 6, timeout=30)
+        again = wait_until(
+            lambda: DeadLetter.objects.filter(pk=job.pk, status="failed").first(), timeout=30
+        )
+    assert again.claims == dead.claims + 1
+    assert [entry.get("replayed_at") is not None for entry in again.errors][-2:] == [True, False]
+
+
+def test_a_permanent_error_is_dead_lettered_at_the_first_attempt(queue: str) -> None:
+    job = tasks.fails_permanently.using(queue=queue).enqueue()
+    relay().round()
+    with WorkerThread(queue):
+        dead = wait_until(lambda: DeadLetter.objects.filter(pk=job.pk).first(), timeout=30)
+    assert dead.attempts == 1 and dead.status == Status.FAILED
+
+
+def test_two_workers_share_a_queue_and_a_second_consumer_sees_every_job(queue: str) -> None:
+    jobs = Job.objects.bulk_enqueue(
+        tasks.ledger, [{"n": n, "seconds": 0.01} for n in range(200)], queue=queue
+    )
+    relay().round()
+
+    with WorkerThread(queue, concurrency=2) as one, WorkerThread(queue, concurrency=2) as two:
+        wait_until(lambda: ChaosExecution.objects.count() >= 200, timeout=60)
+
+    by_worker = dict(
+        ChaosExecution.objects.values_list("worker").annotate(models_count()).order_by()
+    )
+    assert set(by_worker) == {one.id, two.id}
+    assert sum(by_worker.values()) == 200
+    assert ChaosExecution.objects.values("job_id").distinct().count() == 200
+
+    # Fan-out: another service's consumer of the same stream reads every job.
+    analytics = bridge()
+    stream = transports.nats_queues()[queue]
+    sub = analytics.call(
+        analytics.js.pull_subscribe(stream.subject, durable="analytics", stream=stream.stream)
+    )
+    seen: set[str] = set()
+    while len(seen) < 200:
+        batch = analytics.fetch(sub, 100, 2.0)
+        assert batch, f"the analytics consumer saw {len(seen)} of 200 jobs"
+        seen |= {msg.headers["Nats-Msg-Id"].split(":")[0] for msg in batch}
+        analytics.settle(batch, [], [])
+    assert seen == {str(job.pk) for job in jobs}
+
+
+def models_count() -> Any:
+    from django.db.models import Count
+
+    return Count("id")
