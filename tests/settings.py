@@ -82,7 +82,7 @@ if os.environ.get("PGJOBS_TEST_PERIODIC"):
 # The NATS tests' runjobs and relayjobs processes: the queues NATS carries, and its server.
 if os.environ.get("PGJOBS_TEST_QUEUES"):
     PGJOBS["QUEUES"] = json.loads(os.environ["PGJOBS_TEST_QUEUES"])
-    PGJOBS["NATS"] = {"SERVERS": os.environ.get("PGJOBS_TEST_NATS", "nats://127.0.0.1:4222")}
+    PGJOBS["NATS"] = json.loads(os.environ.get("PGJOBS_TEST_NATS_SETTINGS", "{}"))
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
