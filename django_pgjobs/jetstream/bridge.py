@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -49,7 +50,7 @@ class Bridge:
     def client(self) -> Client:
         with self._connecting:
             if self._client is None:
-                self._client = self.call(self._connect(), self.servers.connect_timeout * 3)
+                self._client = self.call(self._connect(), self.servers.connect_timeout * 2)
             return self._client
 
     @property
@@ -120,8 +121,16 @@ class Bridge:
             self._loop.close()
 
     async def _connect(self) -> Client:
+        """Connect, giving up after twice the connect timeout (nats-py alone would try the
+        first connection forever); once connected, the client reconnects by itself."""
+        said: dict[str, float] = {}
+
         async def error(exc: Exception) -> None:
-            logger.warning("NATS: %s", exc or type(exc).__name__)
+            # Once per kind of error and half-minute: an outage retries every half second.
+            text = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() - said.get(text, -60.0) >= 30.0:
+                said[text] = time.monotonic()
+                logger.warning("NATS: %s", text)
 
         async def disconnected() -> None:
             if not self._closing:
@@ -130,7 +139,7 @@ class Bridge:
         async def reconnected() -> None:
             logger.info("NATS: reconnected")
 
-        return await nats.connect(
+        connecting = nats.connect(
             servers=list(self.servers.servers),
             connect_timeout=self.servers.connect_timeout,
             max_reconnect_attempts=-1,
@@ -139,6 +148,7 @@ class Bridge:
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,
         )
+        return await asyncio.wait_for(connecting, self.servers.connect_timeout * 2)
 
 
 async def _wrap(awaitable: Awaitable[T]) -> T:

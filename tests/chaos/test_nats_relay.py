@@ -155,7 +155,7 @@ def test_relay_killed_every_two_seconds_and_nats_restarted_loses_no_job(
     again = {
         job_id: sorted(
             ChaosExecution.objects.filter(job_id=job_id).values_list("attempt", flat=True)
-        )  # noqa: E501
+        )
         for job_id, count in runs.items()
         if count > 1
     }

@@ -19,6 +19,7 @@ ALLOWED_LATE = {
     ("django_pgjobs.management.commands.runjobs", "django_pgjobs.metrics"),
     ("django_pgjobs.management.commands.runjobs", "django_pgjobs.jetstream.workers"),
     ("django_pgjobs.management.commands.relayjobs", "django_pgjobs.jetstream.workers"),
+    ("django_pgjobs.observability.figures", "django_pgjobs.jetstream.figures"),
 }
 
 
