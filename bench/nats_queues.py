@@ -6,6 +6,7 @@ queue unique to the run and deleted afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -51,10 +52,8 @@ def nats_queue(url: str) -> Iterator[dict[str, str]]:
             from django_pgjobs.jetstream.bridge import Bridge
 
             bridge = Bridge(transports.nats_servers())
-            try:
+            with contextlib.suppress(Exception):  # never made: nothing to delete
                 bridge.call(bridge.js.delete_stream(transports.nats_queues()[QUEUE].stream))
-            except Exception:  # never made: nothing to delete
-                pass
             bridge.close()
 
 

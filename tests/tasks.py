@@ -188,3 +188,15 @@ def ledger(n: int, seconds: float = 0.0) -> None:
 def fails_and_counts() -> None:
     _count("fails_and_counts")
     raise RuntimeError("boom")
+
+
+seen_headers: list[object] = []
+
+
+@task
+def reports_its_headers() -> None:
+    from django_pgjobs import current_job
+
+    job = current_job()
+    assert job is not None
+    seen_headers.append((job.pk, job.attempts, job.headers))

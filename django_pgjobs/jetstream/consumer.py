@@ -36,13 +36,12 @@ from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime import execute
+from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.logs import log_activity, log_outcome
 from django_pgjobs.runtime.options import Exit, Options, worker_id
-from django_pgjobs.runtime.policy import outage_pause
 from django_pgjobs.status import Status
 from django_pgjobs.transports import NatsQueue
 
@@ -77,6 +76,7 @@ class NatsWorker:
         self._subscriptions: dict[str, object] = {}
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
         self._fetched_nothing = False
+        self._mean_duration: float | None = None  # of recent handlers, for the prefetch
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ class NatsWorker:
                 failures = 0
             except Exception as error:  # NATS or the database: wait, then carry on
                 failures += 1
-                pause = outage_pause(failures)
+                pause = policy.outage_pause(failures)
                 logger.warning(
                     "worker %s: %s: %s; trying again in %.1fs",
                     self.id, type(error).__name__, error, pause,
@@ -140,23 +140,35 @@ class NatsWorker:
         self._fetch()
 
     def _fetch(self) -> None:
-        """Take messages into the free handler slots, from each served queue in turn."""
+        """Take messages into the free handler slots, from each served queue in turn; wait
+        for a handler or a chore when there was nothing to take."""
         taking = set(self.controls.open) | set(self.controls.limited)  # paused: not fetched
-        fetched = 0
-        for queue in self.queues:
-            free = self.options.concurrency - len(self._in_flight)
+        subscriptions = [(queue, self._subscription(queue)) for queue in self.queues]
+        fetched, waited = 0, False
+        for queue, subscription in subscriptions:
+            free = self._free_slots()
             if free <= 0 or queue.queue not in taking:
                 continue
             busy = bool(self._in_flight) or len(self.queues) > 1
             wait = BUSY_FETCH if busy else min(self.options.poll_interval, self._chore_wait())
-            batch = self.bridge.fetch(self._subscription(queue), min(free, self.options.batch_size),
-                                      max(wait, BUSY_FETCH))  # fmt: skip
+            wait = max(wait, BUSY_FETCH)
+            batch = self.bridge.fetch(subscription, min(free, self.options.batch_size), wait)
+            waited = waited or wait > BUSY_FETCH
             fetched += len(batch)
             self._take(batch)
         self._fetched_nothing = not fetched
-        if not fetched and self._in_flight and not self._done:
+        if not (fetched or waited or self._done):
+            # Full, paused, or nothing came while handlers run: until one finishes (it wakes
+            # the loop), a chore or a time limit is due, or the next poll.
             self._wake.wait(min(self.options.poll_interval, self._chore_wait()))
             self._wake.clear()
+
+    def _free_slots(self) -> int:
+        """The handler threads, plus a prefetch of what they start within a moment (the
+        PostgreSQL worker's rule, runtime/policy.prefetch), less what is in flight."""
+        options = self.options
+        extra = policy.prefetch(options.concurrency, options.batch_size, self._mean_duration)
+        return options.concurrency + extra - len(self._in_flight)
 
     def _subscription(self, queue: NatsQueue) -> object:
         subscription = self._subscriptions.get(queue.queue)
@@ -207,6 +219,8 @@ class NatsWorker:
             done, self._done = self._done, []
         if not done:
             return
+        durations = [handled.duration for _, handled in done]
+        self._mean_duration = policy.mean_duration(self._mean_duration, durations)
         acks: list[Msg] = []
         naks: list[tuple[Msg, float]] = []
         terms: list[Msg] = []

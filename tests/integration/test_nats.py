@@ -3,6 +3,7 @@ worker, retries, dead letters written back and replayed, shared work and fan-out
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,13 +11,14 @@ import pytest
 from django.db import transaction
 
 from django_pgjobs import transports
-from django_pgjobs.models import DeadLetter, Job
+from django_pgjobs.models import DeadLetter, Job, Queue
 from django_pgjobs.status import Status
 from tests import tasks
 from tests.conftest import wait_until
 from tests.integration.nats_helpers import (
     WorkerThread,
     bridge,
+    nats,
     nats_queue,
     relay,
     stream_messages,
@@ -162,3 +164,50 @@ def models_count() -> Any:
     from django.db.models import Count
 
     return Count("id")
+
+
+def test_a_paused_queue_is_not_fetched_and_max_running_bounds_the_consumer(queue: str) -> None:
+    Queue.objects.create(name=queue, paused=True, max_running=2)
+    jobs = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(6)], queue=queue)
+    relay().round()
+
+    with WorkerThread(queue):
+        nats_queue_ = transports.nats_queues()[queue]
+        reader = bridge()
+        consumer = wait_until(lambda: _consumer(reader, nats_queue_), timeout=30)
+        assert consumer.config.max_ack_pending == 2  # the queue's max_running
+        time.sleep(1.5)  # a few turns of the worker: it must not fetch a paused queue
+        assert not ChaosExecution.objects.exists()
+        Queue.objects.filter(name=queue).resume()
+        wait_until(lambda: ChaosExecution.objects.count() >= 6, timeout=30)
+    assert sorted(ChaosExecution.objects.values_list("job_id", flat=True)) == sorted(
+        job.pk for job in jobs
+    )
+
+
+def _consumer(reader: Any, queue: Any) -> Any:
+    try:
+        return reader.call(reader.js.consumer_info(queue.stream, queue.consumer))
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+def test_the_jobs_headers_travel_as_message_headers_to_the_handler(queue: str) -> None:
+    job = tasks.reports_its_headers.using(queue=queue).enqueue()
+    Job.objects.filter(pk=job.pk).update(headers={"traceparent": "00-4bf92f35-00f067aa-01"})
+    relay().round()
+
+    reader = bridge()
+    stream = transports.nats_queues()[queue]
+    sub = reader.call(
+        reader.js.pull_subscribe(stream.subject, durable="peek", stream=stream.stream)
+    )
+    (msg,) = reader.fetch(sub, 1, 2.0)
+    assert msg.headers["traceparent"] == "00-4bf92f35-00f067aa-01"
+    assert msg.headers["Nats-Msg-Id"] == f"{job.pk}:0"
+    assert msg.headers["Pgjobs-Task"] == job.task
+
+    tasks.seen_headers.clear()
+    with WorkerThread(queue):
+        seen = wait_until(lambda: list(tasks.seen_headers), timeout=30)
+    assert seen == [(job.pk, 1, {"traceparent": "00-4bf92f35-00f067aa-01"})]
