@@ -6,23 +6,26 @@ the rows' deletion. A relay that dies before its commit leaves the rows to the n
 and the stream drops the second publish of a message id within its duplicate window; so a job
 committed by its enqueuer reaches the stream once, and a job rolled back never does.
 
-Runs as a chore of every `runjobs` while a queue uses NATS (`--no-relay` to leave it to
-others), and alone as `manage.py relayjobs`. Several relays share the work.
+Runs on a thread of every `runjobs` while a queue uses NATS (`--no-relay` to leave it to
+others; with `--once`, as a chore of its loop), and alone as `manage.py relayjobs`. Several
+relays share the work.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.jetstream import messages, streams
 from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.chores import Chore
+from django_pgjobs.runtime.outages import Outage
 from django_pgjobs.runtime.policy import outage_pause
 from django_pgjobs.transports import NatsQueue
 
@@ -95,3 +98,22 @@ class RelayChore(Chore):
     def wake(self) -> None:
         """An enqueue to a NATS queue committed: relay at the next turn."""
         self.next_at = time.monotonic()
+
+
+def relay_until(relay: Relay, stopped: threading.Event, once: bool = False) -> None:
+    """Relay rounds on this thread until `stopped` is set (with `once`, until a round comes
+    back short: the outbox is drained), riding out database outages as a worker does."""
+    chore, outage = RelayChore(relay), Outage()
+    try:
+        while not stopped.is_set():
+            try:
+                wait = chore.run()
+                outage.over()
+            except DatabaseError as error:
+                connections[relay.jobs.db].close()
+                wait = outage.failed(error)
+            if once and wait > 0:
+                return
+            stopped.wait(wait)
+    finally:
+        connections.close_all()  # this thread's
