@@ -96,3 +96,14 @@ def test_nats_unreachable_is_critical_in_jobstats_and_the_admin(
 
     page = admin_client.get(reverse("admin:pgjobs_queue_report")).content.decode()
     assert 'id="streams"' in page and "NATS unreachable" in page
+
+
+def test_prometheus_shows_the_stream_figures(queue: str) -> None:
+    pytest.importorskip("prometheus_client")
+    from django_pgjobs import metrics
+
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(4)], queue=queue)
+    relay().round()
+    (family,) = [f for f in metrics.families(reports.collect()) if f.name == "pgjobs_nats_messages"]
+    values = {tuple(s.labels.values()): s.value for s in family.samples}
+    assert values[(queue, "stream")] == 4
