@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from django.db import DatabaseError, connections, router
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
@@ -110,7 +111,8 @@ class NatsWorker:
                 )  # fmt: skip
                 if isinstance(error, DatabaseError):
                     connections[self.db].close()
-                self._subscriptions.clear()  # bound again at the next turn
+                if isinstance(error, NotFoundError):  # the stream or consumer was deleted:
+                    self._subscriptions.clear()  # made and bound again at the next turn
                 if options.once and failures > 5:
                     break
                 self._wake.wait(pause)
