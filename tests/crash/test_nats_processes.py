@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -52,6 +53,13 @@ def test_a_postgresql_worker_relays_the_outbox_of_nats_queues(
         worker = start_worker("--queue", "default", env=_env(queue))
         wait_until(lambda: not Job.objects.filter(queue=queue).exists(), timeout=60)
         assert stream_messages(queue) == 10
+        # Once running, the relay takes a committed job within its interval (0.5 s when idle).
+        time.sleep(1.0)
+        enqueued = time.monotonic()
+        tasks.ledger.using(queue=queue).enqueue(n=10)
+        wait_until(lambda: not Job.objects.filter(queue=queue).exists(), timeout=10, interval=0.01)
+        assert time.monotonic() - enqueued < 1.5
+        assert stream_messages(queue) == 11
         assert ChaosExecution.objects.count() == 0  # relayed, not run: no NATS worker runs
         worker.signal(signal.SIGTERM)
         assert worker.wait(30) == 0
