@@ -200,3 +200,15 @@ def reports_its_headers() -> None:
     job = current_job()
     assert job is not None
     seen_headers.append((job.pk, job.attempts, job.headers))
+
+
+failed_at: list[float] = []
+
+
+@task(max_attempts=3, backoff=lambda attempts: 0.4)
+def fails_after_a_pause() -> None:
+    """Fails every attempt, noting when; retried after 0.4 s."""
+    import time
+
+    failed_at.append(time.monotonic())
+    raise RuntimeError("not yet")

@@ -23,6 +23,7 @@ from tests.integration.nats_helpers import (
     relay,
     stream_messages,
 )
+from tests.integration.test_admin import DEAD, act, messages_of
 from tests.models import ChaosExecution
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -93,7 +94,7 @@ def test_each_committed_job_runs_once(queue: str) -> None:
 
 
 def test_a_failing_job_is_retried_then_dead_lettered_in_postgresql_and_replayed(
-    queue: str,
+    queue: str, admin_client: Any
 ) -> None:
     tasks.calls.clear()
     job = tasks.fails_and_counts.using(queue=queue).enqueue()  # max_attempts=3
@@ -109,9 +110,10 @@ def test_a_failing_job_is_retried_then_dead_lettered_in_postgresql_and_replayed(
         assert [entry["attempt"] for entry in dead.errors] == [3]
         assert dead.finished_at is not None
 
-        # Replay from the admin's transition: ready again in the outbox, relayed under a new
-        # message id, run again through NATS.
-        assert DeadLetter.objects.filter(pk=job.pk).replay(by="test") == [job.pk]
+        # Replay from the admin: ready again in the outbox, relayed under a new message id, run
+        # again through NATS.
+        response = act(admin_client, DEAD, "replay", [dead])
+        assert messages_of(response) == ["1 job replayed."]
         assert relay().round() == 1
         wait_until(lambda: tasks.calls["fails_and_counts"] == 6, timeout=30)
         again = wait_until(
@@ -119,6 +121,16 @@ def test_a_failing_job_is_retried_then_dead_lettered_in_postgresql_and_replayed(
         )
     assert again.claims == dead.claims + 1
     assert [entry.get("replayed_at") is not None for entry in again.errors][-2:] == [True, False]
+
+
+def test_a_retry_waits_for_the_tasks_backoff(queue: str) -> None:
+    tasks.failed_at.clear()
+    job = tasks.fails_after_a_pause.using(queue=queue).enqueue()
+    relay().round()
+    with WorkerThread(queue):
+        wait_until(lambda: DeadLetter.objects.filter(pk=job.pk).exists(), timeout=30)
+    first, second, third = tasks.failed_at
+    assert second - first >= 0.38 and third - second >= 0.38  # the nak's delay: the backoff
 
 
 def test_a_permanent_error_is_dead_lettered_at_the_first_attempt(queue: str) -> None:
