@@ -4,8 +4,9 @@ Each transition is one short statement guarded so it changes only what it should
 what it changed; the statements themselves are in data/sql.py. The runtime decides *when*, this
 module decides *how*.
 
-A little over 300 lines: it is the one seam for a worker's transitions (enqueue, claim, settle,
-heartbeat, release, reap, abandon), each binding its statement's named parameters.
+Nearly 400 lines: it is the one seam for a worker's transitions (enqueue, claim, settle,
+heartbeat, release, reap, abandon, and for NATS queues relay and write back), each binding its
+statement's named parameters.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`runjobs --queue <a NATS queue>`: a worker that runs jobs from the queues' durable JetStream
 consumers, on the same handler threads and with the same handlers as a PostgreSQL worker.
 
-How an attempt ends (runtime/execute.py classifies it as for any job) becomes the message's:
+How an attempt ends (runtime/execute.py classifies it as for any job) becomes the message's
+(jetstream/answers.py):
 
 - succeeded: acknowledged;
 - Retry(delay): negatively acknowledged with that delay (it counts as a delivery);
@@ -14,6 +15,9 @@ How an attempt ends (runtime/execute.py classifies it as for any job) becomes th
 
 While a handler runs, its message gets an in-progress acknowledgement every lease/3 on a
 thread of its own: the lease is the consumer's ack wait.
+
+A little over 300 lines: the loop and the state its parts share (fetching, answering, the
+in-progress acknowledgements, stopping), as runtime/worker.py is for PostgreSQL queues.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from nats.js.errors import NotFoundError
 
 from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
-from django_pgjobs.data.jobs import IN_OUTBOX, WRITTEN
 from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages, streams
+from django_pgjobs.jetstream.answers import Reply, answer
 from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
@@ -43,15 +47,12 @@ from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.logs import log_activity, log_outcome
 from django_pgjobs.runtime.options import Exit, Options, worker_id
-from django_pgjobs.status import Status
 from django_pgjobs.transports import NatsQueue
 
 logger = logging.getLogger(__name__)
 
 #: Seconds a fetch waits for messages while handlers run (their outcomes wait for it).
 BUSY_FETCH = 0.05
-#: Seconds before a message whose job still sits in the outbox is delivered again.
-OUTBOX_DELAY = 1.0
 
 
 class NatsWorker:
@@ -223,35 +224,14 @@ class NatsWorker:
             return
         durations = [handled.duration for _, handled in done]
         self._mean_duration = policy.mean_duration(self._mean_duration, durations)
-        acks: list[Msg] = []
-        naks: list[tuple[Msg, float]] = []
-        terms: list[Msg] = []
+        replies: dict[Reply, list[tuple[Msg, float]]] = {reply: [] for reply in Reply}
         outcomes: list[tuple[Job, Handled, Outcome]] = []
-        left = list(done)  # what is not settled yet
+        left = list(done)  # what is not answered yet
         try:
             while left:
                 job, handled = left[0]
-                msg = self._in_flight[id(job)][1]
-                if handled.verdict is Verdict.SUCCEEDED:
-                    acks.append(msg)
-                    outcome = Outcome.SUCCEEDED
-                elif handled.verdict is Verdict.RETRY:
-                    naks.append((msg, handled.delay))
-                    outcome = Outcome.RETRIED
-                else:
-                    assert handled.failure is not None
-                    status = self.jobs.write_back(
-                        job, handled.failure, permanent=handled.permanent, delay=handled.delay
-                    )
-                    if status == Status.READY:
-                        naks.append((msg, handled.delay))
-                    elif status == IN_OUTBOX:
-                        naks.append((msg, OUTBOX_DELAY))
-                    else:
-                        terms.append(msg)
-                    outcome = Outcome.LOST if status in (WRITTEN, IN_OUTBOX) else (
-                        Outcome.of_status(status)
-                    )  # fmt: skip
+                reply, delay, outcome = answer(self.jobs, job, handled)
+                replies[reply].append((self._in_flight[id(job)][1], delay))
                 outcomes.append((job, handled, outcome))
                 left.pop(0)
         except DatabaseError:
@@ -260,7 +240,11 @@ class NatsWorker:
             raise
         finally:
             try:
-                self.bridge.settle(acks, naks, terms)
+                self.bridge.settle(
+                    [msg for msg, _ in replies[Reply.ACK]],
+                    replies[Reply.NAK],
+                    [msg for msg, _ in replies[Reply.TERM]],
+                )
             except Exception as error:
                 logger.warning(
                     "worker %s: could not acknowledge %d messages (%s); they are delivered "
