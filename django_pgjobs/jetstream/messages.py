@@ -13,6 +13,7 @@ new id, which the stream's duplicate window cannot mistake for the first one.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -25,6 +26,9 @@ from django_pgjobs.status import Status
 
 #: The version of the body's shape, so that a later release can read what this one wrote.
 VERSION = 1
+
+_HEADER_NAME = re.compile(r"[!-9;-~]+")
+_LINE_BREAK = re.compile(r"[\r\n]")
 
 
 def message_id(job: Job) -> str:
@@ -54,7 +58,13 @@ def body(job: Job) -> bytes:
 
 
 def headers(job: Job) -> dict[str, str]:
-    carried = {str(k): str(v) for k, v in (job.headers or {}).items()}
+    """The message's headers: the job's own (those a NATS header can carry: a name of visible
+    ASCII without ':', a value without line breaks; the body carries them all), then ours."""
+    carried = {
+        name: value
+        for name, value in ((str(k), str(v)) for k, v in (job.headers or {}).items())
+        if _HEADER_NAME.fullmatch(name) and not _LINE_BREAK.search(value)
+    }
     return carried | {"Nats-Msg-Id": message_id(job), "Pgjobs-Task": job.task}
 
 

@@ -223,3 +223,19 @@ def test_the_jobs_headers_travel_as_message_headers_to_the_handler(queue: str) -
     with WorkerThread(queue):
         seen = wait_until(lambda: list(tasks.seen_headers), timeout=30)
     assert seen == [(job.pk, 1, {"traceparent": "00-4bf92f35-00f067aa-01"})]
+
+
+def test_a_handler_longer_than_the_lease_keeps_its_message_by_in_progress_acks(
+    queue: str,
+) -> None:
+    job = tasks.ledger.using(queue=queue).enqueue(n=1, seconds=4.5)
+    relay().round()
+    with WorkerThread(queue, lease=1.5):  # the consumer's ack wait
+        wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+        time.sleep(5.0)  # past three ack waits; the handler returns meanwhile
+    runs = list(ChaosExecution.objects.values_list("job_id", "attempt"))
+    assert runs == [(job.pk, 1)]  # never delivered again
+    reader = bridge()
+    stream = transports.nats_queues()[queue]
+    info = reader.call(reader.js.consumer_info(stream.stream, stream.consumer))
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0

@@ -73,3 +73,19 @@ def test_nats_server_settings_are_checked(settings: Any) -> None:
     found = transports.problems()
     assert any("['SERVERS'] must be a URL" in text for text in found)
     assert any("['RELAY_BATCH'] must be" in text for text in found)
+
+
+def test_only_headers_nats_can_carry_become_message_headers() -> None:
+    pytest.importorskip("nats", reason="the NATS tests need nats-py (the nats extra)")
+    from django_pgjobs.jetstream import messages
+    from django_pgjobs.models import Job
+
+    job = Job(task="shop.tasks.ship", claims=2, headers={
+        "traceparent": "00-abc-01", "bad name": "x", "x-evil": "a\r\nNats-Msg-Id: forged",
+    })  # fmt: skip
+    sent = messages.headers(job)
+    assert sent == {
+        "traceparent": "00-abc-01",
+        "Nats-Msg-Id": f"{job.pk}:2",
+        "Pgjobs-Task": "shop.tasks.ship",
+    }
