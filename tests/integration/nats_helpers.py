@@ -6,6 +6,7 @@ unique to that test, and deleted after it."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -42,6 +43,14 @@ def queue_settings(name: str, **extra: Any) -> dict[str, Any]:
 @contextmanager
 def nats_queue(settings: Any, **extra: Any) -> Iterator[str]:
     """A queue carried by NATS for one test; its stream is deleted afterwards."""
+    host, port = NATS_URL.rsplit("/", 1)[-1].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError as error:
+        pytest.fail(
+            f"the NATS tests need a nats-server with JetStream at {NATS_URL} ({error}): start "
+            "one with `nats-server -js`, or set PGJOBS_TEST_NATS (.ci/run starts one)"
+        )
     name = f"pgjobstest_{uuid.uuid4().hex[:12]}"
     settings.PGJOBS = {
         **settings.PGJOBS,
