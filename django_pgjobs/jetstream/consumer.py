@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.logs import log_activity, log_outcome
 from django_pgjobs.runtime.options import Exit, Options, worker_id
+from django_pgjobs.runtime.worker import LIMITS_INTERVAL
 from django_pgjobs.transports import NatsQueue
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,9 @@ class NatsWorker:
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
         self._fetched_nothing = False
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
+        self._recorded = 0  # outcomes answered, for --max-jobs-per-child
+        self._limits_at = 0.0  # when to look at the supervisor and the limits next
+        self._exit = Exit.OK
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -131,6 +136,9 @@ class NatsWorker:
 
     def _turn(self) -> None:
         self.controls.read_if_due(self.db)
+        if time.monotonic() >= self._limits_at:
+            self._limits_at = time.monotonic() + LIMITS_INTERVAL
+            self._check_limits()
         for job in self._handlers.time_out():
             timeout = self._timeout_of(job) or 0.0
             logger.error("job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
@@ -257,6 +265,9 @@ class NatsWorker:
     def _settled(self, job: Job, handled: Handled, outcome: Outcome) -> None:
         with self._lock:
             self._in_flight.pop(id(job), None)
+        self._recorded += 1
+        if self.options.max_jobs and self._recorded >= self.options.max_jobs:
+            self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
         self.activity.finished(job, outcome)
         signals.announce(
             job, outcome, duration=handled.duration, error=handled.failure, delay=handled.delay
@@ -277,6 +288,26 @@ class NatsWorker:
                     self.bridge.in_progress(running)
                 except Exception as error:
                     logger.warning("could not extend the ack wait of running jobs: %s", error)
+
+    def _check_limits(self) -> None:
+        """Stop when the supervisor is gone; stop to be replaced (Exit.RECYCLE) past
+        --max-memory-per-child (and, in _settled, --max-jobs-per-child), as a PostgreSQL
+        worker does."""
+        options = self.options
+        if options.parent_pid is not None and os.getppid() != options.parent_pid:
+            logger.warning("worker %s: its supervisor %d is gone; stopping", self.id,
+                           options.parent_pid)  # fmt: skip
+            self.stop()
+        elif options.max_memory_mb and (used := policy.resident_mb()) > options.max_memory_mb:
+            self._recycle(
+                f"it uses {used:.0f} MB (--max-memory-per-child {options.max_memory_mb:g})"
+            )
+
+    def _recycle(self, why: str) -> None:
+        if not self._stopping:
+            logger.info("worker %s stops to be replaced: %s", self.id, why)
+            self._exit = Exit.RECYCLE
+            self.stop()
 
     def _timeout_of(self, job: Job) -> float | None:
         return execute.limits_of(job, self.lease)[1]
@@ -317,4 +348,4 @@ class NatsWorker:
         self.bridge.close()
         connections.close_all()
         logger.info("worker %s stopped", self.id)
-        return Exit.OK
+        return self._exit

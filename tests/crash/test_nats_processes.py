@@ -72,3 +72,22 @@ def test_runjobs_refuses_nats_and_postgresql_queues_together(
         worker = start_worker("--queue", queue, "--queue", "default", env=_env(queue))
         assert worker.wait(60) == 1
         assert "run one runjobs for each kind" in worker.log()
+
+
+def test_nats_workers_run_under_a_supervisor_and_are_recycled_after_max_jobs(
+    settings: Any, start_worker: Any
+) -> None:
+    with nats_queue(settings) as queue:
+        payloads = [{"n": n, "seconds": 0.05} for n in range(40)]
+        jobs = Job.objects.bulk_enqueue(tasks.ledger, payloads, queue=queue)
+        supervisor = start_worker("--queue", queue, "--processes", "2", "--concurrency", "2",
+                                  "--max-jobs-per-child", "8", env=_env(queue))  # fmt: skip
+        wait_until(lambda: ChaosExecution.objects.values("job_id").distinct().count() >= 40,
+                   timeout=90)  # fmt: skip
+        assert {job.pk for job in jobs} == set(
+            ChaosExecution.objects.values_list("job_id", flat=True)
+        )
+        assert "recorded 8 outcomes (--max-jobs-per-child)" in supervisor.log()
+        assert len(set(ChaosExecution.objects.values_list("pid", flat=True))) > 2  # replaced
+        supervisor.signal(signal.SIGTERM)
+        assert supervisor.wait(60) == 0
