@@ -24,6 +24,7 @@ from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
 from tests import tasks
+from tests.framework_tasks import failing_value_error
 
 ROOT = Path(__file__).resolve().parents[2]
 _exporter = InMemorySpanExporter()
@@ -199,35 +200,56 @@ def test_headers_that_are_not_a_trace_context_run_in_a_trace_of_their_own(spans)
     assert process.parent is None and not process.links
 
 
-@pytest.mark.django_db(transaction=True)
-def test_without_tracing_no_headers_are_written_and_opentelemetry_is_never_imported():
-    # A process of its own: this one has imported opentelemetry for the tests above.
-    script = """
-import json, sys
+#: Enqueues and runs three jobs in a fresh process (PGJOBS as given in $PGJOBS_TEST_OVERRIDE),
+#: then says what the jobs' statuses and headers are and which opentelemetry modules it imported.
+IN_A_FRESH_PROCESS = """
+import json, os, sys
 import django
 django.setup()
+from django.test import override_settings
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.worker import Options, Worker
-Job.objects.enqueue("tests.tasks.noop")
-Job.objects.bulk_enqueue("tests.tasks.noop", [{}, {}])
-Worker(Options(queues=["default"], once=True, listen=False, concurrency=1)).run()
+with override_settings(PGJOBS=json.loads(os.environ["PGJOBS_TEST_OVERRIDE"])):
+    Job.objects.enqueue("tests.tasks.noop")
+    Job.objects.bulk_enqueue("tests.tasks.noop", [{}, {}])
+    Worker(Options(queues=["default"], once=True, listen=False, concurrency=1)).run()
 print(json.dumps({
     "jobs": list(Job.objects.values_list("status", "headers")),
     "otel": sorted(name for name in sys.modules if name.startswith("opentelemetry")),
 }))
 """
+
+
+def in_a_fresh_process(pgjobs: dict[str, object]) -> dict[str, object]:
+    # A process of its own: this one has imported opentelemetry for the tests above.
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "PGJOBS_TEST_DATABASE": connection.settings_dict["NAME"],
+        "PGJOBS_TEST_OVERRIDE": json.dumps(pgjobs),
     }
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=60,
+        [sys.executable, "-c", IN_A_FRESH_PROCESS], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout.splitlines()[-1])
+    seen: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    return seen
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_tracing_no_headers_are_written_and_opentelemetry_is_never_imported():
+    seen = in_a_fresh_process({})
+
     assert seen == {"jobs": [["succeeded", None]] * 3, "otel": []}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_tracing_but_no_sdk_configured_no_headers_are_written():
+    seen = in_a_fresh_process({"TRACING": True})
+
+    assert seen["jobs"] == [["succeeded", None]] * 3
+    assert "opentelemetry.trace" in seen["otel"]  # tracing was on: the spans were no-ops
 
 
 def test_the_check_errors_when_tracing_is_on_but_opentelemetry_cannot_be_imported(
@@ -246,3 +268,19 @@ def test_the_check_errors_when_tracing_is_on_but_opentelemetry_cannot_be_importe
 def test_the_check_is_silent_when_tracing_is_off(settings, monkeypatch):
     monkeypatch.setitem(sys.modules, "opentelemetry.propagate", None)
     assert checks.check_tracing() == []
+
+
+@pytest.mark.django_db
+def test_a_task_of_djangos_tasks_framework_is_traced_like_any_job(spans):
+    failing_value_error.enqueue()
+    run_jobs()
+
+    name = "django.tasks:tests.framework_tasks.failing_value_error"
+    (send,) = named(spans, "send default")
+    (process,) = named(spans, "process default")
+    assert send.attributes is not None and process.attributes is not None
+    assert send.attributes["messaging.pgjobs.task.name"] == name
+    assert process.attributes["messaging.pgjobs.task.name"] == name
+    assert [link.context.span_id for link in process.links] == [send.context.span_id]
+    assert process.status.status_code is StatusCode.ERROR
+    assert process.attributes["error.type"] == "ValueError"
