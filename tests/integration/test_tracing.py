@@ -284,3 +284,17 @@ def test_a_task_of_djangos_tasks_framework_is_traced_like_any_job(spans):
     assert [link.context.span_id for link in process.links] == [send.context.span_id]
     assert process.status.status_code is StatusCode.ERROR
     assert process.attributes["error.type"] == "ValueError"
+
+
+@pytest.mark.django_db
+def test_a_replayed_dead_letter_runs_linked_to_the_enqueue_that_created_it(spans):
+    job = Job.objects.enqueue("tests.tasks.fails_permanently")
+    run_jobs()
+    (send,) = named(spans, "send default")
+    _exporter.clear()
+
+    Job.objects.filter(pk=job.pk).replay()
+    run_jobs()
+
+    (process,) = named(spans, "process default")
+    assert [link.context.span_id for link in process.links] == [send.context.span_id]
