@@ -1,10 +1,12 @@
 """System checks: PostgreSQL, sane PGJOBS values, connection settings that break LISTEN or
-prepared statements, the job table's indexes, and queues that no running worker serves.
+prepared statements, tracing without OpenTelemetry, the job table's indexes, and queues that no
+running worker serves.
 
 Imported by the app's ready() (apps.py), once the models can be."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -173,6 +175,24 @@ def check_pooler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             )
         )
     return messages
+
+
+@register(Tags.compatibility)
+def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """PGJOBS['TRACING'] needs opentelemetry-api, which is imported only then (tracing.py)."""
+    if not get_settings().TRACING:
+        return []
+    try:
+        importlib.import_module("opentelemetry.propagate")
+    except ImportError as error:
+        return [
+            Error(
+                f"PGJOBS['TRACING'] is on, but OpenTelemetry cannot be imported ({error}).",
+                hint='Install the otel extra: pip install "django-pgjobs[otel]".',
+                id="pgjobs.E030",
+            )
+        ]
+    return []
 
 
 @register(Tags.database)

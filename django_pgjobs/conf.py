@@ -45,6 +45,8 @@ class Settings:
     PERIODIC: Mapping[str, Any] = field(default_factory=dict)
     #: Thresholds of the health verdict, over health.Thresholds' defaults.
     HEALTH: Mapping[str, float] = field(default_factory=dict)
+    #: Trace enqueues and runs with OpenTelemetry (tracing.py; the `otel` extra).
+    TRACING: bool = False
 
     def retention(self) -> dict[str, timedelta | None]:
         """How long jobs of each final status are kept; None keeps them until deleted by hand.

@@ -159,6 +159,16 @@ def writes_then_breaks_the_transaction(n: int) -> None:
         cursor.execute("SELECT 1 / 0")
 
 
+@task
+def opens_a_span() -> None:
+    """Opens a span of its own: the tracing tests' handler. OpenTelemetry is imported here, not
+    at the top: this module loads in every test, and untraced ones must never import it."""
+    from opentelemetry import trace
+
+    with trace.get_tracer("tests").start_as_current_span("inside the handler"):
+        _count("opens_a_span")
+
+
 # The chaos suite's tasks and the crash tests' hostile handlers live in their own modules;
 # importing them here registers them (only installed apps' `tasks` modules are autodiscovered).
 from tests import hostile as hostile_tasks  # noqa: E402, F401

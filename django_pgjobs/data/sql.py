@@ -33,9 +33,11 @@ CLAIM_ORDER = ("-priority", "run_at", "id")
 # `scheduled` (it waits in the scheduled index, out of the claims' way). The wake-up (a NOTIFY
 # delivered at commit: data/wakeups.py sends, runtime/listener.py listens) rides in the same
 # statement and is evaluated only for an inserted row; %(channel)s is NULL when none is due.
+# %(headers)s is NULL unless PGJOBS["TRACING"] gives the job a trace context (tracing.py).
 INSERT_JOB = """
     INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key)
+        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
+         headers)
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz,
@@ -43,7 +45,7 @@ INSERT_JOB = """
         COALESCE(%(run_at)s::timestamptz,
                  statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0)))
             > statement_timestamp(),
-        %(max_attempts)s, %(unique_key)s
+        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
     )
     RETURNING j.id, j.run_at, j.created_at, j.scheduled,
               (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
@@ -54,7 +56,8 @@ INSERT_JOB = """
 # WAL than a plain one, and most jobs have no key.
 INSERT_UNIQUE_JOB = """
     INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key)
+        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
+         headers)
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz,
@@ -62,7 +65,7 @@ INSERT_UNIQUE_JOB = """
         COALESCE(%(run_at)s::timestamptz,
                  statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0)))
             > statement_timestamp(),
-        %(max_attempts)s, %(unique_key)s
+        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
     )
     ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL
     DO NOTHING
@@ -73,13 +76,13 @@ INSERT_UNIQUE_JOB = """
 # Many jobs of one task with the same options (never a unique_key): their ids and payloads as
 # parallel arrays, bound in binary (text arrays would have every JSON payload quoted and escaped
 # by Python first). Every row gets the same run_at and created_at, so one row comes back
-# instead of a row per job.
+# instead of a row per job; and the same headers, the context of the statement's send span.
 INSERT_JOBS = """
     WITH inserted AS (
         INSERT INTO pgjobs_job AS j
-            (id, queue, task, payload, priority, run_at, scheduled, max_attempts)
+            (id, queue, task, payload, priority, run_at, scheduled, max_attempts, headers)
         SELECT i.id, %(queue)s, %(task)s, i.payload::jsonb, %(priority)s,
-               t.run_at, t.run_at > statement_timestamp(), %(max_attempts)s
+               t.run_at, t.run_at > statement_timestamp(), %(max_attempts)s, %(headers)s::jsonb
         FROM unnest(%(ids)s::uuid[], %(payloads)s::text[]) AS i(id, payload),
              (SELECT COALESCE(%(run_at)s::timestamptz,
                               statement_timestamp()
