@@ -1,5 +1,6 @@
 """What the job lists and the job page show of a job: its status as an operator reads it, times
-(admin/times.py), the last error on one line, the payload, result and history.
+(admin/times.py), progress (admin/progress.py), the last error on one line, the payload, result
+and history.
 
 Everything shown from job data goes through format_html or the template engine: escaped.
 """
@@ -18,7 +19,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry
-from django_pgjobs.admin import times
+from django_pgjobs.admin import progress, times
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -73,6 +74,11 @@ class JobColumns:
     def final_error(self, job: Job) -> SafeString | str:
         return self.error_line(job)
 
+    @admin.display(description=gettext_lazy("progress"))
+    def progress_bar(self, job: Job) -> SafeString | str:
+        """A running job's last progress report (admin/progress.py); nothing for the others."""
+        return progress.in_list(job.progress) if job.status == Status.RUNNING else ""
+
     @admin.display(description=gettext_lazy("run at"))
     def due(self, job: Job) -> SafeString | str:
         return times.ago(job.run_at)
@@ -90,6 +96,11 @@ class JobColumns:
     @admin.display(description=gettext_lazy("status"))
     def status_display(self, job: Job) -> str:
         return status_text(job)
+
+    @admin.display(description=gettext_lazy("progress"))
+    def progress_display(self, job: Job) -> SafeString | str:
+        """The last progress report of the running (or last) attempt, and when it was written."""
+        return progress.on_page(job.progress)
 
     @admin.display(description=gettext_lazy("run at"))
     def run_at_display(self, job: Job) -> SafeString | str:
