@@ -40,9 +40,16 @@ def status_text(job: Job) -> str:
 
 @admin.display(description=gettext_lazy("status"))
 def status(job: Job) -> SafeString:
-    """The lists' status column (a function, so that its cells keep the class field-status)."""
-    marked = "cancelling" if job.cancel_requested and job.status == Status.RUNNING else ""
-    return format_html('<span class="pgjobs-status {}">{}</span>', marked, status_text(job))
+    """The lists' status column (a function, so that its cells keep the class field-status); a
+    running job's with its last progress report beside it (admin/progress.py)."""
+    running = job.status == Status.RUNNING
+    marked = "cancelling" if job.cancel_requested and running else ""
+    return format_html(
+        '<span class="pgjobs-status {}">{}</span>{}',
+        marked,
+        status_text(job),
+        progress.in_list(job.progress) if running else "",
+    )
 
 
 class JobColumns:
@@ -73,11 +80,6 @@ class JobColumns:
     @admin.display(description=gettext_lazy("final error"))
     def final_error(self, job: Job) -> SafeString | str:
         return self.error_line(job)
-
-    @admin.display(description=gettext_lazy("progress"))
-    def progress_bar(self, job: Job) -> SafeString | str:
-        """A running job's last progress report (admin/progress.py); nothing for the others."""
-        return progress.in_list(job.progress) if job.status == Status.RUNNING else ""
 
     @admin.display(description=gettext_lazy("run at"))
     def due(self, job: Job) -> SafeString | str:

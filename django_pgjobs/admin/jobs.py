@@ -242,8 +242,8 @@ class BaseJobAdmin(JobColumns, ModelAdmin):
 
 class JobAdmin(BaseJobAdmin):
     list_display = [
-        "short_id", "task", "queue", status, "progress_bar", "priority", "attempts_display",
-        "due", "created", "finished", "error_line",
+        "short_id", "task", "queue", status, "priority", "attempts_display", "due", "created",
+        "finished", "error_line",
     ]  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from django.utils.translation import gettext as _
 from django_pgjobs.admin import times
 
 #: How much of the note a list shows; the job page shows all of it.
-NOTE_WIDTH = 40
+NOTE_WIDTH = 30
 
 
 @dataclass(frozen=True)
@@ -77,15 +77,15 @@ def bar(report: Report) -> SafeString:
 
 
 def in_list(value: Any) -> SafeString | str:
-    """For the Jobs list: the bar, the percentage (or count) and the start of the note, with the
-    count and all of the note on hover."""
+    """For the lists' status column: the bar, the percentage (or count) and the start of the
+    note, with the count and all of the note on hover."""
     report = report_of(value)
     if report is None:
         return ""
     figure = report.count if report.percent is None else f"{report.percent}%"
     hover = f"{report.count}: {report.note}" if report.note else report.count
     return format_html(
-        '<span class="pgjobs-progress" title="{}">{} <span class="pgjobs-progress-figure">{}'
+        ' <span class="pgjobs-progress" title="{}">{} <span class="pgjobs-progress-figure">{}'
         '</span> <span class="pgjobs-progress-note">{}</span></span>',
         hover,
         bar(report),
