@@ -176,3 +176,13 @@ def reports_progress(steps: int, pause: float = 0.0) -> None:
     for step in range(1, steps + 1):
         progress(step, steps, note=f"step {step} of {steps}")
         time.sleep(pause)
+
+
+@task
+async def reports_progress_async(steps: int) -> None:
+    """reports_progress for an async def handler: its coroutine reports for its job."""
+    from django_pgjobs import progress
+
+    for step in range(1, steps + 1):
+        await asyncio.sleep(0)
+        progress(step, steps, note=f"async step {step}")

@@ -21,6 +21,7 @@ from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.signals import job_progress
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
+from tests import framework_tasks
 from tests.factories import JobFactory
 from tests.integration.test_admin import JOBS, detail, staff
 from tests.integration.test_transitions import claim_one, expire_leases
@@ -128,6 +129,15 @@ def test_run_jobs_runs_handlers_that_report_and_keeps_the_last_report() -> None:
     assert stored(job)["note"] == "step 3 of 3"
     assert [r["done"] for r in received] == [1, 2, 3]
     assert received[-1] == {"job": job.pk, "done": 3, "total": 3, "note": "step 3 of 3"}
+
+
+def test_async_handlers_and_django_tasks_report_for_their_job_too() -> None:
+    job = Job.objects.enqueue("tests.tasks.reports_progress_async", {"steps": 2})
+    framework = framework_tasks.reports_progress_async.enqueue(steps=3)
+    assert run_jobs().counts == {Status.SUCCEEDED: 2}
+    assert stored(job)["note"] == "async step 2"
+    framework_job = Job.objects.get(pk=framework.id)
+    assert {k: framework_job.progress[k] for k in ("done", "total")} == {"done": 3, "total": 3}
 
 
 def test_ten_thousand_reports_cost_no_query_and_one_write(
