@@ -54,10 +54,10 @@ def checked(done: Any, total: Any, note: Any) -> dict[str, Any]:
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (Real, Decimal)):
         raise TypeError(f"progress({name}=...) must be a number, got {type(value).__name__}.")
-    number = int(value) if isinstance(value, Integral) else float(value)
     try:
+        number = int(value) if isinstance(value, Integral) else float(value)
         finite = math.isfinite(number)
-    except OverflowError:  # an int too large for a float: no bar can show it
+    except OverflowError:  # too large for a float: no bar can show it
         finite = False
     if not finite:
         raise ValueError(f"progress({name}={value!r}) must be a finite number.")

@@ -19,6 +19,7 @@ from django_pgjobs.runtime.progress import NOTE_LENGTH, checked
         (1, float("inf"), "", ValueError, r"progress\(total=inf\) must be a finite number"),
         (decimal.Decimal("NaN"), None, "", ValueError, "must be a finite number"),
         (10**400, None, "", ValueError, "must be a finite number"),
+        (0, fractions.Fraction(10**400), "", ValueError, "must be a finite number"),
         (-1, None, "", ValueError, r"progress\(done=-1\) must be 0 or more"),
         (0, -5, "", ValueError, r"progress\(total=-5\) must be 0 or more"),
         (11, 10, "", ValueError, r"done=11, total=10\): done is more than total"),
