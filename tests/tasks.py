@@ -174,3 +174,25 @@ def opens_a_span() -> None:
 from tests import hostile as hostile_tasks  # noqa: E402, F401
 from tests import process_tasks  # noqa: E402, F401
 from tests.chaos import tasks as chaos_tasks  # noqa: E402, F401
+
+
+@task
+def reports_progress(steps: int, pause: float = 0.0) -> None:
+    """Reports step 1, 2, ... of `steps`, `pause` seconds apart: the progress tests' handler."""
+    import time
+
+    from django_pgjobs import progress
+
+    for step in range(1, steps + 1):
+        progress(step, steps, note=f"step {step} of {steps}")
+        time.sleep(pause)
+
+
+@task
+async def reports_progress_async(steps: int) -> None:
+    """reports_progress for an async def handler: its coroutine reports for its job."""
+    from django_pgjobs import progress
+
+    for step in range(1, steps + 1):
+        await asyncio.sleep(0)
+        progress(step, steps, note=f"async step {step}")
