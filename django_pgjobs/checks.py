@@ -1,10 +1,12 @@
 """System checks: PostgreSQL, sane PGJOBS values, connection settings that break LISTEN or
-prepared statements, the job table's indexes, and queues that no running worker serves.
+prepared statements, tracing without OpenTelemetry, the job table's indexes, and queues that no
+running worker serves.
 
 Imported by the app's ready() (apps.py), once the models can be."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Mapping
 from datetime import timedelta
@@ -176,6 +178,24 @@ def check_pooler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     return messages
 
 
+@register(Tags.compatibility)
+def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """PGJOBS['TRACING'] needs opentelemetry-api, which is imported only then (tracing.py)."""
+    if not get_settings().TRACING:
+        return []
+    try:
+        importlib.import_module("opentelemetry.propagate")
+    except ImportError as error:
+        return [
+            Error(
+                f"PGJOBS['TRACING'] is on, but OpenTelemetry cannot be imported ({error}).",
+                hint='Install the otel extra: pip install "django-pgjobs[otel]".',
+                id="pgjobs.E030",
+            )
+        ]
+    return []
+
+
 @register(Tags.database)
 def check_indexes(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
@@ -267,7 +287,7 @@ def check_served_queues(
 def check_transports(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """PGJOBS["QUEUES"] and PGJOBS["NATS"] make sense, and a NATS queue has its client."""
     messages: list[CheckMessage] = [
-        Error(problem, hint="See docs/reference/settings.md#queues.", id="pgjobs.E030")
+        Error(problem, hint="See docs/reference/settings.md#queues.", id="pgjobs.E040")
         for problem in transports.problems()
     ]
     queues = transports.nats_queues()
@@ -277,7 +297,7 @@ def check_transports(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 f"The queues {', '.join(sorted(queues))} use NATS JetStream, but the nats-py "
                 "package is not installed.",
                 hint="pip install 'django-pgjobs[nats]'",
-                id="pgjobs.E031",
+                id="pgjobs.E041",
             )
         )
     return messages

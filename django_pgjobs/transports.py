@@ -74,7 +74,7 @@ def transport_of(queue: str) -> str:
 
 def nats_queues() -> dict[str, NatsQueue]:
     """The queues whose transport is NATS, by name (settings with problems are left out:
-    the system check pgjobs.E030 reports them)."""
+    the system check pgjobs.E040 reports them)."""
     found = {}
     for queue, entry in get_settings().QUEUES.items():
         nats = isinstance(entry, Mapping) and entry.get("TRANSPORT") == NATS
@@ -110,7 +110,7 @@ def _nats_queue(queue: str, entry: Mapping[str, Any]) -> NatsQueue:
 
 
 def problems() -> list[str]:
-    """What is wrong with PGJOBS["QUEUES"] and PGJOBS["NATS"] (system check pgjobs.E030)."""
+    """What is wrong with PGJOBS["QUEUES"] and PGJOBS["NATS"] (system check pgjobs.E040)."""
     settings = get_settings()
     queues: Any = settings.QUEUES  # as the project wrote them: any type
     servers: Any = settings.NATS

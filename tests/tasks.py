@@ -159,11 +159,43 @@ def writes_then_breaks_the_transaction(n: int) -> None:
         cursor.execute("SELECT 1 / 0")
 
 
+@task
+def opens_a_span() -> None:
+    """Opens a span of its own: the tracing tests' handler. OpenTelemetry is imported here, not
+    at the top: this module loads in every test, and untraced ones must never import it."""
+    from opentelemetry import trace
+
+    with trace.get_tracer("tests").start_as_current_span("inside the handler"):
+        _count("opens_a_span")
+
+
 # The chaos suite's tasks and the crash tests' hostile handlers live in their own modules;
 # importing them here registers them (only installed apps' `tasks` modules are autodiscovered).
 from tests import hostile as hostile_tasks  # noqa: E402, F401
 from tests import process_tasks  # noqa: E402, F401
 from tests.chaos import tasks as chaos_tasks  # noqa: E402, F401
+
+
+@task
+def reports_progress(steps: int, pause: float = 0.0) -> None:
+    """Reports step 1, 2, ... of `steps`, `pause` seconds apart: the progress tests' handler."""
+    import time
+
+    from django_pgjobs import progress
+
+    for step in range(1, steps + 1):
+        progress(step, steps, note=f"step {step} of {steps}")
+        time.sleep(pause)
+
+
+@task
+async def reports_progress_async(steps: int) -> None:
+    """reports_progress for an async def handler: its coroutine reports for its job."""
+    from django_pgjobs import progress
+
+    for step in range(1, steps + 1):
+        await asyncio.sleep(0)
+        progress(step, steps, note=f"async step {step}")
 
 
 @task(max_attempts=5)

@@ -236,11 +236,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         return job.pk in self._own(sql.RELEASE, [job], delay=delay)
 
     def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
-        """Extend the lease of a worker's running jobs by `lease` seconds from now; returns the
-        ids renewed (a job locked elsewhere is skipped this time: see `held` for whether the
-        others are lost). A cancellation requested meanwhile shows on the Job at once."""
+        """Extend the lease of a worker's running jobs by `lease` seconds from now, and record
+        the progress their handlers last reported (each Job's `progress`, as progress() left
+        it); returns the ids renewed (a job locked elsewhere is skipped this time: see `held`
+        for whether the others are lost). A cancellation requested meanwhile shows on the Job
+        at once."""
         lease = get_settings().LEASE if lease is None else lease
-        owned = self._own(sql.HEARTBEAT, jobs, lease=lease)
+        owned = self._own(sql.HEARTBEAT, jobs, lease=lease, progress=reports(jobs))
         for job in jobs:
             if owned.get(job.pk):
                 job.cancel_requested = True
@@ -379,11 +381,28 @@ def turn_params(
         "delays": [float(f.delay) for f in failed],
         "summaries": [f.failure.summary for f in failed],
         "errors": [f.failure.as_json() for f in failed],
+        "succeeded_progress": reports(succeeded),
+        "failed_progress": reports([f.job for f in failed]),
         "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
         "queues": list(queues),
         "limit": limit,
         "lease": settings.LEASE if lease is None else lease,
     }
+
+
+def reports(jobs: Sequence[Job]) -> list[str | None]:
+    """Each job's progress report as the statements take it: JSON text without "at" (the
+    database adds it), or None for a job without one."""
+    return [_report(job.progress) for job in jobs]
+
+
+def _report(progress: Any) -> str | None:
+    if not isinstance(progress, dict):
+        return None  # none yet; never anything else than what progress() sets
+    try:
+        return json.dumps({k: v for k, v in progress.items() if k != "at"}, allow_nan=False)
+    except (TypeError, ValueError):
+        return None  # set by hand to something JSON cannot hold: the stored report stays
 
 
 def _one_worker(workers: Iterable[str | None]) -> str:
