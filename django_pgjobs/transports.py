@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django_pgjobs.conf import get_settings
@@ -29,7 +29,7 @@ QUEUE_KEYS = frozenset(
      "DUPLICATE_WINDOW", "REPLICAS", "MAX_ACK_PENDING"}
 )  # fmt: skip
 #: Keys of PGJOBS["NATS"].
-NATS_KEYS = frozenset({"SERVERS", "CONNECT_TIMEOUT", "PUBLISH_TIMEOUT", "RELAY_BATCH"})
+NATS_KEYS = frozenset({"SERVERS", "CONNECT_TIMEOUT", "PUBLISH_TIMEOUT", "RELAY_BATCH", "OPTIONS"})
 
 DEFAULT_SERVERS = ("nats://127.0.0.1:4222",)
 #: Stream and consumer names: no '.', '*', '>', whitespace or path separators.
@@ -65,6 +65,8 @@ class NatsServers:
     publish_timeout: float = 5.0
     #: Outbox rows the relay takes per transaction.
     relay_batch: int = 500
+    #: More keyword arguments of nats.connect(), e.g. user_credentials, tls, name.
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def transport_of(queue: str) -> str:
@@ -91,6 +93,7 @@ def nats_servers() -> NatsServers:
         connect_timeout=float(entry.get("CONNECT_TIMEOUT", 2.0)),
         publish_timeout=float(entry.get("PUBLISH_TIMEOUT", 5.0)),
         relay_batch=int(entry.get("RELAY_BATCH", 500)),
+        options=dict(entry.get("OPTIONS", {})),
     )
 
 
@@ -139,6 +142,8 @@ def problems() -> list[str]:
     for key in ("CONNECT_TIMEOUT", "PUBLISH_TIMEOUT", "RELAY_BATCH"):
         if key in servers and not _positive(servers[key]):
             found.append(f"PGJOBS['NATS'][{key!r}] must be a number greater than 0.")
+    if not isinstance(servers.get("OPTIONS", {}), Mapping):
+        found.append("PGJOBS['NATS']['OPTIONS'] must be a dict of nats.connect() arguments.")
     return found
 
 

@@ -140,6 +140,7 @@ class Bridge:
             logger.info("NATS: reconnected")
 
         connecting = nats.connect(
+            **self.servers.options,
             servers=list(self.servers.servers),
             connect_timeout=self.servers.connect_timeout,
             max_reconnect_attempts=-1,

@@ -202,7 +202,15 @@ class NatsWorker:
     def _take(self, batch: list[Msg]) -> None:
         jobs = []
         for msg in batch:
-            job = messages.job_of(msg, self.id)
+            try:
+                job = messages.job_of(msg, self.id)
+            except (ValueError, KeyError, TypeError) as error:
+                # Not a message of ours (published by hand, or by a newer release): it would
+                # come back forever, so it is terminated and said once.
+                logger.error("worker %s: terminated a message it cannot read (%s: %s)",
+                             self.id, type(error).__name__, error)  # fmt: skip
+                self.bridge.settle([], [], [msg])
+                continue
             with self._lock:
                 self._in_flight[id(job)] = (job, msg)
             if job.attempts > job.max_attempts:

@@ -239,3 +239,22 @@ def test_a_handler_longer_than_the_lease_keeps_its_message_by_in_progress_acks(
     stream = transports.nats_queues()[queue]
     info = reader.call(reader.js.consumer_info(stream.stream, stream.consumer))
     assert info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
+def test_a_message_the_worker_cannot_read_is_terminated_not_retried(queue: str) -> None:
+    relay().round()  # makes the stream
+    publisher = bridge()
+    stream = transports.nats_queues()[queue]
+    publisher.publish([(stream.subject, b"not json", {"Nats-Msg-Id": "junk"})])
+    job = tasks.ledger.using(queue=queue).enqueue(n=1)
+    relay().round()
+
+    def settled() -> Any:
+        info = _consumer(publisher, stream)
+        return info if info and info.num_ack_pending == 0 and info.num_pending == 0 else None
+
+    with WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.filter(job_id=job.pk).exists(), timeout=30)
+        info = wait_until(settled, timeout=30)
+    assert info.num_redelivered == 0
+    assert ChaosExecution.objects.count() == 1

@@ -89,3 +89,11 @@ def test_only_headers_nats_can_carry_become_message_headers() -> None:
         "Nats-Msg-Id": f"{job.pk}:2",
         "Pgjobs-Task": "shop.tasks.ship",
     }
+
+
+def test_nats_connect_options_must_be_a_dict(settings: Any) -> None:
+    settings.PGJOBS = {"NATS": {"OPTIONS": "tls"}}
+    assert any("['OPTIONS'] must be a dict" in text for text in transports.problems())
+    settings.PGJOBS = {"NATS": {"OPTIONS": {"name": "relay"}}}
+    assert transports.problems() == []
+    assert transports.nats_servers().options == {"name": "relay"}
