@@ -7,6 +7,7 @@ Imported by the app's ready() (apps.py), once the models can be."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -15,7 +16,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 from django.db.migrations.loader import MigrationLoader
 
-from django_pgjobs import registry
+from django_pgjobs import registry, transports
 from django_pgjobs.conf import get_settings, unknown_keys
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
@@ -280,3 +281,23 @@ def check_served_queues(
         )
         for queue, names in sorted(unserved.items())
     ]
+
+
+@register(Tags.compatibility)
+def check_transports(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """PGJOBS["QUEUES"] and PGJOBS["NATS"] make sense, and a NATS queue has its client."""
+    messages: list[CheckMessage] = [
+        Error(problem, hint="See docs/reference/settings.md#queues.", id="pgjobs.E040")
+        for problem in transports.problems()
+    ]
+    queues = transports.nats_queues()
+    if queues and importlib.util.find_spec("nats") is None:
+        messages.append(
+            Error(
+                f"The queues {', '.join(sorted(queues))} use NATS JetStream, but the nats-py "
+                "package is not installed.",
+                hint="pip install 'django-pgjobs[nats]'",
+                id="pgjobs.E041",
+            )
+        )
+    return messages

@@ -196,3 +196,51 @@ async def reports_progress_async(steps: int) -> None:
     for step in range(1, steps + 1):
         await asyncio.sleep(0)
         progress(step, steps, note=f"async step {step}")
+
+
+@task(max_attempts=5)
+def ledger(n: int, seconds: float = 0.0) -> None:
+    """One ledger row per run (ChaosExecution: job, attempt, worker), then take `seconds`: the
+    NATS tests' handler."""
+    import os
+    import time
+
+    from django_pgjobs import current_job
+    from tests.models import ChaosExecution
+
+    job = current_job()
+    assert job is not None
+    ChaosExecution.objects.create(
+        job_id=job.pk, attempt=job.attempts, worker=job.worker, pid=os.getpid(), ok=True
+    )
+    time.sleep(seconds)
+
+
+@task(max_attempts=3)
+def fails_and_counts() -> None:
+    _count("fails_and_counts")
+    raise RuntimeError("boom")
+
+
+seen_headers: list[object] = []
+
+
+@task
+def reports_its_headers() -> None:
+    from django_pgjobs import current_job
+
+    job = current_job()
+    assert job is not None
+    seen_headers.append((job.pk, job.attempts, job.headers))
+
+
+failed_at: list[float] = []
+
+
+@task(max_attempts=3, backoff=lambda attempts: 0.4)
+def fails_after_a_pause() -> None:
+    """Fails every attempt, noting when; retried after 0.4 s."""
+    import time
+
+    failed_at.append(time.monotonic())
+    raise RuntimeError("not yet")

@@ -4,14 +4,15 @@ Each transition is one short statement guarded so it changes only what it should
 what it changed; the statements themselves are in data/sql.py. The runtime decides *when*, this
 module decides *how*.
 
-A little over 300 lines: it is the one seam for a worker's transitions (enqueue, claim, settle,
-heartbeat, release, reap, abandon), each binding its statement's named parameters.
+Nearly 400 lines: it is the one seam for a worker's transitions (enqueue, claim, settle,
+heartbeat, release, reap, abandon, and for NATS queues relay and write back), each binding its
+statement's named parameters.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 
 #: How often enqueue looks for the job holding its unique_key before giving up.
 ENQUEUE_TRIES = 5
+
+#: What JobManager.write_back says besides a status: the job's row exists already.
+WRITTEN, IN_OUTBOX = "written", "in outbox"
 
 #: The error a reaped attempt records.
 LEASE_EXPIRED = Failure(
@@ -282,6 +286,59 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         }
         statuses = [status for (status,) in rows.execute(self._write_db(), sql.REAP, params)]
         return statuses.count(Status.READY), statuses.count(Status.FAILED)
+
+    # ---- the outbox of NATS queues (transports.py) -----------------------------------------
+
+    def relay(
+        self, queues: Sequence[str], *, limit: int, publish: Callable[[list[Job]], None]
+    ) -> list[Job]:
+        """Take up to `limit` due rows of each of `queues` (outbox entries of NATS queues), in
+        claim order, and hand them to `publish`, which returns once the stream acknowledged
+        every one. The rows are deleted in the same transaction (sql.RELAY): it commits when
+        `publish` returns and rolls back when it raises, leaving the rows for the next try."""
+        db = self._write_db()
+        params = {"queues": list(queues), "limit": limit}
+        with transaction.atomic(using=db):
+            jobs = rows.load_jobs(self.model, db, rows.execute(db, sql.RELAY, params, True))
+            jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
+            if jobs:
+                publish(jobs)
+        return jobs
+
+    def write_back(self, job: Job, failure: Failure, *, permanent: bool, delay: float) -> str:
+        """Record a failed attempt of `job`, run from NATS by `job.worker` (an unsaved Job
+        with its attempts and claims), by the worker's own rule (`fail`), and say what to do
+        with its message:
+
+        - ``failed`` (or ``cancelled``): written here as a dead letter, for the admin's
+          inspection and replay; the message is done with;
+        - ``ready``: attempts remain; nothing is written, the message is delivered again after
+          `delay`;
+        - WRITTEN: a row of this job with at least its claims exists already (written by an
+          earlier delivery of the message, or replayed since): nothing to do;
+        - IN_OUTBOX: the job's outbox row is still there (its relay has not committed): try
+          again shortly.
+        """
+        db = self._write_db()
+        params = {
+            "id": job.pk, "queue": job.queue, "task": job.task,
+            "payload": json.dumps(job.payload), "priority": job.priority, "run_at": job.run_at,
+            "attempts": job.attempts, "max_attempts": job.max_attempts, "worker": job.worker,
+            "errors": json.dumps(job.errors), "created_at": job.created_at, "claims": job.claims,
+            "headers": None if job.headers is None else json.dumps(job.headers),
+        }  # fmt: skip
+        with transaction.atomic(using=db):
+            found = rows.execute(db, sql.WRITE_BACK, params)
+            if not found:  # the row in the way was deleted as the insert waited for it
+                return IN_OUTBOX
+            ((inserted, _, claims),) = found
+            if not inserted:
+                return WRITTEN if claims >= job.claims else IN_OUTBOX
+            status = self.fail(job, failure, permanent=permanent, delay=delay)
+            assert status is not None, "the row was inserted as held by this worker"
+            if status == Status.READY:
+                transaction.set_rollback(True, using=db)  # the message carries the retry
+            return status
 
     # ---- helpers -----------------------------------------------------------------------------
 

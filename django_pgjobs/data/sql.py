@@ -364,3 +364,69 @@ COUNT_RUNNING = "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND qu
 def errors_kept(count: int) -> str:
     """The jsonpath that keeps the last `count` entries of an error history."""
     return f"$[last - {max(count, 1) - 1} to last]"
+
+
+# ---- the outbox of queues carried by NATS JetStream (transports.py, jetstream/) --------------
+
+# The relay's claim: due rows of the NATS queues, taken per queue as the worker's claim takes
+# them (both indexes, SKIP LOCKED, so several relays never wait for each other or take the
+# same row), and deleted. The relay runs this in a transaction it commits only once the stream
+# has acknowledged every row's message: until then the rows are locked, and if the relay dies
+# or a publish fails, the transaction rolls back and the rows are due again (JetStream drops
+# the second publish of a message id within its duplicate window).
+RELAY = """
+    DELETE FROM pgjobs_job AS j
+    USING (
+        SELECT d.id
+        FROM unnest(%(queues)s::text[]) AS q(name)
+        CROSS JOIN LATERAL (
+            SELECT id FROM pgjobs_job
+            WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+              AND run_at <= statement_timestamp()
+            ORDER BY priority DESC, run_at, id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ) AS d
+        UNION ALL
+        SELECT s.id
+        FROM unnest(%(queues)s::text[]) AS q(name)
+        CROSS JOIN LATERAL (
+            SELECT id FROM pgjobs_job
+            WHERE status = 'ready' AND scheduled AND queue = q.name
+              AND run_at <= statement_timestamp()
+            ORDER BY run_at, id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ) AS s
+    ) AS taken
+    WHERE j.id = taken.id AND j.status = 'ready'
+    RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
+              j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
+              j.created_at, j.finished_at, j.unique_key, j.started_at,
+              j.cancel_requested, j.result, j.claims, j.scheduled, j.progress, j.headers
+"""
+
+# A job run from NATS whose attempt failed comes back as a running row held by the consumer,
+# so that the worker's own statement (SETTLE_AND_CLAIM's failed part) decides what follows and
+# writes the error history. No unique_key: it held the key only while in the outbox. Nothing is
+# inserted when a row with this id exists (see JobManager.write_back); its status and claims
+# come back instead.
+WRITE_BACK = """
+    WITH inserted AS (
+        INSERT INTO pgjobs_job AS j
+            (id, queue, task, payload, status, priority, run_at, attempts, max_attempts,
+             leased_until, worker, errors, created_at, started_at, claims, headers)
+        VALUES (
+            %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, 'running', %(priority)s,
+            %(run_at)s, %(attempts)s, %(max_attempts)s, statement_timestamp(), %(worker)s,
+            %(errors)s::jsonb, %(created_at)s, statement_timestamp(), %(claims)s,
+            %(headers)s::jsonb
+        )
+        ON CONFLICT (id) DO NOTHING
+        RETURNING j.id
+    )
+    SELECT true, NULL::text, NULL::int FROM inserted
+    UNION ALL
+    SELECT false, status, claims FROM pgjobs_job
+    WHERE id = %(id)s AND NOT EXISTS (SELECT FROM inserted)
+"""

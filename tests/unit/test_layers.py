@@ -21,6 +21,10 @@ ALLOWED_LATE = {
     # tracing imports opentelemetry, which only PGJOBS["TRACING"] may cost.
     ("django_pgjobs.data.enqueue", "django_pgjobs.tracing"),
     ("django_pgjobs.runtime.execute", "django_pgjobs.tracing"),
+    # jetstream imports nats, which only a queue whose TRANSPORT is "nats" may cost.
+    ("django_pgjobs.management.commands.runjobs", "django_pgjobs.jetstream.workers"),
+    ("django_pgjobs.management.commands.relayjobs", "django_pgjobs.jetstream.workers"),
+    ("django_pgjobs.observability.figures", "django_pgjobs.jetstream.figures"),
 }
 
 
