@@ -1,10 +1,13 @@
 """System checks: PostgreSQL, sane PGJOBS values, connection settings that break LISTEN or
-prepared statements, the job table's indexes, and queues that no running worker serves.
+prepared statements, tracing without OpenTelemetry, the job table's indexes, and queues that no
+running worker serves.
 
 Imported by the app's ready() (apps.py), once the models can be."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -12,7 +15,7 @@ from typing import Any
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.db import connections, router
 
-from django_pgjobs import registry, schema
+from django_pgjobs import registry, schema, transports
 from django_pgjobs.conf import get_settings, unknown_keys
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
@@ -174,6 +177,24 @@ def check_pooler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     return messages
 
 
+@register(Tags.compatibility)
+def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """PGJOBS['TRACING'] needs opentelemetry-api, which is imported only then (tracing.py)."""
+    if not get_settings().TRACING:
+        return []
+    try:
+        importlib.import_module("opentelemetry.propagate")
+    except ImportError as error:
+        return [
+            Error(
+                f"PGJOBS['TRACING'] is on, but OpenTelemetry cannot be imported ({error}).",
+                hint='Install the otel extra: pip install "django-pgjobs[otel]".',
+                id="pgjobs.E030",
+            )
+        ]
+    return []
+
+
 @register(Tags.database)
 def check_indexes(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
@@ -304,3 +325,23 @@ def check_served_queues(
         )
         for queue, names in sorted(unserved.items())
     ]
+
+
+@register(Tags.compatibility)
+def check_transports(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """PGJOBS["QUEUES"] and PGJOBS["NATS"] make sense, and a NATS queue has its client."""
+    messages: list[CheckMessage] = [
+        Error(problem, hint="See docs/reference/settings.md#queues.", id="pgjobs.E040")
+        for problem in transports.problems()
+    ]
+    queues = transports.nats_queues()
+    if queues and importlib.util.find_spec("nats") is None:
+        messages.append(
+            Error(
+                f"The queues {', '.join(sorted(queues))} use NATS JetStream, but the nats-py "
+                "package is not installed.",
+                hint="pip install 'django-pgjobs[nats]'",
+                id="pgjobs.E041",
+            )
+        )
+    return messages

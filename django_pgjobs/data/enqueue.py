@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -108,8 +109,7 @@ def insert(
     if len(jobs) == 1:
         statement = sql.INSERT_JOB if first.unique_key is None else sql.INSERT_UNIQUE_JOB
         params |= {"id": first.id, "payload": first.payload_json, "unique_key": first.unique_key}
-        with schema.migrated():  # a missing table says: run manage.py migrate
-            found = rows.execute(db, statement, params, binary=True)
+        found, headers = _execute(db, statement, params, jobs)
         inserted = {job_id: written for job_id, *written, _ in found}
     else:
         assert all(job.unique_key is None for job in jobs), "many jobs never share a unique_key"
@@ -117,8 +117,7 @@ def insert(
             "ids": [job.id for job in jobs],
             "payloads": [job.payload_json for job in jobs],
         }
-        with schema.migrated():
-            ((*written, count, _),) = rows.execute(db, sql.INSERT_JOBS, params, binary=True)
+        ((*written, count, _),), headers = _execute(db, sql.INSERT_JOBS, params, jobs)
         assert count == len(jobs), "one statement inserts them all"
         inserted = dict.fromkeys(params["ids"], written)
     made = []
@@ -130,10 +129,27 @@ def insert(
             "id": job.id, "queue": job.queue, "task": job.task, "payload": payload,
             "priority": job.priority, "run_at": run_at, "max_attempts": job.max_attempts,
             "created_at": created_at, "unique_key": job.unique_key,
-            "scheduled": scheduled,
+            "scheduled": scheduled, "headers": headers,
         }  # fmt: skip
         made.append(rows.new_job(model, db, [columns[name] for name in sql.JOB_COLUMNS]))
     return made
+
+
+def _execute(
+    db: str, statement: str, params: dict[str, Any], jobs: Sequence[NewJob]
+) -> tuple[list[Any], dict[str, str] | None]:
+    """Run an insert of `jobs`, returning its rows and the headers written with every job. With
+    PGJOBS["TRACING"] on, in the jobs' send span, whose trace context becomes their headers
+    (tracing.py, imported only then: it imports opentelemetry); else the column stays NULL.
+    A missing table raises NotMigrated, which says to run manage.py migrate."""
+    if not get_settings().TRACING:
+        with schema.migrated():
+            return rows.execute(db, statement, params | {"headers": None}, binary=True), None
+    from django_pgjobs import tracing
+
+    with tracing.sending(jobs) as headers, schema.migrated():
+        text = None if headers is None else json.dumps(headers)
+        return rows.execute(db, statement, params | {"headers": text}, binary=True), headers
 
 
 def _first(*values: Any) -> Any:

@@ -6,11 +6,12 @@ Kept apart from the report so that the verdict (health) can read the figures whi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.db import connections
 
+from django_pgjobs import transports
 from django_pgjobs.observability import dbstats, stats
 
 
@@ -24,6 +25,8 @@ class Figures:
     workers: list[stats.WorkerStats]
     table: dbstats.TableStats
     database: dbstats.DatabaseStats
+    #: The queues carried by NATS JetStream, if any.
+    streams: list[stats.StreamStats] = field(default_factory=list)
 
     def activity_of(self, queue: str, window: int) -> stats.QueueActivity | None:
         return next((a for a in self.activity if a.queue == queue and a.window == window), None)
@@ -63,4 +66,16 @@ def measure(db: str | None = None) -> Figures:
         workers=workers,
         table=dbstats.table_stats(db),
         database=dbstats.database_stats(db),
+        streams=stream_stats(),
     )
+
+
+def stream_stats() -> list[stats.StreamStats]:
+    """The figures of the queues carried by NATS, asked of the server; none without such queues
+    (and then nats is never imported)."""
+    queues = transports.nats_queues()
+    if not queues:
+        return []
+    from django_pgjobs.jetstream.figures import measure  # needs nats-py: only when used
+
+    return measure(queues)

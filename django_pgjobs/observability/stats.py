@@ -86,6 +86,22 @@ class WorkerStats:
     stopped: bool = False
 
 
+@dataclass(frozen=True)
+class StreamStats:
+    """A queue carried by NATS JetStream (transports.py): its stream and durable consumer, as
+    the server reports them; its outbox is the queue's due jobs in QueueDepth."""
+
+    queue: str
+    stream: str
+    consumer: str
+    reachable: bool  # False: the server could not be asked (see error)
+    error: str = ""
+    messages: int = 0  # in the stream, acknowledged or not (its retention keeps them)
+    pending: int = 0  # not yet delivered to any worker of the consumer
+    ack_pending: int = 0  # delivered and not yet acknowledged: running, or lost with a worker
+    redelivered: int = 0  # delivered more than once and not yet acknowledged
+
+
 def served_queues(workers: Iterable[WorkerStats]) -> set[str]:
     """The queues that at least one live worker takes jobs from."""
     return {queue for worker in workers if worker.alive for queue in worker.queues}

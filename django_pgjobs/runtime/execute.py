@@ -38,7 +38,16 @@ def run(job: Job) -> Handled:
     whatever the handler raises, SystemExit and KeyboardInterrupt included, becomes a Handled.
 
     A job of an integration (e.g. Django's Tasks framework, see backend.py) goes to its runner.
+    With PGJOBS["TRACING"] on, it runs in its process span (tracing.py, imported only then).
     """
+    if get_settings().TRACING:
+        from django_pgjobs import tracing
+
+        return tracing.processed(job, _run)
+    return _run(job)
+
+
+def _run(job: Job) -> Handled:
     runner = registry.runner_for(job.task)
     if runner is not None:
         return runner(job)

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 from django.db import DatabaseError, connections, router
 
@@ -41,7 +42,8 @@ LIMITS_INTERVAL = 1.0
 class Worker:
     """One worker process's runtime. ``run()`` returns how it ended (an Exit)."""
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, chores: Sequence[Chore] = ()) -> None:
+        """`chores`: more housekeeping for this worker (e.g. a NATS relay: jetstream/)."""
         self.options = options
         self.id = options.worker_id or worker_id()
         self.lease = options.lease or get_settings().LEASE
@@ -75,7 +77,7 @@ class Worker:
                 Pruner(self.jobs, options.prune_interval),
                 Ticker(Scheduler(self.db)),
             ]
-        self._chores.append(Reporter(options.stats_interval, self._report))
+        self._chores += [*chores, Reporter(options.stats_interval, self._report)]
         self._lock_waits = LockWaits(self.db)
         self._leases = LeaseKeeper(
             self.jobs, self.running_claims, self.lease_of, self.lease, self._lock_waits

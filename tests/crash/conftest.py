@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess:
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], log: Path, env: dict[str, str] | None = None,
+        command: str = "runjobs",
+    ) -> None:  # fmt: skip
         self.log_path = log
         env = {
             **os.environ,
@@ -31,7 +34,7 @@ class WorkerProcess:
         }
         self._log = log.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "manage.py", "runjobs", *args],
+            [sys.executable, "manage.py", command, *args],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 

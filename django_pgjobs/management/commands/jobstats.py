@@ -177,12 +177,33 @@ def render(report: Report) -> str:
                 f"{a.retried:>7} {a.failed:>7} {a.retry_rate:>7.0%} "
                 f"{_latency(a.latency(0.5)):>7} {_latency(a.latency(0.95)):>7}"
             )
+    lines += _streams(report)
     lines += ["", _workers(report), *_table(report), *_database(report), ""]
     lines.append(f"verdict: {report.verdict.status.upper()}")
     for reason in report.verdict.reasons:
         lines.append(f"  {reason.level.name.lower():<8} {reason.summary}: {reason.detail}")
         lines.append(f"  {'':<8} threshold {reason.threshold}; see {reason.doc}")
     return "\n".join(lines)
+
+
+def _streams(report: Report) -> list[str]:
+    """The queues carried by NATS: each one's outbox (its due jobs above), stream and consumer."""
+    if not report.streams:
+        return []
+    lines = ["", f"{'NATS queue':<20} {'outbox':>7} {'oldest':>7} {'stream':>8} {'pending':>8} "
+                 f"{'acks due':>8} {'redeliv.':>8}"]  # fmt: skip
+    depths = {q.queue: q for q in report.queues}
+    for s in report.streams:
+        q = depths.get(s.queue)
+        outbox, oldest = (q.due, _seconds(q.oldest_due_seconds)) if q else (0, "-")
+        if not s.reachable:
+            lines.append(f"{s.queue:<20} {outbox:>7} {oldest:>7} unreachable: {s.error}")
+            continue
+        lines.append(
+            f"{s.queue:<20} {outbox:>7} {oldest:>7} {s.messages:>8} {s.pending:>8} "
+            f"{s.ack_pending:>8} {s.redelivered:>8}"
+        )
+    return lines
 
 
 def _workers(report: Report) -> str:

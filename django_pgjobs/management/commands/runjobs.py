@@ -10,12 +10,12 @@ import threading
 from argparse import SUPPRESS, ArgumentParser, ArgumentTypeError
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import router
 
-from django_pgjobs import checks
+from django_pgjobs import checks, transports
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
@@ -25,6 +25,9 @@ from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.supervisor import Supervisor
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.validation import check_queue
+
+if TYPE_CHECKING:
+    from django_pgjobs.jetstream.consumer import NatsWorker
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -150,6 +153,9 @@ class Command(BaseCommand):
         parser.add_argument("--no-listen", dest="listen", action="store_false",
                             help="do not LISTEN for wake-ups; poll only (PgBouncer in transaction "
                                  "pooling mode)")  # fmt: skip
+        parser.add_argument("--no-relay", dest="relay", action="store_false",
+                            help="leave the outbox of NATS queues to other runjobs or relayjobs "
+                                 "processes")  # fmt: skip
         parser.add_argument(
             "--processes",
             "-p",
@@ -242,7 +248,7 @@ class Command(BaseCommand):
                 _stoppers.remove(supervisor.stop)
         if options["metrics_port"]:
             _serve_metrics(options["metrics_port"], options["metrics_addr"])
-        worker = Worker(
+        worker = _worker(
             Options(
                 queues=options["queues"] or [get_settings().DEFAULT_QUEUE],
                 concurrency=options["concurrency"],
@@ -256,6 +262,7 @@ class Command(BaseCommand):
                 max_jobs=options["max_jobs_per_child"],
                 max_memory_mb=options["max_memory_per_child"],
                 parent_pid=options["supervised_by"],
+                relay=options["relay"],
             )
         )
 
@@ -277,6 +284,19 @@ class Command(BaseCommand):
                 signal.signal(signum, handler)
 
 
+def _worker(options: Options) -> Worker | NatsWorker:
+    """A Worker; when a queue uses NATS (PGJOBS["QUEUES"]), what jetstream/workers.py picks.
+    Imported only then: the PostgreSQL-only install never imports nats."""
+    if not transports.nats_queues():
+        return Worker(options)
+    from django_pgjobs.jetstream import workers
+
+    try:
+        return workers.worker(options)
+    except workers.MixedQueues as error:
+        raise CommandError(str(error)) from None
+
+
 def _child_args(options: dict[str, Any]) -> list[str]:
     """The command line of a supervisor's children: these options, but one process each."""
     args = [f"--verbosity={options['verbosity']}"]
@@ -288,6 +308,8 @@ def _child_args(options: dict[str, Any]) -> list[str]:
             args.append(f"--{name.replace('_', '-')}={options[name]}")
     if not options["listen"]:
         args.append("--no-listen")
+    if not options["relay"]:
+        args.append("--no-relay")
     if options.get("settings"):
         args.append(f"--settings={options['settings']}")
     return args

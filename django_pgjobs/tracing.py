@@ -1,0 +1,120 @@
+"""OpenTelemetry tracing of enqueues and job runs, after the messaging semantic conventions.
+
+Imported only when ``PGJOBS["TRACING"]`` is on (data/enqueue.py, runtime/execute.py), so that
+without it opentelemetry is never imported. Needs the ``otel`` extra (opentelemetry-api); the
+application configures the SDK and its exporters, as for any instrumented library.
+
+- An enqueue is a ``send {queue}`` span (kind PRODUCER). Its context is the jobs' *creation
+  context*: the configured propagator (W3C ``traceparent``/``tracestate`` by default) writes it
+  into the jobs' ``headers``. A bulk enqueue is one span per statement, its context in every job.
+- A run is a ``process {queue}`` span (kind CONSUMER) around the handler, linked to the creation
+  context, and its child when no span is current (a worker's handler thread); inside another
+  span (a test's, say) it is that span's child, and only linked, as the conventions recommend.
+  A failed attempt records its exception and sets the status to ERROR; a Retry is no error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from django_pgjobs.outcomes import Handled, Verdict
+
+if TYPE_CHECKING:
+    from django_pgjobs.data.records import NewJob
+    from django_pgjobs.models import Job
+
+#: `messaging.system`: not one of the conventions' well-known systems, so our own name.
+SYSTEM = "pgjobs"
+
+
+@cache
+def tracer() -> trace.Tracer:
+    # The global provider's, resolved lazily (a ProxyTracer until the application sets one).
+    return trace.get_tracer("django_pgjobs")
+
+
+@contextmanager
+def sending(jobs: Sequence[NewJob]) -> Iterator[dict[str, str] | None]:
+    """The span of one INSERT of `jobs` (one queue, one task). Yields the headers to write with
+    them: the span's context as the propagator writes it; None when there is nothing to carry
+    (no SDK configured: the span is a no-op without a valid context)."""
+    first = jobs[0]
+    attributes: dict[str, str | int] = {
+        "messaging.system": SYSTEM,
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "send",
+        "messaging.destination.name": first.queue,
+        "messaging.pgjobs.task.name": first.task,
+    }
+    if len(jobs) == 1:
+        attributes["messaging.message.id"] = str(first.id)
+    else:
+        attributes["messaging.batch.message_count"] = len(jobs)
+    name = f"send {first.queue}"
+    with tracer().start_as_current_span(name, kind=SpanKind.PRODUCER, attributes=attributes):
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        yield carrier or None
+
+
+def processed(job: Job, run: Callable[[Job], Handled]) -> Handled:
+    """`run(job)` inside the job's process span; how it ended, recorded on the span."""
+    creation = propagate.extract(_carrier(job.headers))
+    created = trace.get_current_span(creation).get_span_context()
+    links = [Link(created)] if created.is_valid else []
+    # Parent: the span current here if there is one, else the creation context (an empty
+    # context, a new trace, for a job enqueued without one).
+    ambient = trace.get_current_span().get_span_context().is_valid
+    attributes: dict[str, str | int] = {
+        "messaging.system": SYSTEM,
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": job.queue,
+        "messaging.message.id": str(job.pk),
+        "messaging.pgjobs.task.name": job.task,
+        "messaging.pgjobs.job.attempt": job.attempts,
+    }
+    if job.worker:
+        attributes["messaging.client.id"] = job.worker
+    with tracer().start_as_current_span(
+        f"process {job.queue}",
+        context=None if ambient else creation,
+        kind=SpanKind.CONSUMER,
+        attributes=attributes,
+        links=links,
+        # run() never raises: how the handler ended is in what it returns.
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        handled = run(job)
+        _record(span, handled)
+    return handled
+
+
+def _record(span: trace.Span, handled: Handled) -> None:
+    if handled.verdict is not Verdict.ERROR or handled.failure is None:
+        return  # success, or a Retry: not an error
+    failure = handled.failure
+    # What Span.record_exception writes, from the error history's entry: the exception object
+    # is gone by now, and an integration's runner (backend.py) returns only this.
+    span.add_event(
+        "exception",
+        {
+            "exception.type": failure.type,
+            "exception.message": failure.message,
+            "exception.stacktrace": failure.traceback,
+        },
+    )
+    span.set_attribute("error.type", failure.type)
+    span.set_status(Status(StatusCode.ERROR, failure.summary))
+
+
+def _carrier(headers: Any) -> dict[str, Any]:
+    # The column is JSON that anyone with access to the table could have written.
+    return headers if isinstance(headers, dict) else {}
