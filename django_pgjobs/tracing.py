@@ -11,11 +11,14 @@ application configures the SDK and its exporters, as for any instrumented librar
   context, and its child when no span is current (a worker's handler thread); inside another
   span (a test's, say) it is that span's child, and only linked, as the conventions recommend.
   A failed attempt records its exception and sets the status to ERROR; a Retry is no error.
+
+Tracing never changes what happens to jobs: headers that are not a trace context (the column is
+JSON anyone with access to the table could have written) start a trace of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -115,6 +118,9 @@ def _record(span: trace.Span, handled: Handled) -> None:
     span.set_status(Status(StatusCode.ERROR, failure.summary))
 
 
-def _carrier(headers: Any) -> dict[str, Any]:
-    # The column is JSON that anyone with access to the table could have written.
-    return headers if isinstance(headers, dict) else {}
+def _carrier(headers: Any) -> Mapping[str, str]:
+    # The column is JSON that anyone with access to the table could have written: only its text
+    # values can be headers (the default propagators raise on a number, or a list of them).
+    if not isinstance(headers, dict):
+        return {}
+    return {key: value for key, value in headers.items() if isinstance(value, str)}

@@ -200,6 +200,35 @@ def test_headers_that_are_not_a_trace_context_run_in_a_trace_of_their_own(spans)
     assert process.parent is None and not process.links
 
 
+#: A trace context as W3C Trace Context writes it: span 0x2222222222222222 of trace 0x1111….
+TRACEPARENT = f"00-{'1' * 32}-{'2' * 16}-01"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("headers", "linked"),
+    [
+        ({"traceparent": 5}, False),
+        ({"traceparent": [5]}, False),
+        ({"baggage": 5}, False),
+        ({"traceparent": TRACEPARENT, "tracestate": 7}, True),  # what can be read is
+    ],
+)
+def test_headers_that_are_not_text_never_keep_the_job_from_running(spans, headers, linked):
+    # The column is JSON that anyone with access to the table could have written.
+    job = Job.objects.enqueue("tests.tasks.noop")
+    Job.objects.filter(pk=job.pk).update(headers=headers)
+    runs = tasks.calls["noop"]
+
+    drain()
+
+    job.refresh_from_db()
+    assert (job.status, job.errors) == (Status.SUCCEEDED, [])
+    assert tasks.calls["noop"] == runs + 1
+    (process,) = named(spans, "process default")
+    assert [link.context.span_id for link in process.links] == [0x2222222222222222] * linked
+
+
 #: Enqueues and runs three jobs in a fresh process (PGJOBS as given in $PGJOBS_TEST_OVERRIDE),
 #: then says what the jobs' statuses and headers are and which opentelemetry modules it imported.
 IN_A_FRESH_PROCESS = """
