@@ -36,7 +36,14 @@ class Report:
         """Whole percent done, rounded down (99.9% is not shown as done); None without a total."""
         if self.total is None:
             return None
-        return 100 if self.total <= self.done else math.floor(100 * self.done / self.total)
+        if self.total <= self.done:
+            return 100
+        try:
+            percent = math.floor(100 * self.done / self.total)
+        except OverflowError:  # 100 * done past a float's range (a report written by hand)
+            percent = math.floor(100 * (self.done / self.total))
+        # Not done: never 100, even where the division rounds up to it (past a float's precision).
+        return min(percent, 99)
 
     @property
     def count(self) -> str:

@@ -297,6 +297,28 @@ def test_a_stored_value_that_is_not_a_report_shows_as_none(stored_value: Any) ->
     assert "<progress" not in client.get(detail(job)).content.decode()
 
 
+@pytest.mark.parametrize(
+    ("stored", "percent"),
+    [
+        # Whole numbers past a float's precision: one short of done is not 100%.
+        ("jsonb_build_object('done', 99999999999999999, 'total', 100000000000000000)", 99),
+        # Written by hand: jsonb keeps every digit, so Python reads an int of 309 digits and a
+        # float, whose quotient 100 * done / total is past a float's range.
+        ("jsonb_build_object('done', 1e308, 'total', 1.5e308 + 0.5)", 66),
+    ],
+)
+def test_a_report_past_a_floats_precision_or_range_shows_its_percentage_rounded_down(
+    stored: str, percent: int
+) -> None:
+    job = JobFactory(running=True)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE pgjobs_job SET progress = {stored} WHERE id = %s", [job.pk])
+    client = staff("view_job")
+    for page in (client.get(JOBS), client.get(detail(job))):
+        assert page.status_code == 200
+        assert f'value="{percent}" max="100"' in page.content.decode()
+
+
 def test_the_job_page_shows_the_last_report_with_when_it_was_written() -> None:
     JobFactory()
     job = claim_one()
