@@ -12,6 +12,13 @@ from django_pgjobs import progress
 from django_pgjobs.runtime.progress import NOTE_LENGTH, checked
 
 
+class Unshowable(float):
+    """A number whose repr raises (a handler's own type, say)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
 @pytest.mark.parametrize(
     ("done", "total", "note", "error", "message"),
     [
@@ -20,6 +27,25 @@ from django_pgjobs.runtime.progress import NOTE_LENGTH, checked
         (decimal.Decimal("NaN"), None, "", ValueError, "must be a finite number"),
         (10**400, None, "", ValueError, "must be a finite number"),
         (0, fractions.Fraction(10**400), "", ValueError, "must be a finite number"),
+        # What Python cannot convert or show is still our error, saying what is wrong.
+        (decimal.Decimal("sNaN"), None, "", ValueError, r"done=Decimal\('sNaN'\)\) must be a fin"),
+        pytest.param(
+            10**5000,
+            None,
+            "",
+            ValueError,
+            r"progress\(done=<int>\) must be a finite number",
+            id="an-int-of-5001-digits",
+        ),
+        (0, fractions.Fraction(10**5000, 3), "", ValueError, r"progress\(total=<Fraction>\) must"),
+        pytest.param(
+            Unshowable("inf"),
+            None,
+            "",
+            ValueError,
+            r"progress\(done=<Unshowable>\) must be",
+            id="a-number-whose-repr-raises",
+        ),
         (-1, None, "", ValueError, r"progress\(done=-1\) must be 0 or more"),
         (0, -5, "", ValueError, r"progress\(total=-5\) must be 0 or more"),
         (11, 10, "", ValueError, r"done=11, total=10\): done is more than total"),
