@@ -51,7 +51,9 @@ def checked(done: Any, total: Any, note: Any) -> dict[str, Any]:
             )
     if not isinstance(note, str):
         raise TypeError(f"progress(note=...) must be a str, got {type(note).__name__}.")
-    return {"done": done, "total": total, "note": clean_text(note, NOTE_LENGTH)}
+    # Cut before cleaning, which only ever lengthens: the same note without copying a huge one.
+    note = clean_text(note[: NOTE_LENGTH + 1], NOTE_LENGTH)
+    return {"done": done, "total": total, "note": note}
 
 
 def _number(name: str, value: Any) -> float:

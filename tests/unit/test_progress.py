@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import decimal
 import fractions
+import tracemalloc
 
 import pytest
 
@@ -73,6 +74,19 @@ def test_a_long_note_is_cut_and_what_postgresql_refuses_is_replaced():
     note = checked(1, None, "x" * 10_000)["note"]
     assert len(note) == NOTE_LENGTH and note.endswith("…")
     assert checked(1, None, "a\x00b\ud800")["note"] == "a\\x00b\\ud800"
+
+
+def test_a_huge_note_costs_no_copy_of_it():
+    # Called for every item, with whatever text the handler has at hand.
+    note = "x\x00" * 5_000_000  # 10 MB, with what PostgreSQL refuses
+    tracemalloc.start()
+    try:
+        report = checked(1, None, note)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report["note"] == "x\\x00" * 39 + "x\\x0…"
+    assert peak < 100_000
 
 
 def test_outside_a_job_it_checks_its_arguments_and_does_nothing_else():
