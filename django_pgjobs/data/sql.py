@@ -262,7 +262,8 @@ HELD = """
 
 # Back to ready without spending an attempt, or cancelled when someone asked to cancel the job
 # while it ran: a worker shutting down (%(delay)s NULL: the job keeps its place), or a
-# handler's Retry (due again in %(delay)s seconds).
+# handler's Retry (due again in %(delay)s seconds). Keeps each handler's last progress report,
+# as SETTLE_AND_CLAIM does (where the attempt got to; the next claim clears it).
 RELEASE = """
     UPDATE pgjobs_job AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
@@ -271,8 +272,13 @@ RELEASE = """
         attempts = j.attempts - 1,
         run_at = CASE WHEN j.cancel_requested OR %(delay)s::float8 IS NULL THEN j.run_at
                       ELSE statement_timestamp() + make_interval(secs => %(delay)s) END,
-        scheduled = NOT j.cancel_requested AND COALESCE(%(delay)s::float8, 0) > 0
-    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
+        scheduled = NOT j.cancel_requested AND COALESCE(%(delay)s::float8, 0) > 0,
+        progress = CASE WHEN mine.progress IS NULL OR mine.progress = j.progress - 'at'
+                        THEN j.progress
+                        ELSE mine.progress || jsonb_build_object('at', statement_timestamp())
+                   END
+    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[], %(progress)s::text[]::jsonb[])
+         AS mine(id, claims, progress)
     WHERE j.id = mine.id AND j.claims = mine.claims
       AND j.status = 'running' AND j.worker = %(worker)s
     RETURNING j.id, j.cancel_requested

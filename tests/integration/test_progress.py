@@ -113,6 +113,22 @@ def test_the_outcome_writes_the_last_report_and_the_next_claim_clears_it() -> No
     assert stored(again)["done"] == 10
 
 
+def test_a_retry_or_a_release_writes_the_last_report_like_any_outcome() -> None:
+    JobFactory.create_batch(2)
+    retried, released = Job.objects.claim(["default"], worker="w1", limit=2)
+    for job, note in ((retried, "rate limited at 1,204"), (released, "stopped at 40")):
+        with execute.running(job):
+            progress(40, 100, note=note)  # reported, and not yet written by a heartbeat
+
+    assert Job.objects.retry_later(retried, 600) is True  # the handler raised Retry
+    assert Job.objects.release([released]) == {released.pk}  # its worker stopped
+
+    assert stored(retried)["note"] == "rate limited at 1,204"
+    assert stored(released)["note"] == "stopped at 40"
+    again = Job.objects.claim(["default"], worker="w2")
+    assert [job.pk for job in again] == [released.pk] and stored(released) is None
+
+
 def test_run_jobs_runs_handlers_that_report_and_keeps_the_last_report() -> None:
     received: list[dict[str, Any]] = []
 
