@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from django.utils import formats
+from django.utils import formats, timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
@@ -64,12 +64,7 @@ def report_of(value: Any) -> Report | None:
     if not _is_count(done) or not (total is None or _is_count(total)) or not isinstance(note, str):
         return None
     assert isinstance(done, int | float)
-    at = value.get("at")
-    try:
-        moment = datetime.fromisoformat(at) if isinstance(at, str) else None
-    except ValueError:
-        moment = None
-    return Report(done, total, note, moment)
+    return Report(done, total, note, _moment(value.get("at")))
 
 
 def bar(report: Report) -> SafeString:
@@ -116,6 +111,20 @@ def on_page(value: Any) -> SafeString | str:
         report.note,
         format_html("{} {}", _("reported"), times.moment(report.at)) if report.at else "",
     )
+
+
+def _moment(at: Any) -> datetime | None:
+    """When the report was written, as an aware time the active time zone can show, else None.
+    Without a zone it is UTC, as in the error history (times.recorded)."""
+    if not isinstance(at, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(at)
+        moment = moment if timezone.is_aware(moment) else moment.replace(tzinfo=UTC)
+        timezone.localtime(moment)  # past the range of datetimes there (year 1 at +14:00)
+    except (ValueError, OverflowError):
+        return None
+    return moment
 
 
 def _is_count(value: Any) -> bool:

@@ -335,6 +335,27 @@ def test_a_report_past_a_floats_precision_or_range_shows_its_percentage_rounded_
         assert f'value="{percent}" max="100"' in page.content.decode()
 
 
+@pytest.mark.parametrize(
+    ("at", "shown"),
+    [
+        ("2026-03-02T09:10:07", "March 2, 2026, 09:10:07 UTC"),  # no zone: UTC, as the history
+        ("0001-01-01T00:00:00+14:00", None),  # before the first instant a datetime can hold
+        ("9999-12-31T23:59:59-14:00", None),  # after the last
+    ],
+)
+def test_a_report_written_at_a_time_that_cannot_be_shown_still_shows_on_the_job_page(
+    at: str, shown: str | None
+) -> None:
+    job = JobFactory(running=True)
+    Job.objects.filter(pk=job.pk).update(progress={"done": 1, "total": 4, "note": "", "at": at})
+    page = staff("view_job").get(detail(job))
+    assert page.status_code == 200
+    content = page.content.decode()
+    assert 'value="25" max="100"' in content
+    assert ("reported" in content) == (shown is not None)
+    assert shown is None or shown in content
+
+
 def test_the_job_page_shows_the_last_report_with_when_it_was_written() -> None:
     JobFactory()
     job = claim_one()
