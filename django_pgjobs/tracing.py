@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: The longest header value read from a job: W3C Trace Context and Baggage allow 8,192 bytes.
+HEADER_LENGTH = 8192
+
 #: `messaging.system`: not one of the conventions' well-known systems, so our own name.
 SYSTEM = "pgjobs"
 
@@ -170,7 +173,12 @@ def _creation_context(job: Job) -> Context:
 
 def _carrier(headers: Any) -> Mapping[str, str]:
     # The column is JSON that anyone with access to the table could have written: only its text
-    # values can be headers (the default propagators raise on a number, or a list of them).
+    # values can be headers (the default propagators raise on a number, or a list of them), and
+    # none longer than any header can be (OpenTelemetry logs a baggage header that is, whole).
     if not isinstance(headers, dict):
         return {}
-    return {key: value for key, value in headers.items() if isinstance(value, str)}
+    return {
+        key: value
+        for key, value in headers.items()
+        if isinstance(value, str) and len(value) <= HEADER_LENGTH
+    }

@@ -265,6 +265,20 @@ def test_headers_that_are_not_text_never_keep_the_job_from_running(spans, header
     assert [link.context.span_id for link in process.links] == [0x2222222222222222] * linked
 
 
+@pytest.mark.django_db
+def test_a_header_too_long_to_be_one_is_dropped_without_logging_it(spans, caplog):
+    job = Job.objects.enqueue("tests.tasks.noop")
+    baggage = "k=v," * 1_000_000  # 4 MB: OpenTelemetry would log all of it, at every attempt
+    Job.objects.filter(pk=job.pk).update(headers={"traceparent": TRACEPARENT, "baggage": baggage})
+    _exporter.clear()
+
+    assert run_jobs().counts == {Status.SUCCEEDED: 1}
+
+    (process,) = named(spans, "process default")
+    assert [link.context.span_id for link in process.links] == [0x2222222222222222]
+    assert max((len(record.getMessage()) for record in caplog.records), default=0) < 10_000
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("raises_at", ["start", "end"])
 def test_a_span_processor_that_raises_never_fails_an_enqueue(spans, raises_at, caplog):
