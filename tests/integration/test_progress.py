@@ -212,6 +212,33 @@ def test_a_row_locked_elsewhere_is_skipped_and_written_once_free(other_connectio
     assert stored(locked)["done"] == 5
 
 
+@pytest.mark.parametrize("scribbled", ["null", "5", '"done"'])
+def test_a_row_whose_progress_is_not_an_object_never_stops_the_heartbeats_or_the_outcome(
+    scribbled: str,
+) -> None:
+    # Written by hand into a running job's row (JSON null, say, to "clear" it): the heartbeat
+    # renews all of a worker's leases in one statement, so an error there would stop them all.
+    JobFactory.create_batch(2)
+    jobs = Job.objects.claim(["default"], worker="w1", limit=2)
+
+    def report(done: int) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE pgjobs_job SET progress = %s::jsonb", [scribbled])
+        for job in jobs:
+            with execute.running(job):
+                progress(done, 10)
+
+    report(5)
+    assert Job.objects.heartbeat(jobs) == {job.pk for job in jobs}
+    assert [stored(job)["done"] for job in jobs] == [5, 5]
+    report(7)
+    assert Job.objects.retry_later(jobs[0], 60) is True
+    assert stored(jobs[0])["done"] == 7
+    report(10)
+    assert Job.objects.complete(jobs[1]) is True
+    assert stored(jobs[1])["done"] == 10
+
+
 @pytest.mark.django_db(transaction=True)
 def test_writing_progress_is_a_hot_update() -> None:
     JobFactory()
