@@ -172,6 +172,19 @@ def test_ten_thousand_reports_cost_no_query_and_one_write(
         lease_keeper.keep_up([job], heartbeat=False)
 
 
+def test_a_hundred_jobs_new_reports_are_written_in_one_statement(
+    django_assert_num_queries: Any,
+) -> None:
+    JobFactory.create_batch(100)
+    jobs = Job.objects.claim(["default"], worker="w1", limit=100)
+    for n, job in enumerate(jobs):
+        with execute.running(job):
+            progress(n, 100, note=f"job {n} " + "x" * 190)
+    with django_assert_num_queries(1):
+        keeper(jobs).keep_up(jobs, heartbeat=False)
+    assert sorted(Job.objects.values_list("progress__done", flat=True)) == list(range(100))
+
+
 def test_between_heartbeats_only_the_jobs_with_new_reports_are_written() -> None:
     JobFactory.create_batch(2)
     quiet, busy = Job.objects.claim(["default"], worker="w1", limit=2)
