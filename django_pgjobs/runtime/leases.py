@@ -103,24 +103,33 @@ class LeaseKeeper:
     def _keep(self) -> None:
         try:
             self.lock_waits.limit_this_thread()
-            heartbeat_at = time.monotonic() + self.interval(self.claims())
+            heartbeat_at = time.monotonic() + self.default_lease / 3
             while True:
                 wait = min(PROGRESS_INTERVAL, heartbeat_at - time.monotonic())
                 if self._stopped.wait(max(0.0, wait)):
                     return
-                claims = self.claims()
-                # A claim with a shorter lease may have come since the last heartbeat.
-                heartbeat_at = min(heartbeat_at, time.monotonic() + self.interval(claims))
-                heartbeat = time.monotonic() >= heartbeat_at
-                if heartbeat:
-                    heartbeat_at = time.monotonic() + self.interval(claims)
-                if not claims:
-                    continue
                 try:
-                    self.keep_up(claims, heartbeat)
+                    heartbeat_at = self._round(heartbeat_at)
                 except DatabaseError as error:
                     # The next round tries again; a lease outlives two missed rounds.
                     logger.warning("could not renew leases: %s", str(error).strip())
                     connections[self.jobs.db].close()
+                except Exception:
+                    # Whatever it was (a bug, a lease_of that raised), this thread must live on:
+                    # if it ended, every lease of this worker would run out under its handlers.
+                    logger.exception("the lease keeper's round failed; the next one tries again")
         finally:
             connections.close_all()
+
+    def _round(self, heartbeat_at: float) -> float:
+        """One round: a heartbeat if it is due (else only new progress reports); returns when
+        the next heartbeat is due."""
+        claims = self.claims()
+        # A claim with a shorter lease may have come since the last heartbeat.
+        heartbeat_at = min(heartbeat_at, time.monotonic() + self.interval(claims))
+        heartbeat = time.monotonic() >= heartbeat_at
+        if heartbeat:
+            heartbeat_at = time.monotonic() + self.interval(claims)
+        if claims:
+            self.keep_up(claims, heartbeat)
+        return heartbeat_at

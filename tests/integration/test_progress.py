@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 from datetime import datetime
 from typing import Any
 
@@ -296,6 +297,36 @@ def test_a_thread_started_in_the_handlers_context_reports_for_its_job_and_a_bare
         bare.start()
         bare.join()
     assert job.progress["done"] == 4
+
+
+@pytest.mark.django_db(transaction=True)  # the keeper's thread has its own connection
+def test_the_keeper_lives_on_after_a_round_that_raised_and_renews_the_leases(caplog: Any) -> None:
+    """A keeper thread that ended on an unexpected error would let every lease of its worker run
+    out under running handlers: the round is logged and the next one renews."""
+    JobFactory()
+    job = claim_one()
+    leased_until = Job.objects.values_list("leased_until", flat=True).get(pk=job.pk)
+    rounds = iter([RuntimeError("a bug"), [job], [job], [job], [job], [job]])
+
+    def claims() -> list[Job]:
+        found = next(rounds, [job])
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    lease_keeper = LeaseKeeper(Job.objects, claims, lambda job: 3.0, 3.0, LockWaits("default"))
+    lease_keeper.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            renewed = Job.objects.values_list("leased_until", flat=True).get(pk=job.pk)
+            if renewed != leased_until:  # now + 3 s, from the heartbeat
+                break
+            time.sleep(0.1)
+    finally:
+        lease_keeper.stop()
+    assert "the lease keeper's round failed" in caplog.text
+    assert renewed != leased_until
 
 
 def test_a_lost_claim_is_logged_once_and_no_longer_written(caplog: Any) -> None:
