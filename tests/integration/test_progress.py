@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -224,6 +224,29 @@ def test_a_row_locked_elsewhere_is_skipped_and_written_once_free(other_connectio
         mine.execute("RESET lock_timeout")
     lease_keeper.keep_up([locked, free], heartbeat=False)  # tried again: it is still new
     assert stored(locked)["done"] == 5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lease_skipped_while_its_row_was_locked_is_renewed_the_next_round_not_heartbeat(
+    other_connection: Any,
+) -> None:
+    """A handler (or an operator) holding the job's row lock near the lease's end: the keeper
+    must renew it within a round of the lock's release, before the reaper can take it."""
+    JobFactory()
+    job = claim_one()
+    lease_keeper = keeper([job])
+    with other_connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+        cursor.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [job.pk])
+        lease_keeper.keep_up([job], heartbeat=True)
+        cursor.execute("ROLLBACK")
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE pgjobs_job SET leased_until = now() + interval '1 second'")
+    lease_keeper.keep_up([job], heartbeat=False)  # no new report: only the skipped lease
+    left = Job.objects.filter(pk=job.pk).values_list("leased_until", flat=True).get()
+    assert left > database_now() + timedelta(seconds=20)  # renewed for the 30 s lease
+    lease_keeper.keep_up([job], heartbeat=False)
+    assert Job.objects.filter(pk=job.pk).values_list("leased_until", flat=True).get() == left
 
 
 @pytest.mark.parametrize("scribbled", ["null", "5", '"done"'])
