@@ -11,16 +11,23 @@ application configures the SDK and its exporters, as for any instrumented librar
   context, and its child when no span is current (a worker's handler thread); inside another
   span (a test's, say) it is that span's child, and only linked, as the conventions recommend.
   A failed attempt records its exception and sets the status to ERROR; a Retry is no error.
+
+Tracing never changes what happens to jobs: headers that are not a trace context (the column is
+JSON anyone with access to the table could have written) start a trace of their own, and an
+exception from the SDK's side (a span processor's on_start or on_end, a propagator) is logged,
+never raised, so it cannot fail an enqueue nor turn an attempt that ran into a failed one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from django_pgjobs.outcomes import Handled, Verdict
@@ -28,6 +35,11 @@ from django_pgjobs.outcomes import Handled, Verdict
 if TYPE_CHECKING:
     from django_pgjobs.data.records import NewJob
     from django_pgjobs.models import Job
+
+logger = logging.getLogger(__name__)
+
+#: The longest header value read from a job: W3C Trace Context and Baggage allow 8,192 bytes.
+HEADER_LENGTH = 8192
 
 #: `messaging.system`: not one of the conventions' well-known systems, so our own name.
 SYSTEM = "pgjobs"
@@ -56,16 +68,19 @@ def sending(jobs: Sequence[NewJob]) -> Iterator[dict[str, str] | None]:
         attributes["messaging.message.id"] = str(first.id)
     else:
         attributes["messaging.batch.message_count"] = len(jobs)
-    name = f"send {first.queue}"
-    with tracer().start_as_current_span(name, kind=SpanKind.PRODUCER, attributes=attributes):
+    with _span(f"send {first.queue}", kind=SpanKind.PRODUCER, attributes=attributes):
         carrier: dict[str, str] = {}
-        propagate.inject(carrier)
+        try:
+            propagate.inject(carrier)
+        except Exception:
+            logger.warning("tracing: the propagator could not write the context", exc_info=True)
+            carrier = {}
         yield carrier or None
 
 
 def processed(job: Job, run: Callable[[Job], Handled]) -> Handled:
     """`run(job)` inside the job's process span; how it ended, recorded on the span."""
-    creation = propagate.extract(_carrier(job.headers))
+    creation = _creation_context(job)
     created = trace.get_current_span(creation).get_span_context()
     links = [Link(created)] if created.is_valid else []
     # Parent: the span current here if there is one, else the creation context (an empty
@@ -82,19 +97,51 @@ def processed(job: Job, run: Callable[[Job], Handled]) -> Handled:
     }
     if job.worker:
         attributes["messaging.client.id"] = job.worker
-    with tracer().start_as_current_span(
+    with _span(
         f"process {job.queue}",
         context=None if ambient else creation,
         kind=SpanKind.CONSUMER,
         attributes=attributes,
         links=links,
-        # run() never raises: how the handler ended is in what it returns.
-        record_exception=False,
-        set_status_on_exception=False,
+        errors=False,  # run() never raises: how the handler ended is in what it returns
     ) as span:
         handled = run(job)
         _record(span, handled)
     return handled
+
+
+@contextmanager
+def _span(
+    name: str,
+    *,
+    kind: SpanKind,
+    attributes: dict[str, str | int],
+    context: Context | None = None,
+    links: Sequence[Link] = (),
+    errors: bool = True,
+) -> Iterator[trace.Span]:
+    """A span current around the block, recording an exception that leaves it when `errors`.
+
+    The API never raises, but the SDK lets a span processor's exception out of a span's start
+    and end: logged here instead, so that the block runs (without a span if none could start)
+    and what it did stands. Else an enqueue would raise after its INSERT (a caller trying again
+    writes the job twice), and a job that ran would be recorded as failed (and run again).
+    """
+    try:
+        span = tracer().start_span(
+            name, context=context, kind=kind, attributes=attributes, links=links
+        )
+    except Exception:
+        logger.warning("tracing: could not start the span %r", name, exc_info=True)
+        span = trace.INVALID_SPAN
+    try:
+        with trace.use_span(span, record_exception=errors, set_status_on_exception=errors):
+            yield span
+    finally:
+        try:
+            span.end()
+        except Exception:
+            logger.warning("tracing: could not end the span %r", name, exc_info=True)
 
 
 def _record(span: trace.Span, handled: Handled) -> None:
@@ -115,6 +162,23 @@ def _record(span: trace.Span, handled: Handled) -> None:
     span.set_status(Status(StatusCode.ERROR, failure.summary))
 
 
-def _carrier(headers: Any) -> dict[str, Any]:
-    # The column is JSON that anyone with access to the table could have written.
-    return headers if isinstance(headers, dict) else {}
+def _creation_context(job: Job) -> Context:
+    """The trace context the job's headers carry; an empty one when they carry none we can read."""
+    try:
+        return propagate.extract(_carrier(job.headers))
+    except Exception:  # a propagator of the application's, refusing what it reads
+        logger.warning("tracing: the headers of job %s cannot be read", job.pk, exc_info=True)
+        return Context()
+
+
+def _carrier(headers: Any) -> Mapping[str, str]:
+    # The column is JSON that anyone with access to the table could have written: only its text
+    # values can be headers (the default propagators raise on a number, or a list of them), and
+    # none longer than any header can be (OpenTelemetry logs a baggage header that is, whole).
+    if not isinstance(headers, dict):
+        return {}
+    return {
+        key: value
+        for key, value in headers.items()
+        if isinstance(value, str) and len(value) <= HEADER_LENGTH
+    }

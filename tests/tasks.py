@@ -300,3 +300,22 @@ def fails_after_a_pause() -> None:
 
     failed_at.append(time.monotonic())
     raise RuntimeError("not yet")
+
+
+@task(timeout=2, max_attempts=2, backoff=lambda attempts: 0.0)
+def overruns_then_retries_quietly(seconds: float) -> None:
+    """Attempt 1 passes its time limit and goes on reporting, every 10 ms for 10 seconds,
+    abandoned; attempt 2 reports nothing and returns after `seconds`."""
+    import time
+
+    from django_pgjobs import current_job, progress
+
+    job = current_job()
+    assert job is not None
+    if job.attempts > 1:
+        time.sleep(seconds)
+        return
+    until = time.monotonic() + 10
+    while (now := time.monotonic()) < until:
+        progress(round(now, 2), note="attempt 1, past its time limit")
+        time.sleep(0.01)

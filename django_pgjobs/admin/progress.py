@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from django.utils import formats
+from django.utils import formats, timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
@@ -36,7 +36,14 @@ class Report:
         """Whole percent done, rounded down (99.9% is not shown as done); None without a total."""
         if self.total is None:
             return None
-        return 100 if self.total <= self.done else math.floor(100 * self.done / self.total)
+        if self.total <= self.done:
+            return 100
+        try:
+            percent = math.floor(100 * self.done / self.total)
+        except OverflowError:  # 100 * done past a float's range (a report written by hand)
+            percent = math.floor(100 * (self.done / self.total))
+        # Not done: never 100, even where the division rounds up to it (past a float's precision).
+        return min(percent, 99)
 
     @property
     def count(self) -> str:
@@ -57,12 +64,7 @@ def report_of(value: Any) -> Report | None:
     if not _is_count(done) or not (total is None or _is_count(total)) or not isinstance(note, str):
         return None
     assert isinstance(done, int | float)
-    at = value.get("at")
-    try:
-        moment = datetime.fromisoformat(at) if isinstance(at, str) else None
-    except ValueError:
-        moment = None
-    return Report(done, total, note, moment)
+    return Report(done, total, note, _moment(value.get("at")))
 
 
 def bar(report: Report) -> SafeString:
@@ -109,6 +111,20 @@ def on_page(value: Any) -> SafeString | str:
         report.note,
         format_html("{} {}", _("reported"), times.moment(report.at)) if report.at else "",
     )
+
+
+def _moment(at: Any) -> datetime | None:
+    """When the report was written, as an aware time the active time zone can show, else None.
+    Without a zone it is UTC, as in the error history (times.recorded)."""
+    if not isinstance(at, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(at)
+        moment = moment if timezone.is_aware(moment) else moment.replace(tzinfo=UTC)
+        timezone.localtime(moment)  # past the range of datetimes there (year 1 at +14:00)
+    except (ValueError, OverflowError):
+        return None
+    return moment
 
 
 def _is_count(value: Any) -> bool:

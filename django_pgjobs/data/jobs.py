@@ -221,12 +221,14 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     def release(self, jobs: Sequence[Job]) -> set[UUID]:
         """Running → ready without spending an attempt, keeping its place (a worker shutting
-        down); cancelled instead when a cancellation was requested."""
-        return set(self._own(sql.RELEASE, jobs, delay=None))
+        down); cancelled instead when a cancellation was requested. Each keeps the progress its
+        handler last reported."""
+        return set(self._own(sql.RELEASE, jobs, delay=None, progress=reports(jobs)))
 
     def retry_later(self, job: Job, delay: float) -> bool:
-        """The handler asked to run again in `delay` seconds: ready again, attempt not counted."""
-        return job.pk in self._own(sql.RELEASE, [job], delay=delay)
+        """The handler asked to run again in `delay` seconds: ready again, attempt not counted,
+        keeping the progress it last reported."""
+        return job.pk in self._own(sql.RELEASE, [job], delay=delay, progress=reports([job]))
 
     def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
         """Extend the lease of a worker's running jobs by `lease` seconds from now, and record

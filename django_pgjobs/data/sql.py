@@ -126,7 +126,9 @@ SETTLE_AND_CLAIM = """
         UPDATE pgjobs_job AS j
         SET status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL,
             result = mine.result,
-            progress = CASE WHEN mine.progress IS NULL OR mine.progress = j.progress - 'at'
+            progress = CASE WHEN mine.progress IS NULL
+                              OR mine.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
+                                                   THEN j.progress - 'at' END
                             THEN j.progress
                             ELSE mine.progress || jsonb_build_object('at', statement_timestamp())
                        END
@@ -151,7 +153,9 @@ SETTLE_AND_CLAIM = """
             scheduled = NOT (j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)
                         AND f.delay > 0,
             leased_until = NULL,
-            progress = CASE WHEN f.progress IS NULL OR f.progress = j.progress - 'at'
+            progress = CASE WHEN f.progress IS NULL
+                              OR f.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
+                                                THEN j.progress - 'at' END
                             THEN j.progress
                             ELSE f.progress || jsonb_build_object('at', statement_timestamp())
                        END,
@@ -227,10 +231,12 @@ SETTLE_AND_CLAIM = """
 # each handler last reported (JSON text without "at", or NULL: none). Touches only unindexed
 # columns, so the update can be HOT. A report is stored with "at", the time it was first written
 # (the database's clock); one equal to the stored report is kept as it is, so "at" says since
-# when the job has been at that point. A row locked elsewhere (an operator's open transaction, a
-# handler that locked its own job) is skipped, not waited for: the others' leases must not run
-# out behind it, and the next heartbeat tries it again. Returns whether a cancellation of each
-# renewed job was requested.
+# when the job has been at that point. A stored value that is not a JSON object (written by
+# hand) is replaced like any other: `-` raises on it, which would fail every lease of the
+# statement (and, in the outcomes' statement, every outcome of the batch). A row locked
+# elsewhere (an operator's open transaction, a handler that locked its own job) is skipped, not
+# waited for: the others' leases must not run out behind it, and the next heartbeat tries it
+# again. Returns whether a cancellation of each renewed job was requested.
 HEARTBEAT = """
     WITH renewable AS (
         SELECT j.id, mine.progress FROM pgjobs_job AS j
@@ -242,7 +248,9 @@ HEARTBEAT = """
     )
     UPDATE pgjobs_job AS j
     SET leased_until = statement_timestamp() + make_interval(secs => %(lease)s),
-        progress = CASE WHEN mine.progress IS NULL OR mine.progress = j.progress - 'at'
+        progress = CASE WHEN mine.progress IS NULL
+                          OR mine.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
+                                               THEN j.progress - 'at' END
                         THEN j.progress
                         ELSE mine.progress || jsonb_build_object('at', statement_timestamp())
                    END
@@ -262,7 +270,8 @@ HELD = """
 
 # Back to ready without spending an attempt, or cancelled when someone asked to cancel the job
 # while it ran: a worker shutting down (%(delay)s NULL: the job keeps its place), or a
-# handler's Retry (due again in %(delay)s seconds).
+# handler's Retry (due again in %(delay)s seconds). Keeps each handler's last progress report,
+# as SETTLE_AND_CLAIM does (where the attempt got to; the next claim clears it).
 RELEASE = """
     UPDATE pgjobs_job AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
@@ -271,8 +280,15 @@ RELEASE = """
         attempts = j.attempts - 1,
         run_at = CASE WHEN j.cancel_requested OR %(delay)s::float8 IS NULL THEN j.run_at
                       ELSE statement_timestamp() + make_interval(secs => %(delay)s) END,
-        scheduled = NOT j.cancel_requested AND COALESCE(%(delay)s::float8, 0) > 0
-    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
+        scheduled = NOT j.cancel_requested AND COALESCE(%(delay)s::float8, 0) > 0,
+        progress = CASE WHEN mine.progress IS NULL
+                          OR mine.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
+                                               THEN j.progress - 'at' END
+                        THEN j.progress
+                        ELSE mine.progress || jsonb_build_object('at', statement_timestamp())
+                   END
+    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[], %(progress)s::text[]::jsonb[])
+         AS mine(id, claims, progress)
     WHERE j.id = mine.id AND j.claims = mine.claims
       AND j.status = 'running' AND j.worker = %(worker)s
     RETURNING j.id, j.cancel_requested

@@ -16,6 +16,9 @@ from django_pgjobs.runtime.execute import current_job
 #: How many characters of a note are kept; a longer one is cut, ending in "…".
 NOTE_LENGTH = 200
 
+#: How many characters of a bad value's repr an error message shows.
+SHOWN_LENGTH = 40
+
 
 def progress(done: float, total: float | None = None, note: str = "") -> None:
     """Report the running job's progress: `done` of `total` (None: a total not known), with a
@@ -43,24 +46,43 @@ def checked(done: Any, total: Any, note: Any) -> dict[str, Any]:
         total = _number("total", total)
         if done > total:
             raise ValueError(
-                f"progress(done={done!r}, total={total!r}): done is more than total; "
+                f"progress(done={_shown(done)}, total={_shown(total)}): done is more than total; "
                 "pass total=None while the total is not known."
             )
     if not isinstance(note, str):
         raise TypeError(f"progress(note=...) must be a str, got {type(note).__name__}.")
-    return {"done": done, "total": total, "note": clean_text(note, NOTE_LENGTH)}
+    # Cut before cleaning, which only ever lengthens: the same note without copying a huge one.
+    note = clean_text(note[: NOTE_LENGTH + 1], NOTE_LENGTH)
+    return {"done": done, "total": total, "note": note}
 
 
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (Real, Decimal)):
         raise TypeError(f"progress({name}=...) must be a number, got {type(value).__name__}.")
+    number = _finite(value)
+    if number is None:
+        raise ValueError(f"progress({name}={_shown(value)}) must be a finite number.")
+    if number < 0:
+        raise ValueError(f"progress({name}={_shown(value)}) must be 0 or more.")
+    return number
+
+
+def _finite(value: Real | Decimal) -> float | None:
+    """`value` as an int or a float; None when it is not finite, or too large for a float (no
+    bar can show it)."""
+    if isinstance(value, Decimal) and not value.is_finite():
+        return None  # NaN, Infinity, and a signalling NaN, which float() refuses
     try:
         number = int(value) if isinstance(value, Integral) else float(value)
-        finite = math.isfinite(number)
-    except OverflowError:  # too large for a float: no bar can show it
-        finite = False
-    if not finite:
-        raise ValueError(f"progress({name}={value!r}) must be a finite number.")
-    if number < 0:
-        raise ValueError(f"progress({name}={value!r}) must be 0 or more.")
-    return number
+        return number if math.isfinite(number) else None
+    except OverflowError:  # beyond a float's range
+        return None
+
+
+def _shown(value: Any) -> str:
+    """`value` in an error message: its repr, cut to SHOWN_LENGTH characters; never an error of
+    its own (an int of more digits than Python converts to text, a repr that raises)."""
+    try:
+        return clean_text(repr(value), SHOWN_LENGTH)
+    except Exception:
+        return f"<{type(value).__qualname__}>"

@@ -1,4 +1,5 @@
-"""Progress reports under a real runjobs process: thousands of reports cost a few writes."""
+"""Progress reports under a real runjobs process: thousands of reports cost a few writes, and an
+abandoned attempt's reports never reach the attempt that replaced it."""
 
 from __future__ import annotations
 
@@ -39,3 +40,18 @@ def test_thousands_of_reports_are_written_about_once_a_second(start_worker) -> N
     writes = wait_until(lambda: (count := row_updates() - before) >= 3 and count, timeout=15)
     assert 3 <= writes <= 2 + seconds / PROGRESS_INTERVAL + 1, (writes, seconds)
     assert row.progress["done"] == 3000 and row.progress["note"] == "step 3000 of 3000"
+
+
+def test_a_handler_past_its_time_limit_that_goes_on_reporting_never_writes_over_its_retry(
+    start_worker,
+) -> None:
+    job = Job.objects.enqueue("tests.tasks.overruns_then_retries_quietly", {"seconds": 1.5})
+    start_worker("--concurrency", "2", "--lease", "3")
+    wait_until(lambda: Job.objects.get(pk=job.pk).status == Status.SUCCEEDED, timeout=30)
+
+    row = Job.objects.get(pk=job.pk)
+    assert row.attempts == 2
+    assert [error["type"] for error in row.errors] == ["django_pgjobs.errors.JobTimeout"]
+    # All through attempt 2 (progress rounds every second), the abandoned attempt 1 reported every
+    # 10 ms for the same job, on the same worker: none of it was written over the new claim.
+    assert row.progress is None

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from datetime import datetime
+import time
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -113,6 +114,22 @@ def test_the_outcome_writes_the_last_report_and_the_next_claim_clears_it() -> No
     assert stored(again)["done"] == 10
 
 
+def test_a_retry_or_a_release_writes_the_last_report_like_any_outcome() -> None:
+    JobFactory.create_batch(2)
+    retried, released = Job.objects.claim(["default"], worker="w1", limit=2)
+    for job, note in ((retried, "rate limited at 1,204"), (released, "stopped at 40")):
+        with execute.running(job):
+            progress(40, 100, note=note)  # reported, and not yet written by a heartbeat
+
+    assert Job.objects.retry_later(retried, 600) is True  # the handler raised Retry
+    assert Job.objects.release([released]) == {released.pk}  # its worker stopped
+
+    assert stored(retried)["note"] == "rate limited at 1,204"
+    assert stored(released)["note"] == "stopped at 40"
+    again = Job.objects.claim(["default"], worker="w2")
+    assert [job.pk for job in again] == [released.pk] and stored(released) is None
+
+
 def test_run_jobs_runs_handlers_that_report_and_keeps_the_last_report() -> None:
     received: list[dict[str, Any]] = []
 
@@ -156,6 +173,19 @@ def test_ten_thousand_reports_cost_no_query_and_one_write(
         lease_keeper.keep_up([job], heartbeat=False)
 
 
+def test_a_hundred_jobs_new_reports_are_written_in_one_statement(
+    django_assert_num_queries: Any,
+) -> None:
+    JobFactory.create_batch(100)
+    jobs = Job.objects.claim(["default"], worker="w1", limit=100)
+    for n, job in enumerate(jobs):
+        with execute.running(job):
+            progress(n, 100, note=f"job {n} " + "x" * 190)
+    with django_assert_num_queries(1):
+        keeper(jobs).keep_up(jobs, heartbeat=False)
+    assert sorted(Job.objects.values_list("progress__done", flat=True)) == list(range(100))
+
+
 def test_between_heartbeats_only_the_jobs_with_new_reports_are_written() -> None:
     JobFactory.create_batch(2)
     quiet, busy = Job.objects.claim(["default"], worker="w1", limit=2)
@@ -194,6 +224,56 @@ def test_a_row_locked_elsewhere_is_skipped_and_written_once_free(other_connectio
         mine.execute("RESET lock_timeout")
     lease_keeper.keep_up([locked, free], heartbeat=False)  # tried again: it is still new
     assert stored(locked)["done"] == 5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lease_skipped_while_its_row_was_locked_is_renewed_the_next_round_not_heartbeat(
+    other_connection: Any,
+) -> None:
+    """A handler (or an operator) holding the job's row lock near the lease's end: the keeper
+    must renew it within a round of the lock's release, before the reaper can take it."""
+    JobFactory()
+    job = claim_one()
+    lease_keeper = keeper([job])
+    with other_connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+        cursor.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [job.pk])
+        lease_keeper.keep_up([job], heartbeat=True)
+        cursor.execute("ROLLBACK")
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE pgjobs_job SET leased_until = now() + interval '1 second'")
+    lease_keeper.keep_up([job], heartbeat=False)  # no new report: only the skipped lease
+    left = Job.objects.filter(pk=job.pk).values_list("leased_until", flat=True).get()
+    assert left > database_now() + timedelta(seconds=20)  # renewed for the 30 s lease
+    lease_keeper.keep_up([job], heartbeat=False)
+    assert Job.objects.filter(pk=job.pk).values_list("leased_until", flat=True).get() == left
+
+
+@pytest.mark.parametrize("scribbled", ["null", "5", '"done"'])
+def test_a_row_whose_progress_is_not_an_object_never_stops_the_heartbeats_or_the_outcome(
+    scribbled: str,
+) -> None:
+    # Written by hand into a running job's row (JSON null, say, to "clear" it): the heartbeat
+    # renews all of a worker's leases in one statement, so an error there would stop them all.
+    JobFactory.create_batch(2)
+    jobs = Job.objects.claim(["default"], worker="w1", limit=2)
+
+    def report(done: int) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE pgjobs_job SET progress = %s::jsonb", [scribbled])
+        for job in jobs:
+            with execute.running(job):
+                progress(done, 10)
+
+    report(5)
+    assert Job.objects.heartbeat(jobs) == {job.pk for job in jobs}
+    assert [stored(job)["done"] for job in jobs] == [5, 5]
+    report(7)
+    assert Job.objects.retry_later(jobs[0], 60) is True
+    assert stored(jobs[0])["done"] == 7
+    report(10)
+    assert Job.objects.complete(jobs[1]) is True
+    assert stored(jobs[1])["done"] == 10
 
 
 @pytest.mark.django_db(transaction=True)
@@ -240,6 +320,36 @@ def test_a_thread_started_in_the_handlers_context_reports_for_its_job_and_a_bare
         bare.start()
         bare.join()
     assert job.progress["done"] == 4
+
+
+@pytest.mark.django_db(transaction=True)  # the keeper's thread has its own connection
+def test_the_keeper_lives_on_after_a_round_that_raised_and_renews_the_leases(caplog: Any) -> None:
+    """A keeper thread that ended on an unexpected error would let every lease of its worker run
+    out under running handlers: the round is logged and the next one renews."""
+    JobFactory()
+    job = claim_one()
+    leased_until = Job.objects.values_list("leased_until", flat=True).get(pk=job.pk)
+    rounds = iter([RuntimeError("a bug"), [job], [job], [job], [job], [job]])
+
+    def claims() -> list[Job]:
+        found = next(rounds, [job])
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    lease_keeper = LeaseKeeper(Job.objects, claims, lambda job: 3.0, 3.0, LockWaits("default"))
+    lease_keeper.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            renewed = Job.objects.values_list("leased_until", flat=True).get(pk=job.pk)
+            if renewed != leased_until:  # now + 3 s, from the heartbeat
+                break
+            time.sleep(0.1)
+    finally:
+        lease_keeper.stop()
+    assert "the lease keeper's round failed" in caplog.text
+    assert renewed != leased_until
 
 
 def test_a_lost_claim_is_logged_once_and_no_longer_written(caplog: Any) -> None:
@@ -295,6 +405,49 @@ def test_a_stored_value_that_is_not_a_report_shows_as_none(stored_value: Any) ->
     client = staff("view_job")
     assert "<progress" not in client.get(JOBS).content.decode()
     assert "<progress" not in client.get(detail(job)).content.decode()
+
+
+@pytest.mark.parametrize(
+    ("stored", "percent"),
+    [
+        # Whole numbers past a float's precision: one short of done is not 100%.
+        ("jsonb_build_object('done', 99999999999999999, 'total', 100000000000000000)", 99),
+        # Written by hand: jsonb keeps every digit, so Python reads an int of 309 digits and a
+        # float, whose quotient 100 * done / total is past a float's range.
+        ("jsonb_build_object('done', 1e308, 'total', 1.5e308 + 0.5)", 66),
+    ],
+)
+def test_a_report_past_a_floats_precision_or_range_shows_its_percentage_rounded_down(
+    stored: str, percent: int
+) -> None:
+    job = JobFactory(running=True)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE pgjobs_job SET progress = {stored} WHERE id = %s", [job.pk])
+    client = staff("view_job")
+    for page in (client.get(JOBS), client.get(detail(job))):
+        assert page.status_code == 200
+        assert f'value="{percent}" max="100"' in page.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("at", "shown"),
+    [
+        ("2026-03-02T09:10:07", "March 2, 2026, 09:10:07 UTC"),  # no zone: UTC, as the history
+        ("0001-01-01T00:00:00+14:00", None),  # before the first instant a datetime can hold
+        ("9999-12-31T23:59:59-14:00", None),  # after the last
+    ],
+)
+def test_a_report_written_at_a_time_that_cannot_be_shown_still_shows_on_the_job_page(
+    at: str, shown: str | None
+) -> None:
+    job = JobFactory(running=True)
+    Job.objects.filter(pk=job.pk).update(progress={"done": 1, "total": 4, "note": "", "at": at})
+    page = staff("view_job").get(detail(job))
+    assert page.status_code == 200
+    content = page.content.decode()
+    assert 'value="25" max="100"' in content
+    assert ("reported" in content) == (shown is not None)
+    assert shown is None or shown in content
 
 
 def test_the_job_page_shows_the_last_report_with_when_it_was_written() -> None:

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from django.db import connection
-from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import TextMapPropagator
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -30,12 +32,45 @@ ROOT = Path(__file__).resolve().parents[2]
 _exporter = InMemorySpanExporter()
 
 
+class FaultySpanProcessor(SpanProcessor):
+    """A span processor (the application's, say) that raises where it is told to: at the
+    start or at the end of every span."""
+
+    raises_at: str | None = None
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        if self.raises_at == "start":
+            raise RuntimeError("a span processor broken at on_start")
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.raises_at == "end":
+            raise RuntimeError("a span processor broken at on_end")
+
+
+_faulty = FaultySpanProcessor()
+
+
+class FaultyPropagator(TextMapPropagator):
+    """A propagator (the application's, say) that raises whatever it is asked."""
+
+    def extract(self, carrier: object, context: object = None, getter: object = None) -> Context:
+        raise RuntimeError("a propagator broken at extract")
+
+    def inject(self, carrier: object, context: object = None, setter: object = None) -> None:
+        raise RuntimeError("a propagator broken at inject")
+
+    @property
+    def fields(self) -> set[str]:
+        return {"traceparent"}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _provider() -> None:
     # The global provider can be set once per process; nothing else in the suite sets one.
     if not isinstance(trace.get_tracer_provider(), TracerProvider):
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(_exporter))
+        provider.add_span_processor(_faulty)  # after the exporter: the spans are exported
         trace.set_tracer_provider(provider)
 
 
@@ -46,6 +81,7 @@ def spans(settings: object) -> Iterator[InMemorySpanExporter]:
     _exporter.clear()
     yield _exporter
     _exporter.clear()
+    _faulty.raises_at = None
 
 
 def drain() -> None:
@@ -198,6 +234,95 @@ def test_headers_that_are_not_a_trace_context_run_in_a_trace_of_their_own(spans)
     assert run.counts == {Status.SUCCEEDED: 1}
     (process,) = named(spans, "process default")
     assert process.parent is None and not process.links
+
+
+#: A trace context as W3C Trace Context writes it: span 0x2222222222222222 of trace 0x1111….
+TRACEPARENT = f"00-{'1' * 32}-{'2' * 16}-01"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("headers", "linked"),
+    [
+        ({"traceparent": 5}, False),
+        ({"traceparent": [5]}, False),
+        ({"baggage": 5}, False),
+        ({"traceparent": TRACEPARENT, "tracestate": 7}, True),  # what can be read is
+    ],
+)
+def test_headers_that_are_not_text_never_keep_the_job_from_running(spans, headers, linked):
+    # The column is JSON that anyone with access to the table could have written.
+    job = Job.objects.enqueue("tests.tasks.noop")
+    Job.objects.filter(pk=job.pk).update(headers=headers)
+    runs = tasks.calls["noop"]
+
+    drain()
+
+    job.refresh_from_db()
+    assert (job.status, job.errors) == (Status.SUCCEEDED, [])
+    assert tasks.calls["noop"] == runs + 1
+    (process,) = named(spans, "process default")
+    assert [link.context.span_id for link in process.links] == [0x2222222222222222] * linked
+
+
+@pytest.mark.django_db
+def test_a_header_too_long_to_be_one_is_dropped_without_logging_it(spans, caplog):
+    job = Job.objects.enqueue("tests.tasks.noop")
+    baggage = "k=v," * 1_000_000  # 4 MB: OpenTelemetry would log all of it, at every attempt
+    Job.objects.filter(pk=job.pk).update(headers={"traceparent": TRACEPARENT, "baggage": baggage})
+    _exporter.clear()
+
+    assert run_jobs().counts == {Status.SUCCEEDED: 1}
+
+    (process,) = named(spans, "process default")
+    assert [link.context.span_id for link in process.links] == [0x2222222222222222]
+    assert max((len(record.getMessage()) for record in caplog.records), default=0) < 10_000
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("raises_at", ["start", "end"])
+def test_a_span_processor_that_raises_never_fails_an_enqueue(spans, raises_at, caplog):
+    _faulty.raises_at = raises_at
+
+    # Raising after the INSERT (on_end), in autocommit, would leave a job written by an enqueue
+    # that failed: a caller trying again writes it twice.
+    job = Job.objects.enqueue("tests.tasks.noop")
+    Job.objects.bulk_enqueue("tests.tasks.noop", [{}, {}])
+
+    assert Job.objects.count() == 3
+    assert Job.objects.get(pk=job.pk).status == Status.READY
+    assert f"a span processor broken at on_{raises_at}" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("raises_at", ["start", "end"])
+def test_a_span_processor_that_raises_never_turns_a_run_into_a_failure(spans, raises_at, caplog):
+    job = Job.objects.enqueue("tests.tasks.noop")
+    runs = tasks.calls["noop"]
+    _faulty.raises_at = raises_at
+
+    drain()
+
+    job.refresh_from_db()
+    assert (job.status, job.attempts, job.errors) == (Status.SUCCEEDED, 1, [])
+    assert tasks.calls["noop"] == runs + 1  # ran once: its success was recorded
+    assert f"a span processor broken at on_{raises_at}" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_propagator_that_raises_fails_neither_the_enqueue_nor_the_run(spans, caplog):
+    previous = propagate.get_global_textmap()
+    propagate.set_global_textmap(FaultyPropagator())
+    try:
+        job = Job.objects.enqueue("tests.tasks.noop")
+        drain()
+    finally:
+        propagate.set_global_textmap(previous)
+
+    job.refresh_from_db()
+    assert (job.status, job.attempts, job.headers) == (Status.SUCCEEDED, 1, None)
+    assert "a propagator broken at inject" in caplog.text
+    assert "a propagator broken at extract" in caplog.text
 
 
 #: Enqueues and runs three jobs in a fresh process (PGJOBS as given in $PGJOBS_TEST_OVERRIDE),
