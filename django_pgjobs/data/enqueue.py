@@ -75,7 +75,7 @@ def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> J
     statement = sql.INSERT_JOB if job.unique_key is None else sql.INSERT_UNIQUE_JOB
     params = {
         "id": job.id, "queue": job.queue, "task": job.task, "payload": job.payload_json,
-        "priority": job.priority, "run_at": job.run_at, "delay": job.delay,
+        "priority": job.priority, "run_at": job.run_at, "delay": job.delay or 0.0,
         "max_attempts": job.max_attempts, "unique_key": job.unique_key,
         "channel": wakeups.CHANNEL if wake_up else None,
     }  # fmt: skip
@@ -85,7 +85,7 @@ def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> J
         return None  # its unique_key is held by a live job
     ((_, run_at, created_at, scheduled, _),) = found
     columns = _columns(job, run_at, created_at, scheduled, headers)
-    return rows.new_jobs(model, db, columns, [job.id], [payload])[0]
+    return next(rows.new_jobs(model, db, columns, [job.id], [payload]))
 
 
 def insert_many(
@@ -106,30 +106,37 @@ def insert_many(
     with transaction.atomic(using=db, savepoint=False):
         wake_up = wakeups.to_send(db, [options.queue])
         params = {
-            "queue": options.queue, "run_at": options.run_at, "delay": options.delay,
+            "queue": options.queue, "run_at": options.run_at, "delay": options.delay or 0.0,
             "channel": wakeups.CHANNEL if wake_up else None,
         }  # fmt: skip
         ((created_at, run_at, scheduled, _),) = rows.execute(
             db, sql.NEW_JOBS_TIMES, params, binary=True
         )
         for start in range(0, len(ids), batch_size):
-            batch = ids[start : start + batch_size]
-            end = start + len(batch)
-            with _sending(options._replace(id=batch[0]), len(batch)) as headers:
-                # Every column but the id and the payload is the same for the whole batch.
+            end = min(start + batch_size, len(ids))
+            with _sending(options._replace(id=ids[start]), end - start) as headers:
+                columns = _columns(options, run_at, created_at, scheduled, headers)
+                jobs = rows.new_jobs(model, db, columns, ids[start:end], payloads[start:end])
+                # Every column but the id and the payload is the same for the whole batch. The
+                # Jobs are made as their rows are sent, while the database writes earlier rows.
                 queue, task = options.queue, options.task
                 rest = (
                     *(options.priority, run_at, scheduled, options.max_attempts),
                     *(created_at, _text(headers)),
                 )
                 records = (
-                    (job_id, queue, task, text, *rest)
-                    for job_id, text in zip(batch, texts[start:end], strict=True)
+                    (job.id, queue, task, text, *rest)
+                    for job, text in zip(_kept(jobs, made), texts[start:end], strict=True)
                 )
                 rows.copy(db, sql.COPY_JOBS, sql.COPY_JOBS_TYPES, records)
-            columns = _columns(options, run_at, created_at, scheduled, headers)
-            made.extend(rows.new_jobs(model, db, columns, batch, payloads[start:end]))
     return made
+
+
+def _kept(jobs: Iterator[Job], into: list[Job]) -> Iterator[Job]:
+    """Each of `jobs`, appended to `into` as it passes."""
+    for job in jobs:
+        into.append(job)
+        yield job
 
 
 def _columns(

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 import psycopg
 from django.db import connections, models
@@ -109,32 +110,29 @@ def new_jobs(
     model: type[Job],
     db: str,
     columns: Mapping[str, Any],
-    ids: Sequence[Any],
-    payloads: Sequence[Any],
-) -> list[Job]:
+    ids: Iterable[UUID],
+    payloads: Iterable[Any],
+) -> Iterator[Job]:
     """Job instances as `model.from_db` makes them (loaded from `db`, not adding), one per id
-    and payload, every other column's value from `columns`; without a query.
+    and payload, every other column's value from `columns`; without a query. Made one at a
+    time, so that a bulk insert can make them while the database writes the rows.
 
     Model.__init__ costs more than all the rest of a bulk enqueue's Python per job, so they are
     built directly when nothing could tell the difference: no pre_init or post_init receiver
     for the model, and neither __init__ nor from_db overridden."""
     attnames = _loading(model)[0]
     values = {name: columns.get(name) for name in attnames}
-    if not _plainly_built(model):
-        return [
-            model.from_db(
-                db, attnames, list((values | {"id": job_id, "payload": payload}).values())
-            )
-            for job_id, payload in zip(ids, payloads, strict=True)
-        ]
-    jobs = []
+    plain = _plainly_built(model)
     for job_id, payload in zip(ids, payloads, strict=True):
+        if not plain:
+            row = values | {"id": job_id, "payload": payload}
+            yield model.from_db(db, attnames, list(row.values()))
+            continue
         job = object.__new__(model)
         state = ModelState()
         state.adding, state.db = False, db
         job.__dict__ = {"_state": state, **values, "id": job_id, "payload": payload}
-        jobs.append(job)
-    return jobs
+        yield job
 
 
 def _plainly_built(model: type[Job]) -> bool:

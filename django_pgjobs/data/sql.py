@@ -29,8 +29,11 @@ CLAIM_ORDER = ("-priority", "run_at", "id")
 
 # ---- enqueue -------------------------------------------------------------------------------------
 
-# One job. run_at is given, or now + delay on the database's clock; a job not yet due is
-# `scheduled` (it waits in the scheduled index, out of the claims' way). The wake-up (a NOTIFY
+# One job. run_at is given, or now + %(delay)s seconds (0 when not given) on the database's
+# clock; a job not yet due is `scheduled` (it waits in the scheduled index, out of the claims'
+# way). Each is written out once, with plain operators: half the planning time of the same
+# values through make_interval() and a repeated COALESCE, on every enqueue (statements are not
+# prepared unless the connection's prepare_threshold asks for it). The wake-up (a NOTIFY
 # delivered at commit: data/wakeups.py sends, runtime/listener.py listens) rides in the same
 # statement and is evaluated only for an inserted row; %(channel)s is NULL when none is due.
 # %(headers)s is NULL unless PGJOBS["TRACING"] gives the job a trace context (tracing.py).
@@ -41,10 +44,9 @@ INSERT_JOB = """
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
-        COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0)))
-            > statement_timestamp(),
+                 statement_timestamp() + %(delay)s::float8 * interval '1 second'),
+        COALESCE(%(run_at)s::timestamptz > statement_timestamp(),
+                 %(delay)s::float8 * interval '1 second' > interval '0'),
         %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
     )
     RETURNING j.id, j.run_at, j.created_at, j.scheduled,
@@ -61,10 +63,9 @@ INSERT_UNIQUE_JOB = """
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
-        COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0)))
-            > statement_timestamp(),
+                 statement_timestamp() + %(delay)s::float8 * interval '1 second'),
+        COALESCE(%(run_at)s::timestamptz > statement_timestamp(),
+                 %(delay)s::float8 * interval '1 second' > interval '0'),
         %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
     )
     ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL
@@ -85,8 +86,8 @@ NEW_JOBS_TIMES = """
     SELECT statement_timestamp(), t.run_at, t.run_at > statement_timestamp(),
            (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
     FROM (SELECT COALESCE(%(run_at)s::timestamptz,
-                          statement_timestamp()
-                          + make_interval(secs => COALESCE(%(delay)s::float8, 0)))) AS t(run_at)
+                          statement_timestamp() + %(delay)s::float8 * interval '1 second'))
+         AS t(run_at)
 """
 
 # Every other column takes its default, as for INSERT_JOB. The binary format sends each value

@@ -105,6 +105,23 @@ def test_task_sugar_enqueues_with_kwargs_and_options():
     assert dt.timedelta(seconds=59) < row.run_at - row.created_at <= dt.timedelta(seconds=60)
 
 
+@pytest.mark.parametrize("bulk", [False, True])
+@pytest.mark.parametrize(
+    "when",
+    [{}, {"delay": 0}, {"delay": 1e-7}, {"delay": 2e-6}, {"delay": 30},
+     {"run_at": dt.datetime(2000, 1, 1, tzinfo=dt.UTC)},
+     {"run_at": dt.datetime(2100, 1, 1, tzinfo=dt.UTC)}],
+)  # fmt: skip
+def test_a_job_is_scheduled_exactly_when_it_is_not_yet_due_as_written(bulk, when):
+    if bulk:
+        (job,) = Job.objects.bulk_enqueue(tasks.noop, [{}], **when)
+    else:
+        job = Job.objects.enqueue(tasks.noop, **when)
+    row = Job.objects.get(pk=job.pk)
+    assert (row.run_at, row.scheduled) == (job.run_at, job.scheduled)
+    assert row.scheduled == (row.run_at > row.created_at)
+
+
 def test_run_at_schedules_at_that_time():
     when = timezone.now() + dt.timedelta(days=1)
     job = tasks.noop.using(run_at=when).enqueue()
