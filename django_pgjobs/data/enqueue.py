@@ -142,7 +142,7 @@ def _kept(jobs: Iterator[Job], into: list[Job]) -> Iterator[Job]:
 def _columns(
     job: NewJob, run_at: datetime, created_at: datetime, scheduled: bool, headers: Any
 ) -> dict[str, Any]:
-    """Every column of a job just inserted but its id and payload."""
+    """Every column of a job just inserted but its id and payload (sql.JOB_COLUMNS)."""
     return NEW_JOB | {
         "queue": job.queue, "task": job.task, "priority": job.priority, "run_at": run_at,
         "max_attempts": job.max_attempts, "created_at": created_at,

@@ -114,24 +114,28 @@ def new_jobs(
     payloads: Iterable[Any],
 ) -> Iterator[Job]:
     """Job instances as `model.from_db` makes them (loaded from `db`, not adding), one per id
-    and payload, every other column's value from `columns`; without a query. Made one at a
-    time, so that a bulk insert can make them while the database writes the rows.
+    and payload, every other column's value from `columns` (each job its own copy of a list or
+    dict value); without a query. Made one at a time, so that a bulk insert can make them
+    while the database writes the rows.
 
     Model.__init__ costs more than all the rest of a bulk enqueue's Python per job, so they are
     built directly when nothing could tell the difference: no pre_init or post_init receiver
     for the model, and neither __init__ nor from_db overridden."""
     attnames = _loading(model)[0]
-    values = {name: columns.get(name) for name in attnames}
     plain = _plainly_built(model)
+    shared = {name: value for name, value in columns.items() if isinstance(value, list | dict)}
     for job_id, payload in zip(ids, payloads, strict=True):
+        values = {**columns, "id": job_id, "payload": payload}
+        for name, value in shared.items():
+            values[name] = value.copy()
         if not plain:
-            row = values | {"id": job_id, "payload": payload}
-            yield model.from_db(db, attnames, list(row.values()))
+            yield model.from_db(db, attnames, [values[name] for name in attnames])
             continue
         job = object.__new__(model)
         state = ModelState()
         state.adding, state.db = False, db
-        job.__dict__ = {"_state": state, **values, "id": job_id, "payload": payload}
+        values["_state"] = state
+        job.__dict__ = values
         yield job
 
 

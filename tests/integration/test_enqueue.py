@@ -90,10 +90,17 @@ def test_the_returned_job_has_every_field_as_read_back_from_the_table(bulk):
         (job,) = Job.objects.bulk_enqueue(tasks.send_email, [{"to": "a@x"}], delay=5)
     else:
         job = Job.objects.enqueue(tasks.send_email, {"to": "a@x"}, unique_key="k1")
+    assert not job.get_deferred_fields()  # every column has its value, none is loaded later
     row = Job.objects.get(pk=job.pk)
     for field in Job._meta.concrete_fields:
         assert getattr(job, field.attname) == getattr(row, field.attname), field.name
     assert (job._state.adding, job._state.db) == (False, "default")
+
+
+def test_jobs_returned_by_one_enqueue_share_no_mutable_value():
+    first, second = Job.objects.bulk_enqueue(tasks.noop, [{}, {}])
+    first.errors.append({"type": "X"})
+    assert (second.errors, Job.objects.enqueue(tasks.noop).errors) == ([], [])
 
 
 def test_task_sugar_enqueues_with_kwargs_and_options():
