@@ -76,7 +76,7 @@ INSERT_UNIQUE_JOB = """
 
 # Many jobs of one task with the same options (never a unique_key) are written by COPY, in the
 # binary format (data/rows.py copy): no statement to parse or plan per batch, rows formatted in
-# C and streamed, about twice the rate of an INSERT of unnest()ed arrays here. COPY has no
+# C and streamed, 1.3 to 2 times the rate of an INSERT of unnest()ed arrays here. COPY has no
 # RETURNING, so what the database decides comes first, from this statement in the same
 # transaction: the created_at and run_at the rows share (the database's clock, as the columns'
 # defaults would give them) and whether they are scheduled; and it sends the wake-up
