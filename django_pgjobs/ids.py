@@ -9,8 +9,6 @@ import uuid
 #: The version (7) and variant (RFC 4122) bits, and the 74 random bits around them.
 _VERSION_AND_VARIANT = 0x7 << 76 | 0x2 << 62
 _RANDOM = ((1 << 80) - 1) & ~(0xF << 76) & ~(0x3 << 62)
-#: The largest step between consecutive ids of one uuid7_batch.
-_BATCH_STEP = 1 << 32
 
 
 def uuid7(unix_seconds: float | None = None) -> uuid.UUID:
@@ -26,8 +24,8 @@ def uuid7_batch(count: int) -> list[uuid.UUID]:
     """`count` UUIDv7 of this millisecond in ascending order (RFC 9562's monotonic random
     method): a bulk insert in this order appends to the primary key index's rightmost page
     instead of splitting pages across the batch. Consecutive ids differ by a random step of up
-    to 2**32 in the low 62 bits, starting from a random point low enough that no step carries
-    into the version or variant bits; one read of the random source serves the whole batch."""
+    to 2**32 in the low 62 bits, starting below 2**61 so that no step carries into the variant
+    bits (for any count below 2**29); one read of the random source serves the whole batch."""
     unix_ms = time.time_ns() // 1_000_000
     high = (unix_ms & 0xFFFF_FFFF_FFFF) << 80 | _VERSION_AND_VARIANT
     entropy = os.urandom(10 + 4 * count)
