@@ -25,7 +25,6 @@ from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.ids import uuid7
 from django_pgjobs.status import LIVE, Status
 
 if TYPE_CHECKING:
@@ -77,10 +76,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         )  # fmt: skip
         db = self._write_db()
         for _ in range(ENQUEUE_TRIES):
-            jobs = enqueue.insert(self.model, db, [job], [payload or {}])
-            if jobs:
-                signals.send(signals.job_enqueued, self.model, jobs=jobs)
-                return jobs[0]
+            inserted = enqueue.insert(self.model, db, job, payload or {})
+            if inserted is not None:
+                signals.send(signals.job_enqueued, self.model, jobs=[inserted])
+                return inserted
             # The write database: a replica behind a router may not have the holder yet.
             holder = self.using(db).filter(unique_key=unique_key, status__in=LIVE).first()
             if holder is not None:
@@ -103,8 +102,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         max_attempts: int | None = None,
         batch_size: int = 5000,
     ) -> list[Job]:
-        """Write many jobs of one task, `batch_size` per statement. Every payload is checked
-        before anything is written."""
+        """Write many jobs of one task, `batch_size` per COPY, all in one transaction (the
+        caller's, else its own). Every payload is checked before anything is written."""
         # The options are the same for every job: check them once, then each payload.
         options = enqueue.new_job(
             task, None, queue=queue, priority=priority, run_at=run_at, delay=delay,
@@ -112,15 +111,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         )  # fmt: skip
         limit = get_settings().MAX_PAYLOAD_BYTES
         checked = [{} if payload is None else payload for payload in payloads]
-        new = [
-            options._replace(id=uuid7(), payload_json=validation.payload_json(payload, limit))
-            for payload in checked
-        ]
-        jobs: list[Job] = []
+        texts = [validation.payload_json(payload, limit) for payload in checked]
         db = self._write_db()
-        for start in range(0, len(new), batch_size):
-            end = start + batch_size
-            jobs.extend(enqueue.insert(self.model, db, new[start:end], checked[start:end]))
+        jobs = enqueue.insert_many(self.model, db, options, checked, texts, batch_size)
         signals.send(signals.job_enqueued, self.model, jobs=jobs)
         return jobs
 
