@@ -52,11 +52,11 @@ def tracer() -> trace.Tracer:
 
 
 @contextmanager
-def sending(jobs: Sequence[NewJob]) -> Iterator[dict[str, str] | None]:
-    """The span of one INSERT of `jobs` (one queue, one task). Yields the headers to write with
-    them: the span's context as the propagator writes it; None when there is nothing to carry
-    (no SDK configured: the span is a no-op without a valid context)."""
-    first = jobs[0]
+def sending(first: NewJob, count: int) -> Iterator[dict[str, str] | None]:
+    """The span of one statement that writes `count` jobs like `first` (one queue, one task; its
+    id is the job's when `count` is 1). Yields the headers to write with them: the span's
+    context as the propagator writes it; None when there is nothing to carry (no SDK
+    configured: the span is a no-op without a valid context)."""
     attributes: dict[str, str | int] = {
         "messaging.system": SYSTEM,
         "messaging.operation.type": "send",
@@ -64,10 +64,10 @@ def sending(jobs: Sequence[NewJob]) -> Iterator[dict[str, str] | None]:
         "messaging.destination.name": first.queue,
         "messaging.pgjobs.task.name": first.task,
     }
-    if len(jobs) == 1:
+    if count == 1:
         attributes["messaging.message.id"] = str(first.id)
     else:
-        attributes["messaging.batch.message_count"] = len(jobs)
+        attributes["messaging.batch.message_count"] = count
     with _span(f"send {first.queue}", kind=SpanKind.PRODUCER, attributes=attributes):
         carrier: dict[str, str] = {}
         try:

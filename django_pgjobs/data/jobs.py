@@ -70,16 +70,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         With a `unique_key` that a ready or running job already holds, nothing is written and
         that job is returned instead.
         """
-        (job,) = enqueue.new_jobs(
-            task, [payload], queue=queue, priority=priority, run_at=run_at, delay=delay,
+        job = enqueue.new_job(
+            task, payload, queue=queue, priority=priority, run_at=run_at, delay=delay,
             max_attempts=max_attempts, unique_key=unique_key,
         )  # fmt: skip
         db = self._write_db()
         for _ in range(ENQUEUE_TRIES):
-            jobs = enqueue.insert(self.model, db, [job], [payload or {}])
-            if jobs:
-                signals.send(signals.job_enqueued, self.model, jobs=jobs)
-                return jobs[0]
+            inserted = enqueue.insert(self.model, db, job, payload or {})
+            if inserted is not None:
+                signals.send(signals.job_enqueued, self.model, jobs=[inserted])
+                return inserted
             # The write database: a replica behind a router may not have the holder yet.
             holder = self.using(db).filter(unique_key=unique_key, status__in=LIVE).first()
             if holder is not None:
@@ -102,18 +102,17 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         max_attempts: int | None = None,
         batch_size: int = 5000,
     ) -> list[Job]:
-        """Write many jobs of one task, `batch_size` per statement. Every payload is checked
-        before anything is written."""
-        checked = [{} if payload is None else payload for payload in payloads]
-        new = enqueue.new_jobs(
-            task, checked, queue=queue, priority=priority, run_at=run_at, delay=delay,
-            max_attempts=max_attempts,
+        """Write many jobs of one task, `batch_size` per COPY, all in one transaction (the
+        caller's, else its own). Every payload is checked before anything is written."""
+        # The options are the same for every job: check them once, then each payload.
+        registered, options = enqueue.options_of(
+            task, queue=queue, priority=priority, run_at=run_at, delay=delay,
+            max_attempts=max_attempts, unique_key=None,
         )  # fmt: skip
-        jobs: list[Job] = []
+        checked = [{} if payload is None else payload for payload in payloads]
+        texts = enqueue.payload_texts(registered, checked)
         db = self._write_db()
-        for start in range(0, len(new), batch_size):
-            end = start + batch_size
-            jobs.extend(enqueue.insert(self.model, db, new[start:end], checked[start:end]))
+        jobs = enqueue.insert_many(self.model, db, options, checked, texts, batch_size)
         signals.send(signals.job_enqueued, self.model, jobs=jobs)
         return jobs
 

@@ -5,6 +5,7 @@ import time
 
 import pytest
 from django.db import connection, transaction
+from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -90,10 +91,17 @@ def test_the_returned_job_has_every_field_as_read_back_from_the_table(bulk):
         (job,) = Job.objects.bulk_enqueue(tasks.send_email, [{"to": "a@x"}], delay=5)
     else:
         job = Job.objects.enqueue(tasks.send_email, {"to": "a@x"}, unique_key="k1")
+    assert not job.get_deferred_fields()  # every column has its value, none is loaded later
     row = Job.objects.get(pk=job.pk)
     for field in Job._meta.concrete_fields:
         assert getattr(job, field.attname) == getattr(row, field.attname), field.name
-    assert not job._state.adding
+    assert (job._state.adding, job._state.db) == (False, "default")
+
+
+def test_jobs_returned_by_one_enqueue_share_no_mutable_value():
+    first, second = Job.objects.bulk_enqueue(tasks.noop, [{}, {}])
+    first.errors.append({"type": "X"})
+    assert (second.errors, Job.objects.enqueue(tasks.noop).errors) == ([], [])
 
 
 def test_task_sugar_enqueues_with_kwargs_and_options():
@@ -103,6 +111,23 @@ def test_task_sugar_enqueues_with_kwargs_and_options():
     row = Job.objects.get(pk=later.pk)
     assert (row.queue, row.priority) == ("bulk", -5)
     assert dt.timedelta(seconds=59) < row.run_at - row.created_at <= dt.timedelta(seconds=60)
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+@pytest.mark.parametrize(
+    "when",
+    [{}, {"delay": 0}, {"delay": 1e-7}, {"delay": 2e-6}, {"delay": 30},
+     {"run_at": dt.datetime(2000, 1, 1, tzinfo=dt.UTC)},
+     {"run_at": dt.datetime(2100, 1, 1, tzinfo=dt.UTC)}],
+)  # fmt: skip
+def test_a_job_is_scheduled_exactly_when_it_is_not_yet_due_as_written(bulk, when):
+    if bulk:
+        (job,) = Job.objects.bulk_enqueue(tasks.noop, [{}], **when)
+    else:
+        job = Job.objects.enqueue(tasks.noop, **when)
+    row = Job.objects.get(pk=job.pk)
+    assert (row.run_at, row.scheduled) == (job.run_at, job.scheduled)
+    assert row.scheduled == (row.run_at > row.created_at)
 
 
 def test_run_at_schedules_at_that_time():
@@ -115,10 +140,45 @@ def test_bulk_enqueue_writes_every_job_in_few_statements():
     with CaptureQueriesContext(connection) as queries:
         jobs = Job.objects.bulk_enqueue(tasks.send_email, ({"to": f"{n}@x"} for n in range(12_000)))
     assert len(jobs) == Job.objects.filter(status=Status.READY).count() == 12_000
-    inserts = [q for q in queries if "INSERT INTO pgjobs_job" in q["sql"]]
-    assert len(queries) == len(inserts) == 3  # 5,000 rows per statement, and nothing else
-    assert "pg_notify" in inserts[0]["sql"]  # one wake-up for the whole batch
+    first, *copies = [q["sql"] for q in queries]
+    assert "pg_notify" in first  # one wake-up for the whole batch, with its times
+    assert len(copies) == 3  # 5,000 rows per COPY, and nothing else
+    assert all(sql.strip().startswith("COPY pgjobs_job") for sql in copies)
     assert {job.queue for job in jobs} == {"emails"}
+    assert list(Job.objects.order_by("pk").values_list("payload__to", flat=True)) == [
+        job.payload["to"] for job in jobs
+    ]
+
+
+@pytest.mark.django_db(transaction=True)  # a real ROLLBACK, not a savepoint's
+def test_a_bulk_enqueue_that_fails_part_way_writes_nothing():
+    copies = 0
+
+    def fail_on_the_third_copy(execute, sql, params, many, context):
+        nonlocal copies
+        copies += sql.strip().startswith("COPY")
+        if copies == 3:
+            raise Boom
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(fail_on_the_third_copy), pytest.raises(Boom):
+        Job.objects.bulk_enqueue(tasks.noop, [{}] * 12_000)
+    assert Job.objects.count() == 0
+
+
+def test_enqueued_jobs_are_built_like_loaded_ones_for_post_init_receivers():
+    seen = []
+
+    def receiver(sender, instance, **kwargs):
+        seen.append(instance.payload)
+
+    post_init.connect(receiver, sender=Job)
+    try:
+        Job.objects.enqueue(tasks.send_email, {"to": "a@x"})
+        Job.objects.bulk_enqueue(tasks.send_email, [{"to": "b@x"}, {"to": "c@x"}])
+    finally:
+        post_init.disconnect(receiver, sender=Job)
+    assert seen == [{"to": "a@x"}, {"to": "b@x"}, {"to": "c@x"}]
 
 
 def test_a_live_unique_key_is_not_enqueued_twice_and_the_existing_job_is_returned():
