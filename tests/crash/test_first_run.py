@@ -24,11 +24,17 @@ def unmigrated(transactional_db: None) -> Iterator[str]:
         yield name
 
 
-def test_enqueue_before_migrate_says_to_run_migrate(unmigrated):
-    done = manage(
-        "shell", "-c", "from tests import tasks; tasks.noop.enqueue()",
-        PGJOBS_TEST_DATABASE=unmigrated,
-    )  # fmt: skip
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from tests import tasks; tasks.noop.enqueue()",
+        "from tests import tasks; from django_pgjobs.models import Job; "
+        "Job.objects.bulk_enqueue(tasks.noop, [{}, {}])",
+    ],
+    ids=["enqueue", "bulk_enqueue"],
+)
+def test_enqueue_before_migrate_says_to_run_migrate(unmigrated, code):
+    done = manage("shell", "-c", code, PGJOBS_TEST_DATABASE=unmigrated)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last == (
