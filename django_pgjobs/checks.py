@@ -12,11 +12,10 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.db import connections, router
-from django.db.migrations.loader import MigrationLoader
 
-from django_pgjobs import registry, transports
+from django_pgjobs import registry, schema, transports
 from django_pgjobs.conf import get_settings, unknown_keys
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
@@ -248,9 +247,52 @@ def _postgresql(alias: str) -> bool:
 
 def _migrations_pending(alias: str) -> bool:
     """Whether some of this app's migrations are not applied on `alias`."""
-    loader = MigrationLoader(connections[alias])
-    ours = {key for key in loader.graph.nodes if key[0] == Job._meta.app_label}
-    return not ours <= loader.applied_migrations.keys()
+    return bool(schema.pending_migrations(alias))
+
+
+@register(deploy=True)
+def check_database_checks_ran(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """`check --deploy` without --database skips the checks that need the database: say so,
+    once, and how to run them."""
+    alias = _alias()
+    if databases is not None and alias in databases:
+        return []
+    return [
+        Info(
+            "django-pgjobs's database checks did not run: whether its migrations are applied "
+            "(W025), whether the job table's indexes are valid (E021), which queues no running "
+            "worker serves (W024).",
+            hint=f"Run `manage.py check --deploy --database {alias}` to run them.",
+            id="pgjobs.I001",
+        )
+    ]
+
+
+@register(Tags.database, deploy=True)
+def check_migrations(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """This app's migrations are all applied: without them enqueue, runjobs, jobstats and the
+    admin stop at a missing table or column. A warning, not an error: a deploy that runs this
+    check before `migrate` must still get to migrate."""
+    alias = _alias()
+    if databases is None or alias not in databases or not _postgresql(alias):
+        return []
+    pending = schema.pending_migrations(alias)
+    if not pending:
+        return []
+    shown = ", ".join(pending[:3]) + (f" and {len(pending) - 3} more" if len(pending) > 3 else "")
+    return [
+        Warning(
+            f"{len(pending)} migrations of django-pgjobs are not applied on the database "
+            f"{alias!r} ({shown}): enqueue, runjobs, jobstats and the admin fail at the "
+            "missing tables or columns until they are.",
+            hint="Run `manage.py migrate` (before starting the workers of a new release).",
+            id="pgjobs.W025",
+        )
+    ]
 
 
 @register(Tags.database, deploy=True)
@@ -262,6 +304,8 @@ def check_served_queues(
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):
         return []
+    if _migrations_pending(alias):
+        return []  # pgjobs.W025 says so; the workers' rows may not even have a table yet
     alive = [worker for worker in stats.worker_stats(alias) if worker.alive]
     if not alive:
         return []

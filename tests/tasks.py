@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from django.core.exceptions import ObjectDoesNotExist
 
@@ -167,6 +171,58 @@ def opens_a_span() -> None:
 
     with trace.get_tracer("tests").start_as_current_span("inside the handler"):
         _count("opens_a_span")
+
+
+# Handlers of every shape a payload is checked against, at enqueue and when the job runs.
+
+
+@task
+def positional_only(order_id: int, /, note: str = "") -> None:
+    _count("positional_only")
+
+
+@task
+def keyword_only(*, order_id: int, note: str = "") -> None:
+    _count("keyword_only")
+
+
+@task
+def takes_varargs(*args: int, order_id: int) -> None:
+    _count("takes_varargs")
+
+
+@task
+def takes_anything(order_id: int, **options: object) -> None:
+    _count("takes_anything")
+
+
+@dataclass
+class Greeter:
+    """A callable object as a handler; a dataclass instance, so it cannot be hashed."""
+
+    greeting: str
+
+    def __call__(self, name: str) -> None:
+        _count(f"{self.greeting} {name}")
+
+
+greet = task(name="tests.tasks.greet")(Greeter("hello"))
+
+
+def logged(func: Callable[..., None]) -> Callable[..., None]:
+    """A decorator as people write them: (*args, **kwargs), with functools.wraps."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        func(*args, **kwargs)
+
+    return wrapper
+
+
+@task
+@logged
+def decorated(order_id: int) -> None:
+    _count("decorated")
 
 
 # The chaos suite's tasks and the crash tests' hostile handlers live in their own modules;

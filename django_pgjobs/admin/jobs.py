@@ -41,6 +41,7 @@ from django_pgjobs.admin.lists import (
     QueueFilter,
     TaskFilter,
 )
+from django_pgjobs.admin.missing import MigrateFirst
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -60,7 +61,7 @@ TIMES = ("run_at_display", "created_at_display", "started_at_display", "finished
 LEASE = ("worker", "leased_until_display", "cancel_requested", "unique_key")
 
 
-class BaseJobAdmin(JobColumns, ModelAdmin):
+class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
     list_filter = ("status", QueueFilter, TaskFilter)
     list_per_page = 50
     show_full_result_count = False

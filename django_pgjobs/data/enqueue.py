@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
-from django_pgjobs import registry, validation
+from django_pgjobs import registry, schema, validation
+from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows, sql, wakeups
 from django_pgjobs.data.records import NewJob
-from django_pgjobs.errors import EnqueueError
+from django_pgjobs.errors import EnqueueError, PayloadMismatch
 from django_pgjobs.ids import uuid7, uuid7_batch
 from django_pgjobs.status import Status
 
@@ -33,9 +34,14 @@ NEW_JOB: dict[str, Any] = {
 }  # fmt: skip
 
 
-def new_job(
+def new_job(task_or_name: Task | str, payload: dict[str, Any] | None, **options: Any) -> NewJob:
+    """A job to insert, its options (those of `options_of`) and its payload checked: see there."""
+    task, job = options_of(task_or_name, **options)
+    return job._replace(payload_json=payload_texts(task, [payload])[0])
+
+
+def options_of(
     task_or_name: Task | str,
-    payload: dict[str, Any] | None,
     *,
     queue: str | None,
     priority: int | None,
@@ -43,19 +49,20 @@ def new_job(
     delay: float | timedelta | None,
     max_attempts: int | None,
     unique_key: str | None,
-) -> NewJob:
-    """A job to insert, every option checked (EnqueueError before anything is written): each
-    option given, else the task's default, else the PGJOBS default."""
+) -> tuple[Task, NewJob]:
+    """The registered task, and a job of it with an empty payload, every option checked
+    (EnqueueError before anything is written): each option given, else the task's default, else
+    the PGJOBS default."""
     settings = get_settings()
     task = registry.resolve(task_or_name)
     if run_at is not None and delay is not None:
         raise EnqueueError("Pass run_at or delay, not both.")
-    return NewJob(
+    return task, NewJob(
         id=uuid7(),
         # An empty name is an error, not "the default queue" (`_first`, not `or`).
         queue=validation.check_queue(_first(queue, task.queue, settings.DEFAULT_QUEUE)),
         task=task.name,
-        payload_json=validation.payload_json(payload, settings.MAX_PAYLOAD_BYTES),
+        payload_json="{}",
         priority=validation.check_priority(
             _first(priority, task.priority, settings.DEFAULT_PRIORITY)
         ),
@@ -66,6 +73,26 @@ def new_job(
         ),
         unique_key=None if unique_key is None else validation.check_unique_key(unique_key),
     )
+
+
+def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list[str]:
+    """Each payload as JSON text, once it survives jsonb and fits the task's handler; the
+    EnqueueError names the payload's position when there are several."""
+    limit = get_settings().MAX_PAYLOAD_BYTES
+    # An integration's job (a Django Task's) has a payload of its own shape: its backend
+    # checks the arguments in it (backend.PgJobsBackend.enqueue).
+    handler = None if registry.runner_for(task.name) else task.func
+    texts = []
+    for index, payload in enumerate(payloads):
+        try:
+            texts.append(validation.payload_json(payload, limit))
+            if handler is not None:
+                check_arguments(handler, task.name, (), payload or {})
+        except (EnqueueError, PayloadMismatch) as error:
+            message = f"{error}." if isinstance(error, PayloadMismatch) else str(error)
+            where = f"payloads[{index}]: " if len(payloads) > 1 else ""
+            raise EnqueueError(where + message) from None
+    return texts
 
 
 def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> Job | None:
@@ -79,7 +106,7 @@ def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> J
         "max_attempts": job.max_attempts, "unique_key": job.unique_key,
         "channel": wakeups.CHANNEL if wake_up else None,
     }  # fmt: skip
-    with _sending(job, 1) as headers:
+    with _sending(job, 1) as headers, schema.migrated():  # a missing table: run migrate
         found = rows.execute(db, statement, params | {"headers": _text(headers)}, binary=True)
     if not found:
         return None  # its unique_key is held by a live job
@@ -103,7 +130,7 @@ def insert_many(
         return []
     ids = uuid7_batch(len(payloads))
     made: list[Job] = []
-    with transaction.atomic(using=db, savepoint=False):
+    with schema.migrated(), transaction.atomic(using=db, savepoint=False):
         wake_up = wakeups.to_send(db, [options.queue])
         params = {
             "queue": options.queue, "run_at": options.run_at, "delay": options.delay or 0.0,

@@ -19,7 +19,7 @@ from uuid import UUID
 
 from django.db import connections, models, router, transaction
 
-from django_pgjobs import signals, validation
+from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
@@ -105,13 +105,12 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """Write many jobs of one task, `batch_size` per COPY, all in one transaction (the
         caller's, else its own). Every payload is checked before anything is written."""
         # The options are the same for every job: check them once, then each payload.
-        options = enqueue.new_job(
-            task, None, queue=queue, priority=priority, run_at=run_at, delay=delay,
+        registered, options = enqueue.options_of(
+            task, queue=queue, priority=priority, run_at=run_at, delay=delay,
             max_attempts=max_attempts, unique_key=None,
         )  # fmt: skip
-        limit = get_settings().MAX_PAYLOAD_BYTES
         checked = [{} if payload is None else payload for payload in payloads]
-        texts = [validation.payload_json(payload, limit) for payload in checked]
+        texts = enqueue.payload_texts(registered, checked)
         db = self._write_db()
         jobs = enqueue.insert_many(self.model, db, options, checked, texts, batch_size)
         signals.send(signals.job_enqueued, self.model, jobs=jobs)

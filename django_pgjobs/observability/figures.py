@@ -41,8 +41,14 @@ class Figures:
 
     @property
     def silent(self) -> list[stats.WorkerStats]:
-        """Workers that wrote a row in the last 15 minutes but are no longer alive."""
-        return [w for w in self.workers if not w.alive]
+        """Workers that wrote a row in the last 15 minutes, then went silent without stopping
+        (killed, hung, or cut off from the database)."""
+        return [w for w in self.workers if not w.alive and not w.stopped]
+
+    @property
+    def stopped(self) -> list[stats.WorkerStats]:
+        """Workers that stopped (and said so) in the last 15 minutes."""
+        return [w for w in self.workers if w.stopped]
 
 
 def measure(db: str | None = None) -> Figures:

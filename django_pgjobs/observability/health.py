@@ -2,7 +2,7 @@
 
 Each reason names the threshold it used and the documentation section that explains what to
 do. Levels follow the monitoring-plugin convention, so the exit code of `jobstats` is a probe:
-0 healthy, 1 warning, 2 critical.
+0 healthy, 1 warning, 2 critical, and 3 unknown when there is no verdict.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class Level(IntEnum):
     HEALTHY = 0
     WARNING = 1
     CRITICAL = 2
+    #: No verdict: the figures could not be read (jobstats says why). Never a reason's level.
+    UNKNOWN = 3
 
 
 @dataclass(frozen=True)

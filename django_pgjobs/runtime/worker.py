@@ -20,7 +20,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
-from django_pgjobs.runtime import execute, listener, policy
+from django_pgjobs.runtime import execute, listener, policy, served
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
@@ -106,6 +106,8 @@ class Worker:
             self.id, ",".join(options.queues), options.concurrency, options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
+        if options.parent_pid is None:  # a supervisor's children: it said so once for all
+            served.warn(self.db, options.queues, f"worker {self.id}")
         self._lock_waits.limit_this_thread()
         self._start_threads()
         outage = Outage()
@@ -244,12 +246,12 @@ class Worker:
     def lease_of(self, job: Job) -> float:
         return execute.limits_of(job, self.lease)[0]
 
-    def _report(self, seconds: float) -> None:
+    def _report(self, seconds: float, stopping: bool = False) -> None:
         """Write what this worker did per queue since the last report (QueueStat rows), and
-        log it in one line."""
+        log it in one line; `stopping`: the last report, which also says the worker stopped."""
         activity, self.activity = self.activity, ActivityTally()
         QueueStat.objects.using(self.db).bulk_create(
-            activity.rows(self.id, seconds, self.options.queues)
+            activity.rows(self.id, seconds, self.options.queues, stopping)
         )
         log_activity(activity, seconds, len(self._in_flight))
 
@@ -324,7 +326,7 @@ class Worker:
         reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
         seconds = max(1e-3, time.monotonic() - reporter.since)
         try:
-            self._report(seconds)
+            self._report(seconds, stopping=True)
         except DatabaseError:
             log_activity(self.activity, seconds, len(self._in_flight))
         connections.close_all()

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
-from django_pgjobs.status import Status
-from django_pgjobs.testing import run_jobs
 from tests import tasks
 
 
@@ -25,15 +24,12 @@ def test_using_refuses_celerys_options(option):
 
 
 @pytest.mark.django_db
-def test_countdown_given_to_enqueue_is_a_payload_key_and_never_a_delay():
-    # enqueue(**kwargs) takes the payload: the handler cannot be called with it, a permanent
-    # error. (When enqueue checks payloads against the handler's signature, it is refused there.)
-    job = tasks.noop.enqueue(countdown=60)
-    assert job.run_at <= job.created_at  # not delayed
-
-    run = run_jobs()
-
-    assert [j.pk for j in run.failed] == [job.pk]
-    failed = Job.objects.get(pk=job.pk)
-    assert failed.status == Status.FAILED and failed.attempts == 1
-    assert "unexpected keyword argument 'countdown'" in failed.last_error
+@pytest.mark.parametrize(("option", "instead"), [("countdown", "delay"), ("eta", "run_at")])
+def test_countdown_given_to_enqueue_is_refused_and_never_a_delay(option, instead):
+    # enqueue(**kwargs) takes the payload; the handler cannot be called with this one, so
+    # enqueue refuses it, saying where the option goes.
+    with pytest.raises(EnqueueError) as refused:
+        tasks.noop.enqueue(**{option: 60})
+    assert f"unexpected argument {option!r}" in str(refused.value)
+    assert f"task.using({instead}=...).enqueue(...)" in str(refused.value)
+    assert not Job.objects.exists()

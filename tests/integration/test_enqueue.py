@@ -13,7 +13,8 @@ from django_pgjobs.data import wakeups as notify
 from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
-from tests import tasks
+from django_pgjobs.testing import run_jobs
+from tests import framework_tasks, tasks
 
 pytestmark = pytest.mark.django_db
 
@@ -224,3 +225,68 @@ def test_one_bad_payload_in_a_bulk_enqueue_writes_nothing():
     with pytest.raises(EnqueueError, match=r"payload\['to'\] is inf"):
         Job.objects.bulk_enqueue(tasks.send_email, payloads)
     assert Job.objects.count() == 0
+
+
+# ---- the payload against the handler's signature -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "enqueue",
+    [
+        lambda: tasks.send_email.enqueue(recipient="a@example.com"),
+        lambda: tasks.send_email.using(priority=1).enqueue(recipient="a@example.com"),
+        lambda: Job.objects.enqueue(tasks.send_email, {"recipient": "a@example.com"}),
+        # By name, for a task registered in this process: checked as well.
+        lambda: Job.objects.enqueue("tests.tasks.send_email", {"recipient": "a@example.com"}),
+    ],
+    ids=["task.enqueue", "task.using().enqueue", "Job.objects.enqueue", "by name"],
+)
+def test_a_payload_that_does_not_fit_the_handler_is_refused_at_enqueue(enqueue):
+    with CaptureQueriesContext(connection) as queries, pytest.raises(EnqueueError) as raised:
+        enqueue()
+    assert str(raised.value) == (
+        "the payload does not fit tests.tasks.send_email(to, subject=''): unexpected argument "
+        "'recipient'; missing the required argument 'to'."
+    )
+    assert len(queries) == 0
+    assert Job.objects.count() == 0
+
+
+def test_celerys_countdown_is_refused_and_told_where_a_delay_goes():
+    with pytest.raises(EnqueueError, match=r"pass delay=\.\.\. with task\.using\(delay=\.\.\.\)"):
+        tasks.send_email.enqueue(to="a@example.com", countdown=10)
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("handler", "payload"),
+    [
+        (tasks.keyword_only, {"order_id": 1}),
+        (tasks.takes_varargs, {"order_id": 1}),
+        (tasks.takes_anything, {"order_id": 1, "anything": "else"}),
+        (tasks.decorated, {"order_id": 1}),
+        (tasks.greet, {"name": "Ada"}),
+    ],
+    ids=["keyword-only", "*args", "**kwargs", "functools.wraps", "callable object"],
+)
+def test_every_shape_of_handler_is_enqueued_and_run_with_a_payload_that_fits(handler, payload):
+    job = Job.objects.enqueue(handler, payload)
+    run = run_jobs()
+    assert [(ran.pk, ran.status) for ran in run.jobs] == [(job.pk, Status.SUCCEEDED)], run
+
+
+def test_bulk_enqueue_checks_each_payload_and_names_the_one_that_does_not_fit():
+    payloads = [{"to": "a"}, {"to": "b"}, {"subject": "no recipient"}]
+    with pytest.raises(EnqueueError, match=r"^payloads\[2\]: the payload does not fit"):
+        Job.objects.bulk_enqueue(tasks.send_email, payloads)
+    assert Job.objects.count() == 0
+
+
+def test_a_django_task_whose_arguments_do_not_fit_is_refused_at_enqueue():
+    with pytest.raises(EnqueueError, match=r"add_async\(a, b\): missing the required argument 'b'"):
+        framework_tasks.add_async.enqueue(1)
+    # A Task that takes its context gets it first: the payload fills the rest.
+    framework_tasks.sees_its_context.enqueue("x")
+    with pytest.raises(EnqueueError, match="unexpected argument 'values'"):
+        framework_tasks.sees_its_context.enqueue(values="x")
+    assert Job.objects.count() == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -12,11 +13,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import router
 
-from django_pgjobs import transports
+from django_pgjobs import checks, transports
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.runtime import reloading
+from django_pgjobs.models import Job
+from django_pgjobs.runtime import reloading, served
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.supervisor import Supervisor
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
     from django_pgjobs.jetstream.consumer import NatsWorker
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+logger = logging.getLogger("django_pgjobs.runtime.worker")
 
 
 def _queue(value: str) -> str:
@@ -47,6 +52,39 @@ def _positive(kind: type[int] | type[float]) -> Any:
         return number
 
     return parse
+
+
+#: The shortest --lease: heartbeats renew leases every lease/3 seconds, so below a second the
+#: lease keeper would renew more than three times a second and lose leases to any statement
+#: that takes a moment. Leases under checks.MIN_LEASE (10 s) are accepted with a warning.
+MIN_LEASE = 1.0
+
+
+def _lease(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    if not MIN_LEASE <= seconds < 1e9:
+        raise ArgumentTypeError(
+            f"must be at least {MIN_LEASE:g} second, got {value}: heartbeats renew a lease "
+            f"every lease/3 seconds, so a shorter lease is lost while its job still runs "
+            f"(use {checks.MIN_LEASE:g} or more in production)"
+        )
+    return seconds
+
+
+def _grace(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= seconds < 1e9:
+        raise ArgumentTypeError(
+            f"must be 0 or more seconds, got {value}: the time running jobs get to finish "
+            "after a stop signal (0 releases them at once)"
+        )
+    return seconds
 
 
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
@@ -88,14 +126,14 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--lease",
-            type=_positive(float),
+            type=_lease,
             help="seconds a claim holds a job before it may be reaped; heartbeats "
             "extend it every lease/3 (default PGJOBS['LEASE'], "
             f"{get_settings().LEASE:g})",
         )
         parser.add_argument(
             "--grace",
-            type=float,
+            type=_grace,
             default=defaults.grace,
             help="seconds running jobs get to finish on shutdown before they are "
             f"released back to ready (default {defaults.grace:g})",
@@ -161,6 +199,16 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         _show_logs(options["verbosity"])
+        lease = options["lease"]
+        # A supervisor's children leave the warnings to it (runjobs --processes).
+        if lease is not None and lease < checks.MIN_LEASE and not options["supervised_by"]:
+            logger.warning(
+                "--lease %g is under %gs: heartbeats go out every lease/3 and the reaper looks "
+                "every 5 s, so a worker paused for more than %gs (a database failover, a long "
+                "garbage collection) loses its jobs to another worker while their handlers "
+                "still run (see check pgjobs.W021)",
+                lease, checks.MIN_LEASE, lease,
+            )  # fmt: skip
         if options["processes"] > 1 and options["once"]:
             raise CommandError("--once runs one worker; leave out --processes.")
         if options["processes"] > 1 and options["metrics_port"]:
@@ -189,6 +237,9 @@ class Command(BaseCommand):
     def run(self, options: dict[str, Any]) -> int:
         """Run the supervisor or the worker until stopped; returns the exit code."""
         if options["processes"] > 1:
+            queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
+            who = f"the workers of supervisor {os.getpid()}"
+            served.warn(router.db_for_write(Job), queues, who)
             supervisor = Supervisor(options["processes"], _child_args(options))
             _stoppers.append(supervisor.stop)
             try:
@@ -203,7 +254,7 @@ class Command(BaseCommand):
                 concurrency=options["concurrency"],
                 batch_size=options["batch_size"],
                 lease=options["lease"],
-                grace=max(0.0, options["grace"]),
+                grace=options["grace"],
                 poll_interval=options["poll_interval"],
                 listen=options["listen"],
                 once=options["once"],
