@@ -113,8 +113,12 @@ def edit_payload_view(model_admin: Any, request: HttpRequest, object_id: str) ->
         )
         return HttpResponseRedirect(page)
     form = PayloadForm(job, request.POST if request.method == "POST" else None)
+    stored = _compact(job.payload)
     if request.method == "POST" and form.is_valid() and fix_and_replay(request, job, form):
-        model_admin.message_user(request, _("Payload changed, and the job replayed."))
+        if _compact(job.payload) == stored:  # saved as it was: say so, not "changed"
+            model_admin.message_user(request, _("The job replayed, its payload unchanged."))
+        else:
+            model_admin.message_user(request, _("Payload changed, and the job replayed."))
         # The job's page under Jobs: a replayed job is no longer a dead letter.
         return HttpResponseRedirect(reverse("admin:pgjobs_job_change", args=[job.pk]))
     context = {

@@ -51,9 +51,9 @@ def warn(db: str, queues: Sequence[str], who: str) -> None:
         if queue not in used:
             logger.warning(
                 "the queue %r, served by %s, is used by no registered task, periodic schedule or "
-                "Django Tasks backend (they use %s): a typo in --queue? Jobs reach it only when "
+                "Django Tasks backend (%s): a typo in --queue? Jobs reach it only when "
                 "enqueued with queue=%r.",
-                queue, who, _listed(sorted(used)), queue,
+                queue, who, _what_they_use(used), queue,
             )  # fmt: skip
     unserved = sorted(set(used) - set(queues))
     if not unserved:
@@ -65,10 +65,18 @@ def warn(db: str, queues: Sequence[str], who: str) -> None:
     for queue in unserved:
         if queue not in others:
             logger.warning(
-                "no running worker serves the queue %r, which %s use: its jobs wait until a "
+                "no running worker serves the queue %r, which %s %s: its jobs wait until a "
                 "worker does (runjobs --queue %s; served by %s: %s).",
-                queue, _listed(used[queue]), queue, who, _listed(queues),
+                queue, _listed(used[queue]), "uses" if len(used[queue]) == 1 else "use", queue,
+                who, _listed(queues),
             )  # fmt: skip
+
+
+def _what_they_use(used: dict[str, list[str]]) -> str:
+    if used:
+        return f"they use {_listed(sorted(used))}"
+    # Nothing at all: most likely the app whose tasks module declares them is not installed.
+    return "no task is registered at all: is the app with your tasks module in INSTALLED_APPS?"
 
 
 def _listed(names: Sequence[str], most: int = 5) -> str:

@@ -86,6 +86,14 @@ def test_a_payload_enqueue_or_the_handler_would_refuse_is_refused_and_nothing_ch
     assert not LogEntry.objects.exists()
 
 
+def test_a_payload_saved_unchanged_replays_the_job_and_does_not_say_it_changed():
+    job = JobFactory(dead=True, task="tests.tasks.send_email",
+                     payload={"to": "ada@example.com", "subject": "Hi"})  # fmt: skip
+    response = post(staff(*EDITORS), job, {"subject": "Hi", "to": "ada@example.com"})
+    assert messages_of(response) == ["The job replayed, its payload unchanged."]
+    assert reload(job).status == Status.READY
+
+
 def test_redacted_keys_keep_their_value_and_stay_hidden_in_the_form_and_the_log():
     job = JobFactory(dead=True, task="custom.name", payload={"password": "s3cret", "user": 1})
     editor = staff(*EDITORS)

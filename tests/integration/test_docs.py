@@ -9,13 +9,16 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core import mail
 
 from django_pgjobs import registry
 from django_pgjobs.models import Job
+from django_pgjobs.testing import run_jobs
 
 pytestmark = pytest.mark.django_db
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 
 
 def snippet(page: str, first_line: str) -> str:
@@ -29,7 +32,8 @@ def snippet(page: str, first_line: str) -> str:
     raise AssertionError(f"{page} has no python block starting with {first_line!r}")
 
 
-def test_the_quickstarts_sign_up_can_run_twice_for_one_address(monkeypatch):
+def quickstart_views(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """The Quickstart's myapp.tasks and myapp.views as written, its task registered for now."""
     monkeypatch.setattr(registry, "_registry", registry.all_tasks())  # forget its task after
     myapp, tasks = types.ModuleType("myapp"), types.ModuleType("myapp.tasks")
     monkeypatch.setitem(sys.modules, "myapp", myapp)
@@ -37,10 +41,33 @@ def test_the_quickstarts_sign_up_can_run_twice_for_one_address(monkeypatch):
     exec(snippet("quickstart.md", "# myapp/tasks.py"), tasks.__dict__)
     views: dict[str, object] = {"__name__": "myapp.views"}
     exec(snippet("quickstart.md", "# myapp/views.py"), views)
-    sign_up = views["sign_up"]
+    return views
+
+
+def test_the_quickstarts_sign_up_can_run_twice_for_one_address(monkeypatch):
+    sign_up = quickstart_views(monkeypatch)["sign_up"]
     assert callable(sign_up)
     sign_up("ada@example.com")
     sign_up("ada@example.com")  # the same person, twice: no IntegrityError, one welcome
     sign_up("grace@example.com")
     assert get_user_model().objects.count() == 2
     assert list(Job.objects.values_list("task", flat=True)) == ["myapp.tasks.send_welcome"] * 2
+
+
+def test_the_quickstarts_job_sends_the_welcome(monkeypatch):
+    sign_up = quickstart_views(monkeypatch)["sign_up"]
+    assert callable(sign_up)
+    sign_up("ada@example.com")
+    assert run_jobs().counts == {"succeeded": 1}
+    assert [message.to for message in mail.outbox] == [["ada@example.com"]]
+
+
+@pytest.mark.parametrize("page", [DOCS / "quickstart.md", ROOT / "README.md"])
+def test_the_quickstarts_worker_serves_the_queues_its_tasks_use(monkeypatch, page):
+    """Serving a queue no task uses (--queue default) would start the worker with a warning."""
+    quickstart_views(monkeypatch)
+    used = {registry.get_task("myapp.tasks.send_welcome").queue}
+    commands = re.findall(r"^\s*\$? ?python manage\.py runjobs (.*)$", page.read_text(), re.M)
+    assert commands, f"{page.name} shows no runjobs command"
+    for command in commands:
+        assert set(re.findall(r"--queue (\S+)", command)) == used, command
