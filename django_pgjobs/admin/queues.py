@@ -109,5 +109,6 @@ class QueueAdmin(ModelAdmin):
             "activity": reports.activity_rows(report),
             "alive": report.alive,
             "silent": report.silent,
+            "load": report.load,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)

@@ -12,11 +12,13 @@ from datetime import datetime
 from django.db import connections
 
 from django_pgjobs.observability import dbstats, stats
+from django_pgjobs.observability.load import QueueLoad, queue_load
 
 
 @dataclass(frozen=True)
 class Figures:
-    """The queues, their recent activity, the workers, the job table and the database."""
+    """The queues, their recent activity, the workers, the job table, the database and the
+    queue's share of its active time."""
 
     at: datetime  # the database's clock when the figures were taken
     queues: list[stats.QueueDepth]
@@ -24,6 +26,7 @@ class Figures:
     workers: list[stats.WorkerStats]
     table: dbstats.TableStats
     database: dbstats.DatabaseStats
+    load: QueueLoad | None = None  # the queue's share of the database's active time
 
     def activity_of(self, queue: str, window: int) -> stats.QueueActivity | None:
         return next((a for a in self.activity if a.queue == queue and a.window == window), None)
@@ -57,4 +60,5 @@ def measure(db: str | None = None) -> Figures:
         workers=workers,
         table=dbstats.table_stats(db),
         database=dbstats.database_stats(db),
+        load=queue_load(db),
     )

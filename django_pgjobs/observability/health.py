@@ -41,6 +41,8 @@ class Thresholds:
     NOTIFY_QUEUE_USAGE: float = 0.5
     #: Jobs finished per second over 15 minutes beyond which strain means graduating.
     ENVELOPE_JOBS_PER_SECOND: float = 1000.0
+    #: The queue's share of the database's active time over this.
+    QUEUE_SHARE: float = 0.5
 
 
 THRESHOLD_NAMES = frozenset(field.name for field in fields(Thresholds))
@@ -111,6 +113,7 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
         *_retry_storms(report, limits),
         *_vacuum(report, limits),
         *_database(report, limits),
+        *_queue_share(report, limits),
     ]
     strained = {reason.code for reason in reasons} & {"workers_behind", "tune_autovacuum"}
     finished = sum(a.throughput for a in report.activity if a.window == 900)
@@ -245,3 +248,18 @@ def _database(report: Figures, limits: Thresholds) -> list[Reason]:
             )
         )
     return reasons
+
+
+def _queue_share(report: Figures, limits: Thresholds) -> list[Reason]:
+    load = report.load
+    if load is None or load.share is None or load.share < limits.QUEUE_SHARE:
+        return []
+    return [
+        _reason(
+            "queue_takes_the_database",
+            Level.WARNING,
+            "the queue takes much of the database's time",
+            f"the job queue's statements: {load.describe()}",
+            "QUEUE_SHARE",
+        )
+    ]

@@ -1,5 +1,6 @@
 """No statement of the worker's own waits long on a lock held elsewhere: the connections of its
-main thread and lease keeper get a lock_timeout (handlers' connections are left alone)."""
+main thread and lease keeper get a lock_timeout (handlers' connections are left alone), and an
+application_name that says whose they are in pg_stat_activity."""
 
 from __future__ import annotations
 
@@ -14,16 +15,24 @@ from django.db.backends.signals import connection_created
 LOCK_TIMEOUT = "5s"
 
 
+def application_name(worker: str) -> str:
+    """What the worker's own connections are called (jobstats counts them as the queue's)."""
+    return f"pgjobs worker {worker}"
+
+
 class LockWaits:
-    """Gives the worker's own threads' connections to `db` a lock_timeout, on every (re)connect.
+    """Gives the worker's own threads' connections to `db` a lock_timeout and the worker's
+    application_name, on every (re)connect.
 
     Not behind a transaction-mode pooler (DISABLE_SERVER_SIDE_CURSORS): a session setting would
     leak to other clients of the pooled server connection. There, set it for the worker's role
-    (``ALTER ROLE worker SET lock_timeout = '5s'``; see docs/howto/pgbouncer.md).
+    (``ALTER ROLE worker SET lock_timeout = '5s'``; see docs/howto/pgbouncer.md), and name the
+    worker's connections in its OPTIONS.
     """
 
-    def __init__(self, db: str) -> None:
+    def __init__(self, db: str, name: str) -> None:
         self.db = db
+        self.name = name
         self._threads: set[int] = set()
         self.enabled = not connections[db].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
 
@@ -36,7 +45,7 @@ class LockWaits:
         connection = connections[self.db]
         if connection.connection is not None:
             try:
-                self._set(connection)
+                self._set(connection, self.name)
             except DatabaseError:
                 connection.close()  # gone already: set again when the worker reconnects
 
@@ -46,9 +55,13 @@ class LockWaits:
 
     def _on_connect(self, sender: Any, connection: Any, **kwargs: Any) -> None:
         if connection.alias == self.db and threading.get_ident() in self._threads:
-            self._set(connection)
+            self._set(connection, self.name)
 
     @staticmethod
-    def _set(connection: Any) -> None:
+    def _set(connection: Any, name: str) -> None:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT set_config('lock_timeout', %s, false)", [LOCK_TIMEOUT])
+            cursor.execute(
+                "SELECT set_config('lock_timeout', %s, false), "
+                "set_config('application_name', %s, false)",
+                [LOCK_TIMEOUT, name],
+            )
