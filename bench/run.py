@@ -281,6 +281,17 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
                             target="≤ 0.25", met=result.commits <= 0.25))  # fmt: skip
             rows.append(Row("W3 defaults: WAL bytes per job", result.wal_bytes, "B"))
     if "w3" in sections:
+        say("W3 drain, WORKER_SYNCHRONOUS_COMMIT (the worker's commits durable)")
+        runs = [
+            workloads.drain(cluster, sizes.drain, 1, [], logs, startup, env={"BENCH_SYNC": "1"})
+            for _ in range(repeat)
+        ]
+        durable = sorted(runs, key=lambda d: d.jobs_per_second)[len(runs) // 2]
+        name, ceil = same_batch(durable)
+        slower = w3 / durable.jobs_per_second
+        rows.append(Row("W3 drain, WORKER_SYNCHRONOUS_COMMIT = True", durable.jobs_per_second,
+                        "jobs/s", name, ceil,
+                        note=f"the default is {slower:.2f} × this; {_cause(durable)}"))  # fmt: skip
         say("W3 drain, prepared statements")
         prepared = workloads.drain(cluster, sizes.drain, 1, [], logs, startup,
                                    env={"BENCH_PREPARE": "5"})  # fmt: skip
@@ -354,6 +365,13 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
                                     met=None if limit is None else lat[key] <= limit,
                                     note=f"{lat['missing']:.0f} missing" if lat["missing"]
                                     else ""))  # fmt: skip
+
+    if "w5" in sections:
+        say("W5 latency 50/s LISTEN, WORKER_SYNCHRONOUS_COMMIT")
+        lat = workloads.latency(cluster, 50, sizes.latency_seconds, True, logs, BENCH_SYNC="1")
+        for key in ("p50", "p95", "p99"):
+            rows.append(Row(f"W5 50/s LISTEN, WORKER_SYNCHRONOUS_COMMIT = True, {key}", lat[key],
+                            "ms"))  # fmt: skip
 
     if "heartbeat" in sections:
         say("heartbeats: HOT share")

@@ -328,13 +328,13 @@ def _wait_drained(cluster: Cluster, worker: subprocess.Popen[bytes]) -> int:
 
 
 def latency(
-    cluster: Cluster, rate: float, seconds: float, listen: bool, logs: Path
+    cluster: Cluster, rate: float, seconds: float, listen: bool, logs: Path, **env: str
 ) -> dict[str, float]:
     """Enqueue `stamp` jobs at `rate`/s; enqueue-commit → handler-start, in milliseconds."""
     reset(cluster)
     stamps = Path(tempfile.mkstemp(prefix="stamps-", dir=logs)[1])
     args = [] if listen else ["--no-listen"]
-    worker = start_worker(cluster, args, logs / "latency.log", BENCH_STAMPS=str(stamps))
+    worker = start_worker(cluster, args, logs / "latency.log", BENCH_STAMPS=str(stamps), **env)
     committed: dict[str, float] = {}
 
     def enqueue_one() -> str:

@@ -1,6 +1,7 @@
-"""No statement of the worker's own waits long on a lock held elsewhere: the connections of its
-main thread and lease keeper get a lock_timeout (handlers' connections are left alone), and an
-application_name that says whose they are in pg_stat_activity."""
+"""The session settings of the worker's own connections (its main thread's and lease keeper's;
+handlers' connections are left alone): a lock_timeout, so that no statement of the worker's own
+waits long on a lock held elsewhere; an application_name that says whose they are in
+pg_stat_activity; and synchronous_commit off unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 from django.db import DatabaseError, connections
 from django.db.backends.signals import connection_created
+
+from django_pgjobs.conf import get_settings
 
 #: The longest one of the worker's statements waits for a lock; past it the statement fails and
 #: the worker tries again later, instead of stalling behind, say, an operator's open transaction.
@@ -21,8 +24,8 @@ def application_name(worker: str) -> str:
 
 
 class LockWaits:
-    """Gives the worker's own threads' connections to `db` a lock_timeout and the worker's
-    application_name, on every (re)connect.
+    """Gives the worker's own threads' connections to `db` a lock_timeout, the worker's
+    application_name and its synchronous_commit, on every (re)connect.
 
     Not behind a transaction-mode pooler (DISABLE_SERVER_SIDE_CURSORS): a session setting would
     leak to other clients of the pooled server connection. There, set it for the worker's role
@@ -62,6 +65,7 @@ class LockWaits:
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %s, false), "
-                "set_config('application_name', %s, false)",
-                [LOCK_TIMEOUT, name],
+                "set_config('application_name', %s, false), "
+                "set_config('synchronous_commit', %s, false)",
+                [LOCK_TIMEOUT, name, "on" if get_settings().WORKER_SYNCHRONOUS_COMMIT else "off"],
             )
