@@ -10,10 +10,8 @@ against a clean one), `w4` (a drain where 10% fail once against a clean one).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,21 +25,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="20,000-job drains (else 100,000)")
     options = parser.parse_args()
-    from bench.cluster import Cluster
+    from bench.cluster import migrated
 
-    cluster = Cluster()
-    cluster.start()
-    try:
-        os.environ["DATABASE_URL"] = cluster.url
-        os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-
-        call_command("migrate", verbosity=0)
-        logs = ROOT / ".bench" / time.strftime("ab-%Y%m%d-%H%M%S")
-        logs.mkdir(parents=True, exist_ok=True)
+    with migrated("ab-") as (cluster, logs):
         count = 20_000 if options.quick else 100_000
         for name in options.comparisons:
             for label, a, b in comparison(name, cluster, count, logs):
@@ -58,8 +44,6 @@ def main() -> None:
                     f"{' '.join(f'{x / y:.2f}' for x, y in pairs)} |",
                     flush=True,
                 )
-    finally:
-        cluster.stop()
 
 
 Measure = Callable[[], float]

@@ -132,31 +132,17 @@ def main() -> None:
         })  # fmt: skip
     sections = set(options.only.split(","))
 
-    from bench.cluster import SETTINGS, Cluster
+    from bench.cluster import SETTINGS, migrated
 
     if options.naptime:
         SETTINGS["autovacuum_naptime"] = options.naptime
-    cluster = Cluster()
-    cluster.start()
-    try:
-        os.environ["DATABASE_URL"] = cluster.url
-        os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-
-        call_command("migrate", verbosity=0)
-        logs = ROOT / ".bench" / time.strftime("%Y%m%d-%H%M%S")
-        logs.mkdir(parents=True, exist_ok=True)
+    with migrated() as (cluster, logs):
         rows = run(cluster, sizes, sections, logs)
         info = {
             "postgres": cluster.version(),
             **{f"pg {k}": v for k, v in cluster.settings([*SETTINGS, "wal_sync_method"]).items()},
             **machine(),
         }
-    finally:
-        cluster.stop()
     report = "\n".join(
         [
             table(rows),
