@@ -117,7 +117,7 @@ def main() -> None:
         "--naptime", help="the cluster's autovacuum_naptime (default 10s), e.g. 1s: W6 with it"
     )
     parser.add_argument(
-        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w8,w9,heartbeat",
+        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w8,w9,heartbeat,nats",
         help="comma-separated sections to run (the ceiling is always measured for ratios)",
     )  # fmt: skip
     options = parser.parse_args()
@@ -396,6 +396,9 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
         rows.append(Row("W9 worker resident memory, peak", mem.peak_mb, "MB",
                         target="≤ 100 MB", met=mem.peak_mb <= 100))  # fmt: skip
 
+    if "nats" in sections:
+        rows.extend(_nats_rows(cluster, sizes, logs))
+
     if "w6" in sections:
         assert w3 is not None
         rate = 0.7 * w3
@@ -459,6 +462,34 @@ def _oltp_rows(cluster: Any, sizes: Sizes, w3: float, logs: Path) -> list[Row]:
                     note=f"{result.queue_rate / (share * w3):.2f} × the rate",
                 )
             )
+
+
+def _nats_rows(cluster: Any, sizes: Sizes, logs: Path) -> list[Row]:
+    """N1–N2: a queue carried by NATS JetStream ($BENCH_NATS), beside the PostgreSQL drain."""
+    from bench import nats_queues as nats
+    from bench import workloads
+
+    url = os.environ.get("BENCH_NATS", "nats://127.0.0.1:4222")
+    count = sizes.drain // 2
+    rows = []
+    say(f"N1 relay throughput, {count:,} jobs")
+    with nats.nats_queue(url) as env:
+        relay = nats.relay_throughput(cluster, count)
+        rows.append(Row(f"N1 relay {count:,} outbox rows to JetStream", relay.jobs_per_second,
+                        "jobs/s", note=f"{relay.statements:.3f} statements, {relay.commits:.3f} "
+                        "commits per job on PostgreSQL"))  # fmt: skip
+        say(f"N2 drain through JetStream, {count:,} jobs")
+        through = nats.drain(cluster, count, env, logs)
+    say(f"N2 PostgreSQL drain, {count:,} jobs, beside it")
+    local = workloads.drain(cluster, count, 1, [], logs, workloads.startup_cpu(cluster, logs))
+    rows.append(Row(f"N2 drain {count:,} through JetStream (relay + runjobs, 1 process)",
+                    through.jobs_per_second, "jobs/s",
+                    note=f"{through.statements:.3f} statements, {through.commits:.3f} commits "
+                    "per job on PostgreSQL; wall time with start-up"))  # fmt: skip
+    rows.append(Row(f"N2 drain {count:,} in PostgreSQL (runjobs, 1 process)",
+                    local.jobs_per_second, "jobs/s",
+                    note=f"{local.statements:.3f} statements, {local.commits:.3f} commits "
+                    "per job"))  # fmt: skip
     return rows
 
 

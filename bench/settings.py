@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 
@@ -28,3 +29,6 @@ PGJOBS = {
     # Short, so the soak reaches a steady state that pruning keeps bounded.
     "RETENTION": timedelta(seconds=float(os.environ.get("BENCH_RETENTION", "3600"))),
 }
+# bench/nats.py's workers: the run's NATS queue and server.
+if os.environ.get("BENCH_PGJOBS_NATS"):
+    PGJOBS.update(json.loads(os.environ["BENCH_PGJOBS_NATS"]))

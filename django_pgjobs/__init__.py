@@ -26,6 +26,15 @@ def cancel_requested() -> bool:
     return cancel_requested()
 
 
+def progress(done: float, total: float | None = None, note: str = "") -> None:
+    """Report the running job's progress: `done` of `total` (None: not known), with a short
+    `note`. Cheap enough to call for every item: the worker writes the latest report about once
+    a second. Outside a job it only checks its arguments (see runtime/progress.py)."""
+    from django_pgjobs.runtime.progress import progress
+
+    progress(done, total, note)
+
+
 __all__ = [
     "JobCancelled",
     "PermanentError",
@@ -33,5 +42,6 @@ __all__ = [
     "Task",
     "cancel_requested",
     "current_job",
+    "progress",
     "task",
 ]

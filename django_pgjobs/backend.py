@@ -30,6 +30,7 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from django_pgjobs import registry, validation
+from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, PermanentError, UnknownTask
 from django_pgjobs.models import Job
@@ -78,6 +79,10 @@ _STATUSES = {
 }
 
 
+#: Stands for the TaskContext when enqueue checks the arguments of a Task that takes one.
+_CONTEXT = object()
+
+
 class WorkerLost(Exception):
     """The error history's WorkerLost entries: the worker running the task died or hung (its
     lease expired, or its supervisor saw its process exit)."""
@@ -115,6 +120,12 @@ class PgJobsBackend(BaseTaskBackend):
         """One job, written by a plain INSERT in the caller's transaction: it commits or rolls
         back with the caller's own writes (there is no waiting for on_commit)."""
         self.validate_task(task)
+        try:
+            # As the worker will call it: a TaskContext first when the Task takes one.
+            given = [_CONTEXT, *args] if task.takes_context else list(args)
+            check_arguments(task.func, task.module_path, given, kwargs)
+        except PayloadMismatch as error:
+            raise EnqueueError(f"{error}.") from None
         try:
             payload = {
                 "args": validation.jsonable(list(args)),
@@ -172,7 +183,7 @@ def run(job: Job) -> Handled:
         task = get_django_task(job.task)
         result = running(job, task)
         args = [context(result), *result.args] if task.takes_context else result.args
-        execute.check_arguments(task.func, task.module_path, args, result.kwargs)
+        check_arguments(task.func, task.module_path, args, result.kwargs)
     except (UnknownTask, PayloadMismatch) as error:
         return execute.refused(error)
     except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed

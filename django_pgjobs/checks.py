@@ -1,19 +1,21 @@
 """System checks: PostgreSQL, sane PGJOBS values, connection settings that break LISTEN or
-prepared statements, the job table's indexes, and queues that no running worker serves.
+prepared statements, tracing without OpenTelemetry, the job table's indexes, and queues that no
+running worker serves.
 
 Imported by the app's ready() (apps.py), once the models can be."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.db import connections, router
-from django.db.migrations.loader import MigrationLoader
 
-from django_pgjobs import registry
+from django_pgjobs import registry, schema, transports
 from django_pgjobs.conf import get_settings, unknown_keys
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
@@ -175,6 +177,24 @@ def check_pooler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     return messages
 
 
+@register(Tags.compatibility)
+def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """PGJOBS['TRACING'] needs opentelemetry-api, which is imported only then (tracing.py)."""
+    if not get_settings().TRACING:
+        return []
+    try:
+        importlib.import_module("opentelemetry.propagate")
+    except ImportError as error:
+        return [
+            Error(
+                f"PGJOBS['TRACING'] is on, but OpenTelemetry cannot be imported ({error}).",
+                hint='Install the otel extra: pip install "django-pgjobs[otel]".',
+                id="pgjobs.E030",
+            )
+        ]
+    return []
+
+
 @register(Tags.database)
 def check_indexes(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
@@ -227,9 +247,52 @@ def _postgresql(alias: str) -> bool:
 
 def _migrations_pending(alias: str) -> bool:
     """Whether some of this app's migrations are not applied on `alias`."""
-    loader = MigrationLoader(connections[alias])
-    ours = {key for key in loader.graph.nodes if key[0] == Job._meta.app_label}
-    return not ours <= loader.applied_migrations.keys()
+    return bool(schema.pending_migrations(alias))
+
+
+@register(deploy=True)
+def check_database_checks_ran(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """`check --deploy` without --database skips the checks that need the database: say so,
+    once, and how to run them."""
+    alias = _alias()
+    if databases is not None and alias in databases:
+        return []
+    return [
+        Info(
+            "django-pgjobs's database checks did not run: whether its migrations are applied "
+            "(W025), whether the job table's indexes are valid (E021), which queues no running "
+            "worker serves (W024).",
+            hint=f"Run `manage.py check --deploy --database {alias}` to run them.",
+            id="pgjobs.I001",
+        )
+    ]
+
+
+@register(Tags.database, deploy=True)
+def check_migrations(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """This app's migrations are all applied: without them enqueue, runjobs, jobstats and the
+    admin stop at a missing table or column. A warning, not an error: a deploy that runs this
+    check before `migrate` must still get to migrate."""
+    alias = _alias()
+    if databases is None or alias not in databases or not _postgresql(alias):
+        return []
+    pending = schema.pending_migrations(alias)
+    if not pending:
+        return []
+    shown = ", ".join(pending[:3]) + (f" and {len(pending) - 3} more" if len(pending) > 3 else "")
+    return [
+        Warning(
+            f"{len(pending)} migrations of django-pgjobs are not applied on the database "
+            f"{alias!r} ({shown}): enqueue, runjobs, jobstats and the admin fail at the "
+            "missing tables or columns until they are.",
+            hint="Run `manage.py migrate` (before starting the workers of a new release).",
+            id="pgjobs.W025",
+        )
+    ]
 
 
 @register(Tags.database, deploy=True)
@@ -241,6 +304,8 @@ def check_served_queues(
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):
         return []
+    if _migrations_pending(alias):
+        return []  # pgjobs.W025 says so; the workers' rows may not even have a table yet
     alive = [worker for worker in stats.worker_stats(alias) if worker.alive]
     if not alive:
         return []
@@ -260,3 +325,23 @@ def check_served_queues(
         )
         for queue, names in sorted(unserved.items())
     ]
+
+
+@register(Tags.compatibility)
+def check_transports(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """PGJOBS["QUEUES"] and PGJOBS["NATS"] make sense, and a NATS queue has its client."""
+    messages: list[CheckMessage] = [
+        Error(problem, hint="See docs/reference/settings.md#queues.", id="pgjobs.E040")
+        for problem in transports.problems()
+    ]
+    queues = transports.nats_queues()
+    if queues and importlib.util.find_spec("nats") is None:
+        messages.append(
+            Error(
+                f"The queues {', '.join(sorted(queues))} use NATS JetStream, but the nats-py "
+                "package is not installed.",
+                hint="pip install 'django-pgjobs[nats]'",
+                id="pgjobs.E041",
+            )
+        )
+    return messages

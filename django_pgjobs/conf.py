@@ -49,6 +49,12 @@ class Settings:
     PERIODIC: Mapping[str, Any] = field(default_factory=dict)
     #: Thresholds of the health verdict, over health.Thresholds' defaults.
     HEALTH: Mapping[str, float] = field(default_factory=dict)
+    #: Trace enqueues and runs with OpenTelemetry (tracing.py; the `otel` extra).
+    TRACING: bool = False
+    #: Per-queue settings by queue name, e.g. {"events": {"TRANSPORT": "nats"}} (transports.py).
+    QUEUES: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: The NATS servers of queues whose transport is "nats" (transports.py).
+    NATS: Mapping[str, Any] = field(default_factory=dict)
 
     def retention(self) -> dict[str, timedelta | None]:
         """How long jobs of each final status are kept; None keeps them until deleted by hand.

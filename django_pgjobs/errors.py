@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.db import ProgrammingError
+
 from django_pgjobs.delays import as_seconds
 
 
@@ -33,6 +35,12 @@ class UnknownTask(EnqueueError, LookupError):
 
 class PayloadMismatch(TypeError):
     """The payload's keys do not fit the handler's signature (a permanent error)."""
+
+
+class NotMigrated(ProgrammingError):
+    """A pgjobs table or column does not exist: run ``manage.py migrate``. Raised by enqueue,
+    a database error all the same (Django's ProgrammingError); the admin, ``jobstats`` and
+    ``runjobs`` say the same in their own way."""
 
 
 class JobCancelled(PermanentError):

@@ -139,9 +139,21 @@ def families(report: reports.Report) -> list[Metric]:
     reasons = _gauge("pgjobs_health_reason", "1 for each reason of the verdict.", ["code"])
     for code in sorted({reason.code for reason in report.verdict.reasons}):
         reasons.add_metric([code], 1)
+    stream = _gauge(
+        "pgjobs_nats_messages", "A NATS queue's messages by state (stream, pending, "
+        "ack_pending, redelivered); -1 when NATS is unreachable.", ["queue", "state"],
+    )  # fmt: skip
+    for s in report.streams:
+        for state, value in (
+            ("stream", s.messages),
+            ("pending", s.pending),
+            ("ack_pending", s.ack_pending),
+            ("redelivered", s.redelivered),
+        ):
+            stream.add_metric([s.queue, state], value if s.reachable else -1)  # fmt: skip
     return [
         jobs, oldest, workers, paused, throughput, retry_rate, latency, tuples, sizes,
-        connections,
+        connections, stream,
         _single("pgjobs_idle_in_transaction", "Sessions idle in a transaction.",
                 d.idle_in_transaction),
         _single("pgjobs_oldest_snapshot_seconds", "Age of the transaction holding vacuum back.",

@@ -4,7 +4,6 @@ their due ticks (runtime/scheduler.py enqueues each tick exactly once however ma
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,9 +16,10 @@ from django.conf import settings as django_settings
 from django.core.checks import CheckMessage, Error, register
 
 from django_pgjobs import registry, validation
+from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.cron import CRON_HINT, check_cron, next_tick
-from django_pgjobs.errors import EnqueueError, UnknownTask
+from django_pgjobs.errors import EnqueueError, PayloadMismatch, UnknownTask
 
 logger = logging.getLogger(__name__)
 
@@ -202,10 +202,10 @@ def parse(name: Any, declaration: Any) -> Periodic:
     if not isinstance(pass_tick, bool):
         raise invalid(f"pass_tick={pass_tick!r} must be True or False.")
     try:
-        inspect.signature(task.func).bind(**periodic.payload_for(datetime.now(UTC)))
-    except TypeError as error:
+        check_arguments(task.func, task.name, (), periodic.payload_for(datetime.now(UTC)))
+    except PayloadMismatch as error:
         raise invalid(
-            f"{task.name} cannot be called with this payload: {error}.",
+            f"{error}.",
             "Make the payload's keys match the function's parameters (with pass_tick=True, "
             "it also receives tick=...).",
         ) from None

@@ -7,6 +7,9 @@ Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, ex
 - ``job_enqueued(jobs)``: after the INSERT (inside the caller's transaction: it may still roll
   back; use ``transaction.on_commit`` in the receiver to act only on committed jobs).
 - ``job_started(job)``: in the handler's thread, just before the handler is called.
+- ``job_progress(job, done, total, note)``: in the thread that called ``progress()``, at every
+  call inside a job (the arguments as checked; the database gets them later, see
+  runtime/progress.py).
 - ``job_succeeded(job, duration)``: the success was recorded.
 - ``job_retried(job, duration, error, delay)``: the attempt failed (``error`` is a
   ``Failure``) or asked to ``Retry`` (``error`` is None); the job is ready again later.
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 job_enqueued = Signal()
 job_started = Signal()
+job_progress = Signal()
 job_succeeded = Signal()
 job_retried = Signal()
 job_failed = Signal()

@@ -17,6 +17,7 @@ MAX_DEPTH = 64
 #: The largest integer a payload may hold, in bits (Python prints at most 4,300 digits).
 MAX_INT_BITS = 14_000
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}")
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def check_queue(queue: Any) -> str:
@@ -93,15 +94,40 @@ def json_text(value: Any, what: str, max_bytes: int, too_big: str) -> str:
     """`value` as compact JSON text, once it is known to survive a round trip through jsonb
     and to be at most `max_bytes`; EnqueueError naming `what` (and, when too big, saying
     `too_big`) otherwise."""
-    _check_value(value, what)
-    text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    size = len(text.encode())
+    # The common case costs one walk over the value's types and one encoding; the walk that
+    # names the path of a problem runs only when something looks wrong.
+    if not _plain(value, 0):
+        _check_value(value, what)  # raises, unless only a subclass (of str, dict, ...) was seen
+    try:
+        text = _ENCODER.encode(value)
+        size = len(text.encode())
+    except ValueError:  # NaN or Infinity, or a lone surrogate (UnicodeEncodeError)
+        _check_value(value, what)
+        raise
+    if "\\u0000" in text:  # a NUL character, or those six characters in a string
+        _check_value(value, what)
     if size > max_bytes:
         raise EnqueueError(
             f"{what} is {size:,} bytes of JSON, over the limit of {max_bytes:,} "
             f"(PGJOBS['MAX_PAYLOAD_BYTES']). {too_big}"
         )
     return text
+
+
+def _plain(value: Any, depth: int) -> bool:
+    """Whether `value` is made only of dicts with str keys, lists, str, int of at most
+    MAX_INT_BITS, float, bool and None, nested at most MAX_DEPTH deep: with the checks of the
+    JSON text that follow (NaN, Infinity, NUL, lone surrogates), all that _check_value checks."""
+    kind = type(value)
+    if kind is dict:
+        return depth <= MAX_DEPTH and all(
+            type(key) is str and _plain(item, depth + 1) for key, item in value.items()
+        )
+    if kind is list:
+        return depth <= MAX_DEPTH and all(_plain(item, depth + 1) for item in value)
+    if kind is int:
+        return value.bit_length() <= MAX_INT_BITS  # type: ignore[no-any-return]
+    return kind is str or kind is float or kind is bool or value is None
 
 
 def jsonable(value: Any) -> Any:

@@ -98,3 +98,12 @@ def record(n: int, seconds: float = 0.0) -> int:
     Execution.objects.create(n=n, pid=os.getpid())
     time.sleep(seconds)
     return os.getpid()
+
+
+@task
+async def reports_progress_async(steps: int) -> None:
+    from django_pgjobs import progress
+
+    for step in range(1, steps + 1):
+        await asyncio.sleep(0)
+        progress(step, steps, note=f"async step {step}")

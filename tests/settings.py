@@ -79,6 +79,10 @@ PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05}
 # The schedules of the periodic crash tests' runjobs processes.
 if os.environ.get("PGJOBS_TEST_PERIODIC"):
     PGJOBS["PERIODIC"] = json.loads(os.environ["PGJOBS_TEST_PERIODIC"])
+# The NATS tests' runjobs and relayjobs processes: the queues NATS carries, and its server.
+if os.environ.get("PGJOBS_TEST_QUEUES"):
+    PGJOBS["QUEUES"] = json.loads(os.environ["PGJOBS_TEST_QUEUES"])
+    PGJOBS["NATS"] = json.loads(os.environ.get("PGJOBS_TEST_NATS_SETTINGS", "{}"))
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

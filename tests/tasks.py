@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from django.core.exceptions import ObjectDoesNotExist
 
@@ -159,8 +163,159 @@ def writes_then_breaks_the_transaction(n: int) -> None:
         cursor.execute("SELECT 1 / 0")
 
 
+@task
+def opens_a_span() -> None:
+    """Opens a span of its own: the tracing tests' handler. OpenTelemetry is imported here, not
+    at the top: this module loads in every test, and untraced ones must never import it."""
+    from opentelemetry import trace
+
+    with trace.get_tracer("tests").start_as_current_span("inside the handler"):
+        _count("opens_a_span")
+
+
+# Handlers of every shape a payload is checked against, at enqueue and when the job runs.
+
+
+@task
+def positional_only(order_id: int, /, note: str = "") -> None:
+    _count("positional_only")
+
+
+@task
+def keyword_only(*, order_id: int, note: str = "") -> None:
+    _count("keyword_only")
+
+
+@task
+def takes_varargs(*args: int, order_id: int) -> None:
+    _count("takes_varargs")
+
+
+@task
+def takes_anything(order_id: int, **options: object) -> None:
+    _count("takes_anything")
+
+
+@dataclass
+class Greeter:
+    """A callable object as a handler; a dataclass instance, so it cannot be hashed."""
+
+    greeting: str
+
+    def __call__(self, name: str) -> None:
+        _count(f"{self.greeting} {name}")
+
+
+greet = task(name="tests.tasks.greet")(Greeter("hello"))
+
+
+def logged(func: Callable[..., None]) -> Callable[..., None]:
+    """A decorator as people write them: (*args, **kwargs), with functools.wraps."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        func(*args, **kwargs)
+
+    return wrapper
+
+
+@task
+@logged
+def decorated(order_id: int) -> None:
+    _count("decorated")
+
+
 # The chaos suite's tasks and the crash tests' hostile handlers live in their own modules;
 # importing them here registers them (only installed apps' `tasks` modules are autodiscovered).
 from tests import hostile as hostile_tasks  # noqa: E402, F401
 from tests import process_tasks  # noqa: E402, F401
 from tests.chaos import tasks as chaos_tasks  # noqa: E402, F401
+
+
+@task
+def reports_progress(steps: int, pause: float = 0.0) -> None:
+    """Reports step 1, 2, ... of `steps`, `pause` seconds apart: the progress tests' handler."""
+    import time
+
+    from django_pgjobs import progress
+
+    for step in range(1, steps + 1):
+        progress(step, steps, note=f"step {step} of {steps}")
+        time.sleep(pause)
+
+
+@task
+async def reports_progress_async(steps: int) -> None:
+    """reports_progress for an async def handler: its coroutine reports for its job."""
+    from django_pgjobs import progress
+
+    for step in range(1, steps + 1):
+        await asyncio.sleep(0)
+        progress(step, steps, note=f"async step {step}")
+
+
+@task(max_attempts=5)
+def ledger(n: int, seconds: float = 0.0) -> None:
+    """One ledger row per run (ChaosExecution: job, attempt, worker), then take `seconds`: the
+    NATS tests' handler."""
+    import os
+    import time
+
+    from django_pgjobs import current_job
+    from tests.models import ChaosExecution
+
+    job = current_job()
+    assert job is not None
+    ChaosExecution.objects.create(
+        job_id=job.pk, attempt=job.attempts, worker=job.worker, pid=os.getpid(), ok=True
+    )
+    time.sleep(seconds)
+
+
+@task(max_attempts=3)
+def fails_and_counts() -> None:
+    _count("fails_and_counts")
+    raise RuntimeError("boom")
+
+
+seen_headers: list[object] = []
+
+
+@task
+def reports_its_headers() -> None:
+    from django_pgjobs import current_job
+
+    job = current_job()
+    assert job is not None
+    seen_headers.append((job.pk, job.attempts, job.headers))
+
+
+failed_at: list[float] = []
+
+
+@task(max_attempts=3, backoff=lambda attempts: 0.4)
+def fails_after_a_pause() -> None:
+    """Fails every attempt, noting when; retried after 0.4 s."""
+    import time
+
+    failed_at.append(time.monotonic())
+    raise RuntimeError("not yet")
+
+
+@task(timeout=2, max_attempts=2, backoff=lambda attempts: 0.0)
+def overruns_then_retries_quietly(seconds: float) -> None:
+    """Attempt 1 passes its time limit and goes on reporting, every 10 ms for 10 seconds,
+    abandoned; attempt 2 reports nothing and returns after `seconds`."""
+    import time
+
+    from django_pgjobs import current_job, progress
+
+    job = current_job()
+    assert job is not None
+    if job.attempts > 1:
+        time.sleep(seconds)
+        return
+    until = time.monotonic() + 10
+    while (now := time.monotonic()) < until:
+        progress(round(now, 2), note="attempt 1, past its time limit")
+        time.sleep(0.01)

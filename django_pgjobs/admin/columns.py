@@ -1,5 +1,6 @@
 """What the job lists and the job page show of a job: its status as an operator reads it, times
-(admin/times.py), the last error on one line, the payload, result and history.
+(admin/times.py), progress (admin/progress.py), the last error on one line, the payload, result
+and history.
 
 Everything shown from job data goes through format_html or the template engine: escaped.
 """
@@ -18,7 +19,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry
-from django_pgjobs.admin import times
+from django_pgjobs.admin import progress, times
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -39,9 +40,16 @@ def status_text(job: Job) -> str:
 
 @admin.display(description=gettext_lazy("status"))
 def status(job: Job) -> SafeString:
-    """The lists' status column (a function, so that its cells keep the class field-status)."""
-    marked = "cancelling" if job.cancel_requested and job.status == Status.RUNNING else ""
-    return format_html('<span class="pgjobs-status {}">{}</span>', marked, status_text(job))
+    """The lists' status column (a function, so that its cells keep the class field-status); a
+    running job's with its last progress report beside it (admin/progress.py)."""
+    running = job.status == Status.RUNNING
+    marked = "cancelling" if job.cancel_requested and running else ""
+    return format_html(
+        '<span class="pgjobs-status {}">{}</span>{}',
+        marked,
+        status_text(job),
+        progress.in_list(job.progress) if running else "",
+    )
 
 
 class JobColumns:
@@ -90,6 +98,11 @@ class JobColumns:
     @admin.display(description=gettext_lazy("status"))
     def status_display(self, job: Job) -> str:
         return status_text(job)
+
+    @admin.display(description=gettext_lazy("progress"))
+    def progress_display(self, job: Job) -> SafeString | str:
+        """The last progress report of the running (or last) attempt, and when it was written."""
+        return progress.on_page(job.progress)
 
     @admin.display(description=gettext_lazy("run at"))
     def run_at_display(self, job: Job) -> SafeString | str:

@@ -41,6 +41,7 @@ from django_pgjobs.admin.lists import (
     QueueFilter,
     TaskFilter,
 )
+from django_pgjobs.admin.missing import MigrateFirst
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -55,11 +56,12 @@ else:
 
 # The job page's fields: the times are shown in the active time zone, with their age.
 TRIES = "attempts_display"
+PROGRESS = "progress_display"
 TIMES = ("run_at_display", "created_at_display", "started_at_display", "finished_at_display")
 LEASE = ("worker", "leased_until_display", "cancel_requested", "unique_key")
 
 
-class BaseJobAdmin(JobColumns, ModelAdmin):
+class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
     list_filter = ("status", QueueFilter, TaskFilter)
     list_per_page = 50
     show_full_result_count = False
@@ -74,14 +76,14 @@ class BaseJobAdmin(JobColumns, ModelAdmin):
     # Each defined once in actions.ACTIONS; the has_<permission>_permission methods gate them.
     actions = [action.admin_action() for action in ACTIONS]
     fieldsets = [
-        (None, {"fields": ["id", "task", "queue", "status_display", "priority", TRIES]}),
+        (None, {"fields": ["id", "task", "queue", "status_display", PROGRESS, "priority", TRIES]}),
         (gettext_lazy("Times"), {"fields": TIMES}),
         (gettext_lazy("Lease"), {"fields": LEASE}),
         (gettext_lazy("Payload and result"), {"fields": ["payload_display", "result_display"]}),
         (gettext_lazy("Errors"), {"fields": ["last_error", "error_history"]}),
     ]
     readonly_fields = [
-        "id", "task", "queue", "status_display", "priority", TRIES, *TIMES, *LEASE,
+        "id", "task", "queue", "status_display", PROGRESS, "priority", TRIES, *TIMES, *LEASE,
         "payload_display", "result_display", "last_error", "error_history",
     ]  # fmt: skip
 

@@ -26,11 +26,11 @@ from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry, validation
 from django_pgjobs.admin.columns import shown_payload
+from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.payloads import replace_payload
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, UnknownTask
 from django_pgjobs.models import Job
-from django_pgjobs.runtime.execute import check_arguments
 from django_pgjobs.status import Status
 
 if TYPE_CHECKING:

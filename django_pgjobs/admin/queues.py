@@ -24,6 +24,7 @@ from django.utils.translation import gettext_lazy, ngettext
 
 from django_pgjobs.admin import charts, times
 from django_pgjobs.admin.actions import apply
+from django_pgjobs.admin.missing import MigrateFirst
 from django_pgjobs.data.queues import QueueQuerySet
 from django_pgjobs.models import Queue
 from django_pgjobs.observability import report as reports
@@ -36,7 +37,7 @@ else:
     ModelForm = forms.ModelForm
 
 
-class QueueAdmin(ModelAdmin):
+class QueueAdmin(MigrateFirst, ModelAdmin):
     list_display = ["name", "paused", "max_running", "updated"]
     list_editable = ["paused", "max_running"]
     search_fields = ["name"]
@@ -109,6 +110,7 @@ class QueueAdmin(ModelAdmin):
             "activity": reports.activity_rows(report),
             "alive": report.alive,
             "silent": report.silent,
+            "stopped": report.stopped,
             "load": report.load,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)

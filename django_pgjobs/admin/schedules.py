@@ -13,6 +13,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_pgjobs import periodic
 from django_pgjobs.admin import times
+from django_pgjobs.admin.missing import MigrateFirst
 from django_pgjobs.cron import next_tick
 from django_pgjobs.models import Schedule
 
@@ -22,7 +23,7 @@ else:
     ModelAdmin = admin.ModelAdmin  # generic only in the type stubs
 
 
-class ScheduleAdmin(ModelAdmin):
+class ScheduleAdmin(MigrateFirst, ModelAdmin):
     """Schedules are declared in code and settings, so nothing here changes them."""
 
     list_display = ("name", "task", "cron", "timezone", "last", "next", "declared")

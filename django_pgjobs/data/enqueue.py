@@ -1,17 +1,23 @@
-"""Enqueue: check a job's options, then insert it (one statement, in the caller's transaction)."""
+"""Enqueue: check a job's options, then insert it (one statement, in the caller's transaction),
+or many jobs (COPY)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django_pgjobs import registry, validation
+from django.db import transaction
+
+from django_pgjobs import registry, schema, validation
+from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows, sql, wakeups
 from django_pgjobs.data.records import NewJob
-from django_pgjobs.errors import EnqueueError
-from django_pgjobs.ids import uuid7
+from django_pgjobs.errors import EnqueueError, PayloadMismatch
+from django_pgjobs.ids import uuid7, uuid7_batch
 from django_pgjobs.status import Status
 
 if TYPE_CHECKING:
@@ -28,9 +34,14 @@ NEW_JOB: dict[str, Any] = {
 }  # fmt: skip
 
 
-def new_job(
+def new_job(task_or_name: Task | str, payload: dict[str, Any] | None, **options: Any) -> NewJob:
+    """A job to insert, its options (those of `options_of`) and its payload checked: see there."""
+    task, job = options_of(task_or_name, **options)
+    return job._replace(payload_json=payload_texts(task, [payload])[0])
+
+
+def options_of(
     task_or_name: Task | str,
-    payload: dict[str, Any] | None,
     *,
     queue: str | None,
     priority: int | None,
@@ -38,19 +49,20 @@ def new_job(
     delay: float | timedelta | None,
     max_attempts: int | None,
     unique_key: str | None,
-) -> NewJob:
-    """A job to insert, every option checked (EnqueueError before anything is written): each
-    option given, else the task's default, else the PGJOBS default."""
+) -> tuple[Task, NewJob]:
+    """The registered task, and a job of it with an empty payload, every option checked
+    (EnqueueError before anything is written): each option given, else the task's default, else
+    the PGJOBS default."""
     settings = get_settings()
     task = registry.resolve(task_or_name)
     if run_at is not None and delay is not None:
         raise EnqueueError("Pass run_at or delay, not both.")
-    return NewJob(
+    return task, NewJob(
         id=uuid7(),
         # An empty name is an error, not "the default queue" (`_first`, not `or`).
         queue=validation.check_queue(_first(queue, task.queue, settings.DEFAULT_QUEUE)),
         task=task.name,
-        payload_json=validation.payload_json(payload, settings.MAX_PAYLOAD_BYTES),
+        payload_json="{}",
         priority=validation.check_priority(
             _first(priority, task.priority, settings.DEFAULT_PRIORITY)
         ),
@@ -63,50 +75,125 @@ def new_job(
     )
 
 
-def insert(
-    model: type[Job], db: str, jobs: Sequence[NewJob], payloads: Sequence[dict[str, Any]]
-) -> list[Job]:
-    """Insert jobs that differ only in their id and payload, in one statement; `payloads` are
-    the checked payloads their JSON was made from (the returned Jobs hold them). A job whose
-    unique_key a live job holds is not inserted and not returned."""
-    first = jobs[0]
-    wake_up = wakeups.to_send(db, [first.queue])
-    params: dict[str, Any] = {
-        "queue": first.queue,
-        "task": first.task,
-        "priority": first.priority,
-        "run_at": first.run_at,
-        "delay": first.delay,
-        "max_attempts": first.max_attempts,
+def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list[str]:
+    """Each payload as JSON text, once it survives jsonb and fits the task's handler; the
+    EnqueueError names the payload's position when there are several."""
+    limit = get_settings().MAX_PAYLOAD_BYTES
+    # An integration's job (a Django Task's) has a payload of its own shape: its backend
+    # checks the arguments in it (backend.PgJobsBackend.enqueue).
+    handler = None if registry.runner_for(task.name) else task.func
+    texts = []
+    for index, payload in enumerate(payloads):
+        try:
+            texts.append(validation.payload_json(payload, limit))
+            if handler is not None:
+                check_arguments(handler, task.name, (), payload or {})
+        except (EnqueueError, PayloadMismatch) as error:
+            message = f"{error}." if isinstance(error, PayloadMismatch) else str(error)
+            where = f"payloads[{index}]: " if len(payloads) > 1 else ""
+            raise EnqueueError(where + message) from None
+    return texts
+
+
+def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> Job | None:
+    """Insert one job (one statement); `payload` is the checked payload its JSON was made from
+    (the returned Job holds it). None when its unique_key is held by a live job."""
+    wake_up = wakeups.to_send(db, [job.queue])
+    statement = sql.INSERT_JOB if job.unique_key is None else sql.INSERT_UNIQUE_JOB
+    params = {
+        "id": job.id, "queue": job.queue, "task": job.task, "payload": job.payload_json,
+        "priority": job.priority, "run_at": job.run_at, "delay": job.delay or 0.0,
+        "max_attempts": job.max_attempts, "unique_key": job.unique_key,
         "channel": wakeups.CHANNEL if wake_up else None,
-    }
-    if len(jobs) == 1:
-        statement = sql.INSERT_JOB if first.unique_key is None else sql.INSERT_UNIQUE_JOB
-        params |= {"id": first.id, "payload": first.payload_json, "unique_key": first.unique_key}
-        found = rows.execute(db, statement, params, binary=True)
-        inserted = {job_id: written for job_id, *written, _ in found}
-    else:
-        assert all(job.unique_key is None for job in jobs), "many jobs never share a unique_key"
-        params |= {
-            "ids": [job.id for job in jobs],
-            "payloads": [job.payload_json for job in jobs],
-        }
-        ((*written, count, _),) = rows.execute(db, sql.INSERT_JOBS, params, binary=True)
-        assert count == len(jobs), "one statement inserts them all"
-        inserted = dict.fromkeys(params["ids"], written)
-    made = []
-    for job, payload in zip(jobs, payloads, strict=True):
-        if job.id not in inserted:
-            continue  # its unique_key is held by a live job
-        run_at, created_at, scheduled = inserted[job.id]
-        columns = NEW_JOB | {
-            "id": job.id, "queue": job.queue, "task": job.task, "payload": payload,
-            "priority": job.priority, "run_at": run_at, "max_attempts": job.max_attempts,
-            "created_at": created_at, "unique_key": job.unique_key,
-            "scheduled": scheduled,
+    }  # fmt: skip
+    with _sending(job, 1) as headers, schema.migrated():  # a missing table: run migrate
+        found = rows.execute(db, statement, params | {"headers": _text(headers)}, binary=True)
+    if not found:
+        return None  # its unique_key is held by a live job
+    ((_, run_at, created_at, scheduled, _),) = found
+    columns = _columns(job, run_at, created_at, scheduled, headers)
+    return next(rows.new_jobs(model, db, columns, [job.id], [payload]))
+
+
+def insert_many(
+    model: type[Job],
+    db: str,
+    options: NewJob,
+    payloads: Sequence[dict[str, Any]],
+    texts: Sequence[str],
+    batch_size: int,
+) -> list[Job]:
+    """Insert one job of `options` (never with a unique_key) per payload, by COPY, `batch_size`
+    rows per COPY, in one transaction: the caller's, else its own. `texts` are the payloads'
+    checked JSON; the returned Jobs hold the payloads."""
+    if not payloads:
+        return []
+    ids = uuid7_batch(len(payloads))
+    made: list[Job] = []
+    with schema.migrated(), transaction.atomic(using=db, savepoint=False):
+        wake_up = wakeups.to_send(db, [options.queue])
+        params = {
+            "queue": options.queue, "run_at": options.run_at, "delay": options.delay or 0.0,
+            "channel": wakeups.CHANNEL if wake_up else None,
         }  # fmt: skip
-        made.append(rows.new_job(model, db, [columns[name] for name in sql.JOB_COLUMNS]))
+        ((created_at, run_at, scheduled, _),) = rows.execute(
+            db, sql.NEW_JOBS_TIMES, params, binary=True
+        )
+        for start in range(0, len(ids), batch_size):
+            end = min(start + batch_size, len(ids))
+            with _sending(options._replace(id=ids[start]), end - start) as headers:
+                columns = _columns(options, run_at, created_at, scheduled, headers)
+                jobs = rows.new_jobs(model, db, columns, ids[start:end], payloads[start:end])
+                # Every column but the id and the payload is the same for the whole batch. The
+                # Jobs are made as their rows are sent, while the database writes earlier rows.
+                queue, task = options.queue, options.task
+                rest = (
+                    *(options.priority, run_at, scheduled, options.max_attempts),
+                    *(created_at, _text(headers)),
+                )
+                records = (
+                    (job.id, queue, task, text, *rest)
+                    for job, text in zip(_kept(jobs, made), texts[start:end], strict=True)
+                )
+                rows.copy(db, sql.COPY_JOBS, sql.COPY_JOBS_TYPES, records)
     return made
+
+
+def _kept(jobs: Iterator[Job], into: list[Job]) -> Iterator[Job]:
+    """Each of `jobs`, appended to `into` as it passes."""
+    for job in jobs:
+        into.append(job)
+        yield job
+
+
+def _columns(
+    job: NewJob, run_at: datetime, created_at: datetime, scheduled: bool, headers: Any
+) -> dict[str, Any]:
+    """Every column of a job just inserted but its id and payload (sql.JOB_COLUMNS)."""
+    return NEW_JOB | {
+        "queue": job.queue, "task": job.task, "priority": job.priority, "run_at": run_at,
+        "max_attempts": job.max_attempts, "created_at": created_at,
+        "unique_key": job.unique_key, "scheduled": scheduled, "headers": headers,
+    }  # fmt: skip
+
+
+@contextmanager
+def _sending(first: NewJob, count: int) -> Iterator[dict[str, str] | None]:
+    """Around the insert of `count` jobs like `first` (its id when there is one), the headers
+    to write with every one of them. With PGJOBS["TRACING"] on, the jobs' send span, whose
+    trace context becomes their headers (tracing.py, imported only then: it imports
+    opentelemetry); else None, and the column stays NULL."""
+    if not get_settings().TRACING:
+        yield None
+        return
+    from django_pgjobs import tracing
+
+    with tracing.sending(first, count) as headers:
+        yield headers
+
+
+def _text(headers: dict[str, str] | None) -> str | None:
+    return None if headers is None else json.dumps(headers)
 
 
 def _first(*values: Any) -> Any:

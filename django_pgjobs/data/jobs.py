@@ -4,26 +4,27 @@ Each transition is one short statement guarded so it changes only what it should
 what it changed; the statements themselves are in data/sql.py. The runtime decides *when*, this
 module decides *how*.
 
-A little over 300 lines: it is the one seam for a worker's transitions (enqueue, claim, settle,
-heartbeat, release, reap, abandon), each binding its statement's named parameters.
+Nearly 400 lines: it is the one seam for a worker's transitions (enqueue, claim, settle,
+heartbeat, release, reap, abandon, and for NATS queues relay and write back), each binding its
+statement's named parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from django.db import connections, models, router, transaction
 
-from django_pgjobs import signals, validation
+from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.ids import uuid7
 from django_pgjobs.status import LIVE, Status
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 
 #: How often enqueue looks for the job holding its unique_key before giving up.
 ENQUEUE_TRIES = 5
+
+#: What JobManager.write_back says besides a status: the job's row exists already.
+WRITTEN, IN_OUTBOX = "written", "in outbox"
 
 #: The error a reaped attempt records.
 LEASE_EXPIRED = Failure(
@@ -72,10 +76,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         )  # fmt: skip
         db = self._write_db()
         for _ in range(ENQUEUE_TRIES):
-            jobs = enqueue.insert(self.model, db, [job], [payload or {}])
-            if jobs:
-                signals.send(signals.job_enqueued, self.model, jobs=jobs)
-                return jobs[0]
+            inserted = enqueue.insert(self.model, db, job, payload or {})
+            if inserted is not None:
+                signals.send(signals.job_enqueued, self.model, jobs=[inserted])
+                return inserted
             # The write database: a replica behind a router may not have the holder yet.
             holder = self.using(db).filter(unique_key=unique_key, status__in=LIVE).first()
             if holder is not None:
@@ -98,24 +102,17 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         max_attempts: int | None = None,
         batch_size: int = 5000,
     ) -> list[Job]:
-        """Write many jobs of one task, `batch_size` per statement. Every payload is checked
-        before anything is written."""
+        """Write many jobs of one task, `batch_size` per COPY, all in one transaction (the
+        caller's, else its own). Every payload is checked before anything is written."""
         # The options are the same for every job: check them once, then each payload.
-        options = enqueue.new_job(
-            task, None, queue=queue, priority=priority, run_at=run_at, delay=delay,
+        registered, options = enqueue.options_of(
+            task, queue=queue, priority=priority, run_at=run_at, delay=delay,
             max_attempts=max_attempts, unique_key=None,
         )  # fmt: skip
-        limit = get_settings().MAX_PAYLOAD_BYTES
         checked = [{} if payload is None else payload for payload in payloads]
-        new = [
-            options._replace(id=uuid7(), payload_json=validation.payload_json(payload, limit))
-            for payload in checked
-        ]
-        jobs: list[Job] = []
+        texts = enqueue.payload_texts(registered, checked)
         db = self._write_db()
-        for start in range(0, len(new), batch_size):
-            end = start + batch_size
-            jobs.extend(enqueue.insert(self.model, db, new[start:end], checked[start:end]))
+        jobs = enqueue.insert_many(self.model, db, options, checked, texts, batch_size)
         signals.send(signals.job_enqueued, self.model, jobs=jobs)
         return jobs
 
@@ -223,19 +220,23 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     def release(self, jobs: Sequence[Job]) -> set[UUID]:
         """Running → ready without spending an attempt, keeping its place (a worker shutting
-        down); cancelled instead when a cancellation was requested."""
-        return set(self._own(sql.RELEASE, jobs, delay=None))
+        down); cancelled instead when a cancellation was requested. Each keeps the progress its
+        handler last reported."""
+        return set(self._own(sql.RELEASE, jobs, delay=None, progress=reports(jobs)))
 
     def retry_later(self, job: Job, delay: float) -> bool:
-        """The handler asked to run again in `delay` seconds: ready again, attempt not counted."""
-        return job.pk in self._own(sql.RELEASE, [job], delay=delay)
+        """The handler asked to run again in `delay` seconds: ready again, attempt not counted,
+        keeping the progress it last reported."""
+        return job.pk in self._own(sql.RELEASE, [job], delay=delay, progress=reports([job]))
 
     def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
-        """Extend the lease of a worker's running jobs by `lease` seconds from now; returns the
-        ids renewed (a job locked elsewhere is skipped this time: see `held` for whether the
-        others are lost). A cancellation requested meanwhile shows on the Job at once."""
+        """Extend the lease of a worker's running jobs by `lease` seconds from now, and record
+        the progress their handlers last reported (each Job's `progress`, as progress() left
+        it); returns the ids renewed (a job locked elsewhere is skipped this time: see `held`
+        for whether the others are lost). A cancellation requested meanwhile shows on the Job
+        at once."""
         lease = get_settings().LEASE if lease is None else lease
-        owned = self._own(sql.HEARTBEAT, jobs, lease=lease)
+        owned = self._own(sql.HEARTBEAT, jobs, lease=lease, progress=reports(jobs))
         for job in jobs:
             if owned.get(job.pk):
                 job.cancel_requested = True
@@ -280,6 +281,59 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         statuses = [status for (status,) in rows.execute(self._write_db(), sql.REAP, params)]
         return statuses.count(Status.READY), statuses.count(Status.FAILED)
 
+    # ---- the outbox of NATS queues (transports.py) -----------------------------------------
+
+    def relay(
+        self, queues: Sequence[str], *, limit: int, publish: Callable[[list[Job]], None]
+    ) -> list[Job]:
+        """Take up to `limit` due rows of each of `queues` (outbox entries of NATS queues), in
+        claim order, and hand them to `publish`, which returns once the stream acknowledged
+        every one. The rows are deleted in the same transaction (sql.RELAY): it commits when
+        `publish` returns and rolls back when it raises, leaving the rows for the next try."""
+        db = self._write_db()
+        params = {"queues": list(queues), "limit": limit}
+        with transaction.atomic(using=db):
+            jobs = rows.load_jobs(self.model, db, rows.execute(db, sql.RELAY, params, True))
+            jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
+            if jobs:
+                publish(jobs)
+        return jobs
+
+    def write_back(self, job: Job, failure: Failure, *, permanent: bool, delay: float) -> str:
+        """Record a failed attempt of `job`, run from NATS by `job.worker` (an unsaved Job
+        with its attempts and claims), by the worker's own rule (`fail`), and say what to do
+        with its message:
+
+        - ``failed`` (or ``cancelled``): written here as a dead letter, for the admin's
+          inspection and replay; the message is done with;
+        - ``ready``: attempts remain; nothing is written, the message is delivered again after
+          `delay`;
+        - WRITTEN: a row of this job with at least its claims exists already (written by an
+          earlier delivery of the message, or replayed since): nothing to do;
+        - IN_OUTBOX: the job's outbox row is still there (its relay has not committed): try
+          again shortly.
+        """
+        db = self._write_db()
+        params = {
+            "id": job.pk, "queue": job.queue, "task": job.task,
+            "payload": json.dumps(job.payload), "priority": job.priority, "run_at": job.run_at,
+            "attempts": job.attempts, "max_attempts": job.max_attempts, "worker": job.worker,
+            "errors": json.dumps(job.errors), "created_at": job.created_at, "claims": job.claims,
+            "headers": None if job.headers is None else json.dumps(job.headers),
+        }  # fmt: skip
+        with transaction.atomic(using=db):
+            found = rows.execute(db, sql.WRITE_BACK, params)
+            if not found:  # the row in the way was deleted as the insert waited for it
+                return IN_OUTBOX
+            ((inserted, _, claims),) = found
+            if not inserted:
+                return WRITTEN if claims >= job.claims else IN_OUTBOX
+            status = self.fail(job, failure, permanent=permanent, delay=delay)
+            assert status is not None, "the row was inserted as held by this worker"
+            if status == Status.READY:
+                transaction.set_rollback(True, using=db)  # the message carries the retry
+            return status
+
     # ---- helpers -----------------------------------------------------------------------------
 
     def _own(self, statement: str, jobs: Sequence[Job], **params: Any) -> dict[UUID, bool]:
@@ -321,11 +375,28 @@ def turn_params(
         "delays": [float(f.delay) for f in failed],
         "summaries": [f.failure.summary for f in failed],
         "errors": [f.failure.as_json() for f in failed],
+        "succeeded_progress": reports(succeeded),
+        "failed_progress": reports([f.job for f in failed]),
         "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
         "queues": list(queues),
         "limit": limit,
         "lease": settings.LEASE if lease is None else lease,
     }
+
+
+def reports(jobs: Sequence[Job]) -> list[str | None]:
+    """Each job's progress report as the statements take it: JSON text without "at" (the
+    database adds it), or None for a job without one."""
+    return [_report(job.progress) for job in jobs]
+
+
+def _report(progress: Any) -> str | None:
+    if not isinstance(progress, dict):
+        return None  # none yet; never anything else than what progress() sets
+    try:
+        return json.dumps({k: v for k, v in progress.items() if k != "at"}, allow_nan=False)
+    except (TypeError, ValueError):
+        return None  # set by hand to something JSON cannot hold: the stored report stays
 
 
 def _one_worker(workers: Iterable[str | None]) -> str:

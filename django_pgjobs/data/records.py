@@ -82,7 +82,7 @@ class Settled(NamedTuple):
 
 
 class NewJob(NamedTuple):
-    """One job to insert, its options checked (see data.enqueue.new_job)."""
+    """One job to insert, its options checked (see data.enqueue.options_of)."""
 
     id: UUID
     queue: str

@@ -29,21 +29,25 @@ CLAIM_ORDER = ("-priority", "run_at", "id")
 
 # ---- enqueue -------------------------------------------------------------------------------------
 
-# One job. run_at is given, or now + delay on the database's clock; a job not yet due is
-# `scheduled` (it waits in the scheduled index, out of the claims' way). The wake-up (a NOTIFY
+# One job. run_at is given, or now + %(delay)s seconds (0 when not given) on the database's
+# clock; a job not yet due is `scheduled` (it waits in the scheduled index, out of the claims'
+# way). Each is written out once, with plain operators: half the planning time of the same
+# values through make_interval() and a repeated COALESCE, on every enqueue (statements are not
+# prepared unless the connection's prepare_threshold asks for it). The wake-up (a NOTIFY
 # delivered at commit: data/wakeups.py sends, runtime/listener.py listens) rides in the same
 # statement and is evaluated only for an inserted row; %(channel)s is NULL when none is due.
+# %(headers)s is NULL unless PGJOBS["TRACING"] gives the job a trace context (tracing.py).
 INSERT_JOB = """
     INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key)
+        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
+         headers)
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
-        COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0)))
-            > statement_timestamp(),
-        %(max_attempts)s, %(unique_key)s
+                 statement_timestamp() + %(delay)s::float8 * interval '1 second'),
+        COALESCE(%(run_at)s::timestamptz > statement_timestamp(),
+                 %(delay)s::float8 * interval '1 second' > interval '0'),
+        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
     )
     RETURNING j.id, j.run_at, j.created_at, j.scheduled,
               (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
@@ -54,15 +58,15 @@ INSERT_JOB = """
 # WAL than a plain one, and most jobs have no key.
 INSERT_UNIQUE_JOB = """
     INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key)
+        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
+         headers)
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0))),
-        COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + make_interval(secs => COALESCE(%(delay)s::float8, 0)))
-            > statement_timestamp(),
-        %(max_attempts)s, %(unique_key)s
+                 statement_timestamp() + %(delay)s::float8 * interval '1 second'),
+        COALESCE(%(run_at)s::timestamptz > statement_timestamp(),
+                 %(delay)s::float8 * interval '1 second' > interval '0'),
+        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
     )
     ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL
     DO NOTHING
@@ -70,26 +74,32 @@ INSERT_UNIQUE_JOB = """
               (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
 """
 
-# Many jobs of one task with the same options (never a unique_key): their ids and payloads as
-# parallel arrays, bound in binary (text arrays would have every JSON payload quoted and escaped
-# by Python first). Every row gets the same run_at and created_at, so one row comes back
-# instead of a row per job.
-INSERT_JOBS = """
-    WITH inserted AS (
-        INSERT INTO pgjobs_job AS j
-            (id, queue, task, payload, priority, run_at, scheduled, max_attempts)
-        SELECT i.id, %(queue)s, %(task)s, i.payload::jsonb, %(priority)s,
-               t.run_at, t.run_at > statement_timestamp(), %(max_attempts)s
-        FROM unnest(%(ids)s::uuid[], %(payloads)s::text[]) AS i(id, payload),
-             (SELECT COALESCE(%(run_at)s::timestamptz,
-                              statement_timestamp()
-                              + make_interval(secs => COALESCE(%(delay)s::float8, 0)))) AS t(run_at)
-        RETURNING j.run_at, j.created_at, j.scheduled
-    )
-    SELECT min(run_at), min(created_at), bool_and(scheduled), count(*),
+# Many jobs of one task with the same options (never a unique_key) are written by COPY, in the
+# binary format (data/rows.py copy): no statement to parse or plan per batch, rows formatted in
+# C and streamed, 1.3 to 2 times the rate of an INSERT of unnest()ed arrays here. COPY has no
+# RETURNING, so what the database decides comes first, from this statement in the same
+# transaction: the created_at and run_at the rows share (the database's clock, as the columns'
+# defaults would give them) and whether they are scheduled; and it sends the wake-up
+# (%(channel)s NULL when none is due), delivered with the rows at commit and dropped with them
+# on rollback.
+NEW_JOBS_TIMES = """
+    SELECT statement_timestamp(), t.run_at, t.run_at > statement_timestamp(),
            (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
-    FROM inserted
+    FROM (SELECT COALESCE(%(run_at)s::timestamptz,
+                          statement_timestamp() + %(delay)s::float8 * interval '1 second'))
+         AS t(run_at)
 """
+
+# Every other column takes its default, as for INSERT_JOB. The binary format sends each value
+# as its column's type: COPY_JOBS_TYPES, in the order of COPY_JOBS's columns.
+COPY_JOBS = """
+    COPY pgjobs_job (id, queue, task, payload, priority, run_at, scheduled, max_attempts,
+                     created_at, headers)
+    FROM STDIN (FORMAT BINARY)
+"""
+COPY_JOBS_TYPES = (
+    "uuid", "text", "text", "jsonb", "int2", "timestamptz", "bool", "int4", "timestamptz", "jsonb",
+)  # fmt: skip
 
 # ---- one turn of a worker: settle, then claim -------------------------------------------
 
@@ -99,6 +109,8 @@ INSERT_JOBS = """
 #
 # - succeeded: completions, guarded on the claim, keeping each handler's return value (JSON
 #   text, or NULL to keep nothing).
+# - succeeded and failed both keep the handler's last progress report (JSON text without "at",
+#   or NULL: none), which the lease keeper may not have written yet: as HEARTBEAT does.
 # - failed: each failed attempt is cancelled (if a cancellation was requested), back to ready
 #   after its delay (attempts left and not permanent), or failed: the dead letter. Its error
 #   joins the job's history, of which the last %(errors_kept)s entries are kept.
@@ -120,9 +132,16 @@ SETTLE_AND_CLAIM = """
     WITH succeeded AS (
         UPDATE pgjobs_job AS j
         SET status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL,
-            result = mine.result
+            result = mine.result,
+            progress = CASE WHEN mine.progress IS NULL
+                              OR mine.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
+                                                   THEN j.progress - 'at' END
+                            THEN j.progress
+                            ELSE mine.progress || jsonb_build_object('at', statement_timestamp())
+                       END
         FROM unnest(%(succeeded_ids)s::uuid[], %(succeeded_claims)s::int4[],
-                    %(results)s::text[]::jsonb[]) AS mine(id, claims, result)
+                    %(results)s::text[]::jsonb[], %(succeeded_progress)s::text[]::jsonb[])
+             AS mine(id, claims, result, progress)
         WHERE j.id = mine.id AND j.claims = mine.claims
           AND j.status = 'running' AND j.worker = %(worker)s
         RETURNING j.id, j.claims, j.status
@@ -141,6 +160,12 @@ SETTLE_AND_CLAIM = """
             scheduled = NOT (j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)
                         AND f.delay > 0,
             leased_until = NULL,
+            progress = CASE WHEN f.progress IS NULL
+                              OR f.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
+                                                THEN j.progress - 'at' END
+                            THEN j.progress
+                            ELSE f.progress || jsonb_build_object('at', statement_timestamp())
+                       END,
             last_error = f.summary,
             errors = jsonb_path_query_array(
                 j.errors || jsonb_build_array(
@@ -151,8 +176,9 @@ SETTLE_AND_CLAIM = """
                 %(errors_kept)s::jsonpath
             )
         FROM unnest(%(failed_ids)s::uuid[], %(failed_claims)s::int4[], %(permanent)s::bool[],
-                    %(delays)s::float8[], %(summaries)s::text[], %(errors)s::text[])
-             AS f(id, claims, permanent, delay, summary, error)
+                    %(delays)s::float8[], %(summaries)s::text[], %(errors)s::text[],
+                    %(failed_progress)s::text[]::jsonb[])
+             AS f(id, claims, permanent, delay, summary, error, progress)
         WHERE j.id = f.id AND j.claims = f.claims
           AND j.status = 'running' AND j.worker = %(worker)s
         RETURNING j.id, j.claims, j.status
@@ -208,23 +234,35 @@ SETTLE_AND_CLAIM = """
 
 # ---- a worker's own running jobs ----------------------------------------------------------
 
-# Extend the leases of a worker's jobs by %(lease)s seconds from now. Touches only unindexed
-# columns, so the update can be HOT. A row locked elsewhere (an operator's open transaction, a
-# handler that locked its own job) is skipped, not waited for: the others' leases must not run
-# out behind it, and the next heartbeat tries it again. Returns whether a cancellation of each
-# renewed job was requested.
+# Extend the leases of a worker's jobs by %(lease)s seconds from now, and record the progress
+# each handler last reported (JSON text without "at", or NULL: none). Touches only unindexed
+# columns, so the update can be HOT. A report is stored with "at", the time it was first written
+# (the database's clock); one equal to the stored report is kept as it is, so "at" says since
+# when the job has been at that point. A stored value that is not a JSON object (written by
+# hand) is replaced like any other: `-` raises on it, which would fail every lease of the
+# statement (and, in the outcomes' statement, every outcome of the batch). A row locked
+# elsewhere (an operator's open transaction, a handler that locked its own job) is skipped, not
+# waited for: the others' leases must not run out behind it, and the next heartbeat tries it
+# again. Returns whether a cancellation of each renewed job was requested.
 HEARTBEAT = """
     WITH renewable AS (
-        SELECT j.id FROM pgjobs_job AS j
-        JOIN unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
+        SELECT j.id, mine.progress FROM pgjobs_job AS j
+        JOIN unnest(%(ids)s::uuid[], %(claims)s::int4[], %(progress)s::text[]::jsonb[])
+             AS mine(id, claims, progress)
           ON j.id = mine.id AND j.claims = mine.claims
         WHERE j.status = 'running' AND j.worker = %(worker)s
         FOR NO KEY UPDATE OF j SKIP LOCKED
     )
     UPDATE pgjobs_job AS j
-    SET leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
-    FROM renewable
-    WHERE j.id = renewable.id
+    SET leased_until = statement_timestamp() + make_interval(secs => %(lease)s),
+        progress = CASE WHEN mine.progress IS NULL
+                          OR mine.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
+                                               THEN j.progress - 'at' END
+                        THEN j.progress
+                        ELSE mine.progress || jsonb_build_object('at', statement_timestamp())
+                   END
+    FROM renewable AS mine
+    WHERE j.id = mine.id
     RETURNING j.id, j.cancel_requested
 """
 
@@ -239,7 +277,8 @@ HELD = """
 
 # Back to ready without spending an attempt, or cancelled when someone asked to cancel the job
 # while it ran: a worker shutting down (%(delay)s NULL: the job keeps its place), or a
-# handler's Retry (due again in %(delay)s seconds).
+# handler's Retry (due again in %(delay)s seconds). Keeps each handler's last progress report,
+# as SETTLE_AND_CLAIM does (where the attempt got to; the next claim clears it).
 RELEASE = """
     UPDATE pgjobs_job AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
@@ -248,8 +287,15 @@ RELEASE = """
         attempts = j.attempts - 1,
         run_at = CASE WHEN j.cancel_requested OR %(delay)s::float8 IS NULL THEN j.run_at
                       ELSE statement_timestamp() + make_interval(secs => %(delay)s) END,
-        scheduled = NOT j.cancel_requested AND COALESCE(%(delay)s::float8, 0) > 0
-    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
+        scheduled = NOT j.cancel_requested AND COALESCE(%(delay)s::float8, 0) > 0,
+        progress = CASE WHEN mine.progress IS NULL
+                          OR mine.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
+                                               THEN j.progress - 'at' END
+                        THEN j.progress
+                        ELSE mine.progress || jsonb_build_object('at', statement_timestamp())
+                   END
+    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[], %(progress)s::text[]::jsonb[])
+         AS mine(id, claims, progress)
     WHERE j.id = mine.id AND j.claims = mine.claims
       AND j.status = 'running' AND j.worker = %(worker)s
     RETURNING j.id, j.cancel_requested
@@ -341,3 +387,69 @@ COUNT_RUNNING = "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND qu
 def errors_kept(count: int) -> str:
     """The jsonpath that keeps the last `count` entries of an error history."""
     return f"$[last - {max(count, 1) - 1} to last]"
+
+
+# ---- the outbox of queues carried by NATS JetStream (transports.py, jetstream/) --------------
+
+# The relay's claim: due rows of the NATS queues, taken per queue as the worker's claim takes
+# them (both indexes, SKIP LOCKED, so several relays never wait for each other or take the
+# same row), and deleted. The relay runs this in a transaction it commits only once the stream
+# has acknowledged every row's message: until then the rows are locked, and if the relay dies
+# or a publish fails, the transaction rolls back and the rows are due again (JetStream drops
+# the second publish of a message id within its duplicate window).
+RELAY = """
+    DELETE FROM pgjobs_job AS j
+    USING (
+        SELECT d.id
+        FROM unnest(%(queues)s::text[]) AS q(name)
+        CROSS JOIN LATERAL (
+            SELECT id FROM pgjobs_job
+            WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+              AND run_at <= statement_timestamp()
+            ORDER BY priority DESC, run_at, id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ) AS d
+        UNION ALL
+        SELECT s.id
+        FROM unnest(%(queues)s::text[]) AS q(name)
+        CROSS JOIN LATERAL (
+            SELECT id FROM pgjobs_job
+            WHERE status = 'ready' AND scheduled AND queue = q.name
+              AND run_at <= statement_timestamp()
+            ORDER BY run_at, id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ) AS s
+    ) AS taken
+    WHERE j.id = taken.id AND j.status = 'ready'
+    RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
+              j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
+              j.created_at, j.finished_at, j.unique_key, j.started_at,
+              j.cancel_requested, j.result, j.claims, j.scheduled, j.progress, j.headers
+"""
+
+# A job run from NATS whose attempt failed comes back as a running row held by the consumer,
+# so that the worker's own statement (SETTLE_AND_CLAIM's failed part) decides what follows and
+# writes the error history. No unique_key: it held the key only while in the outbox. Nothing is
+# inserted when a row with this id exists (see JobManager.write_back); its status and claims
+# come back instead.
+WRITE_BACK = """
+    WITH inserted AS (
+        INSERT INTO pgjobs_job AS j
+            (id, queue, task, payload, status, priority, run_at, attempts, max_attempts,
+             leased_until, worker, errors, created_at, started_at, claims, headers)
+        VALUES (
+            %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, 'running', %(priority)s,
+            %(run_at)s, %(attempts)s, %(max_attempts)s, statement_timestamp(), %(worker)s,
+            %(errors)s::jsonb, %(created_at)s, statement_timestamp(), %(claims)s,
+            %(headers)s::jsonb
+        )
+        ON CONFLICT (id) DO NOTHING
+        RETURNING j.id
+    )
+    SELECT true, NULL::text, NULL::int FROM inserted
+    UNION ALL
+    SELECT false, status, claims FROM pgjobs_job
+    WHERE id = %(id)s AND NOT EXISTS (SELECT FROM inserted)
+"""

@@ -54,9 +54,14 @@ class ActivityTally:
     def total(self, outcome: str) -> int:
         return sum(getattr(counts, outcome) for counts in self.queues.values())
 
-    def rows(self, worker: str, seconds: float, queues: Sequence[str]) -> list[QueueStat]:
-        """A QueueStat per queue served or seen, idle ones included (they say who is alive)."""
+    def rows(
+        self, worker: str, seconds: float, queues: Sequence[str], stopping: bool = False
+    ) -> list[QueueStat]:
+        """A QueueStat per queue served or seen, idle ones included (they say who is alive);
+        `stopping`: the worker's last report, followed by a row of `seconds = 0` per queue served,
+        which says it stopped (a report covers some time; these cover none)."""
         names = dict.fromkeys([*queues, *self.queues])
+        goodbye = [QueueStat(seconds=0, worker=worker, queue=name) for name in queues]
         return [
             QueueStat(
                 seconds=seconds,
@@ -70,4 +75,4 @@ class ActivityTally:
             )
             for name in names
             for counts in [self.queues.get(name) or QueueTally()]
-        ]
+        ] + (goodbye if stopping else [])

@@ -50,6 +50,10 @@ class DatabaseStats:
     #: Replication slots holding a horizon: (slot, active, xids behind).
     slots: list[tuple[str, bool, int]] = field(default_factory=list)
     notify_queue_usage: float = 0.0  # pg_notification_queue_usage(): 0 to 1
+    #: Whether pg_stat_activity shows every session (a superuser, or pg_read_all_stats, which
+    #: pg_monitor includes); else other users' sessions hide their state, transaction and
+    #: snapshot, and connections, idle transactions and the oldest snapshot count this user's.
+    sees_all_sessions: bool = True
 
     @property
     def connections_ratio(self) -> float:
@@ -117,11 +121,12 @@ def database_stats(db: str | None = None) -> DatabaseStats:
                             FILTER (WHERE {_IDLE})), 0),
                    pg_notification_queue_usage(),
                    (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0)
-                    FROM pg_prepared_xacts)
+                    FROM pg_prepared_xacts),
+                   pg_has_role('pg_read_all_stats', 'USAGE')
             FROM pg_stat_activity WHERE datname = current_database()
             """
         )
-        used, usable, idle, idle_seconds, notify_usage, prepared = cursor.fetchone()
+        used, usable, idle, idle_seconds, notify_usage, prepared, all_sessions = cursor.fetchone()
         cursor.execute(HORIZON_SQL)
         seconds, xids, pid, state, query = cursor.fetchone() or (0, 0, None, "", "")
         cursor.execute(
@@ -146,4 +151,5 @@ def database_stats(db: str | None = None) -> DatabaseStats:
         oldest_prepared_seconds=float(prepared),
         slots=slots,
         notify_queue_usage=float(notify_usage),
+        sees_all_sessions=bool(all_sessions),
     )

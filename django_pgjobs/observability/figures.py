@@ -6,11 +6,12 @@ Kept apart from the report so that the verdict (health) can read the figures whi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.db import connections
 
+from django_pgjobs import transports
 from django_pgjobs.observability import dbstats, stats
 from django_pgjobs.observability.load import QueueLoad, queue_load
 
@@ -26,6 +27,8 @@ class Figures:
     workers: list[stats.WorkerStats]
     table: dbstats.TableStats
     database: dbstats.DatabaseStats
+    #: The queues carried by NATS JetStream, if any.
+    streams: list[stats.StreamStats] = field(default_factory=list)
     load: QueueLoad | None = None  # the queue's share of the database's active time
 
     def activity_of(self, queue: str, window: int) -> stats.QueueActivity | None:
@@ -41,8 +44,14 @@ class Figures:
 
     @property
     def silent(self) -> list[stats.WorkerStats]:
-        """Workers that wrote a row in the last 15 minutes but are no longer alive."""
-        return [w for w in self.workers if not w.alive]
+        """Workers that wrote a row in the last 15 minutes, then went silent without stopping
+        (killed, hung, or cut off from the database)."""
+        return [w for w in self.workers if not w.alive and not w.stopped]
+
+    @property
+    def stopped(self) -> list[stats.WorkerStats]:
+        """Workers that stopped (and said so) in the last 15 minutes."""
+        return [w for w in self.workers if w.stopped]
 
 
 def measure(db: str | None = None) -> Figures:
@@ -60,5 +69,17 @@ def measure(db: str | None = None) -> Figures:
         workers=workers,
         table=dbstats.table_stats(db),
         database=dbstats.database_stats(db),
+        streams=stream_stats(),
         load=queue_load(db),
     )
+
+
+def stream_stats() -> list[stats.StreamStats]:
+    """The figures of the queues carried by NATS, asked of the server; none without such queues
+    (and then nats is never imported)."""
+    queues = transports.nats_queues()
+    if not queues:
+        return []
+    from django_pgjobs.jetstream.figures import measure  # needs nats-py: only when used
+
+    return measure(queues)

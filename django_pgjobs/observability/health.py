@@ -2,7 +2,7 @@
 
 Each reason names the threshold it used and the documentation section that explains what to
 do. Levels follow the monitoring-plugin convention, so the exit code of `jobstats` is a probe:
-0 healthy, 1 warning, 2 critical.
+0 healthy, 1 warning, 2 critical, and 3 unknown when there is no verdict.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class Thresholds:
     NOTIFY_QUEUE_USAGE: float = 0.5
     #: Jobs finished per second over 15 minutes beyond which strain means graduating.
     ENVELOPE_JOBS_PER_SECOND: float = 1000.0
+    #: A NATS queue's oldest due job still in the outbox this long: the relay is behind.
+    RELAY_LAG_SECONDS: float = 30.0
+    #: A NATS queue's consumer with this many messages not yet delivered: workers are behind.
+    NATS_PENDING: float = 10_000
     #: The queue's share of the database's active time over this.
     QUEUE_SHARE: float = 0.5
 
@@ -58,6 +62,8 @@ class Level(IntEnum):
     HEALTHY = 0
     WARNING = 1
     CRITICAL = 2
+    #: No verdict: the figures could not be read (jobstats says why). Never a reason's level.
+    UNKNOWN = 3
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,7 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
         *_retry_storms(report, limits),
         *_vacuum(report, limits),
         *_database(report, limits),
+        *_streams(report, limits),
         *_queue_share(report, limits),
     ]
     strained = {reason.code for reason in reasons} & {"workers_behind", "tune_autovacuum"}
@@ -133,9 +140,10 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
 def _behind(report: Figures, previous: Figures | None, limits: Thresholds) -> list[Reason]:
     served = served_queues(report.workers)
     before = {q.queue: q for q in previous.queues} if previous else {}
+    carried = {stream.queue for stream in report.streams}  # their due jobs are the relay's
     reasons = []
     for q in report.queues:
-        if q.paused or not q.due:
+        if q.paused or not q.due or q.queue in carried:
             continue
         if q.queue not in served and q.oldest_due_seconds >= limits.UNSERVED_SECONDS:
             reasons.append(
@@ -247,6 +255,61 @@ def _database(report: Figures, limits: Thresholds) -> list[Reason]:
                 "NOTIFY_QUEUE_USAGE",
             )
         )
+    return reasons
+
+
+def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
+    """The queues carried by NATS: the server unreachable, the relay behind (due jobs waiting in
+    the outbox), the consumer's workers behind or absent."""
+    reasons = []
+    served = served_queues(report.workers)
+    outbox = {q.queue: q for q in report.queues}
+    for stream in report.streams:
+        if not stream.reachable:
+            reasons.append(
+                _reason(
+                    "nats_unreachable",
+                    Level.CRITICAL,
+                    f"NATS unreachable for {stream.queue!r}",
+                    f"stream {stream.stream}: {stream.error}; its jobs wait in the outbox",
+                    "RELAY_LAG_SECONDS",
+                )
+            )
+            continue
+        waiting = outbox.get(stream.queue)
+        if waiting and waiting.due and waiting.oldest_due_seconds >= limits.RELAY_LAG_SECONDS:
+            reasons.append(
+                _reason(
+                    "relay_behind",
+                    Level.WARNING,
+                    f"the relay is behind for {stream.queue!r}",
+                    f"{waiting.due} due jobs in the outbox, the oldest waiting "
+                    f"{waiting.oldest_due_seconds:.0f}s; is a runjobs or relayjobs running?",
+                    "RELAY_LAG_SECONDS",
+                )
+            )
+        if stream.pending and stream.queue not in served:
+            reasons.append(
+                _reason(
+                    "no_worker_serves_a_queue",
+                    Level.CRITICAL,
+                    f"no worker serves {stream.queue!r}",
+                    f"{stream.pending} messages wait in stream {stream.stream} and no live "
+                    "worker has this queue",
+                    "NATS_PENDING",
+                )
+            )
+        elif stream.pending >= limits.NATS_PENDING:
+            reasons.append(
+                _reason(
+                    "workers_behind",
+                    Level.WARNING,
+                    "workers are behind",
+                    f"{stream.queue!r}: {stream.pending} messages not yet delivered by consumer "
+                    f"{stream.consumer}, {stream.ack_pending} running",
+                    "NATS_PENDING",
+                )
+            )
     return reasons
 
 

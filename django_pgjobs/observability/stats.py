@@ -76,12 +76,30 @@ class QueueActivity:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """A worker seen in the last 15 minutes: the queues it serves, and whether it is alive."""
+    """A worker seen in the last 15 minutes: the queues it serves, whether it is alive, and
+    whether it stopped (and said so) rather than went silent."""
 
     worker: str
     queues: list[str]
     last_seen_seconds: float
     alive: bool
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """A queue carried by NATS JetStream (transports.py): its stream and durable consumer, as
+    the server reports them; its outbox is the queue's due jobs in QueueDepth."""
+
+    queue: str
+    stream: str
+    consumer: str
+    reachable: bool  # False: the server could not be asked (see error)
+    error: str = ""
+    messages: int = 0  # in the stream, acknowledged or not (its retention keeps them)
+    pending: int = 0  # not yet delivered to any worker of the consumer
+    ack_pending: int = 0  # delivered and not yet acknowledged: running, or lost with a worker
+    redelivered: int = 0  # delivered more than once and not yet acknowledged
 
 
 def served_queues(workers: Iterable[WorkerStats]) -> set[str]:
@@ -235,10 +253,14 @@ def activity_stats(
     return activity
 
 
+# A worker that stops writes rows of `seconds = 0` after its last report (activity.stopped_rows):
+# from then on it is not alive, however recent its last report. Worker ids are never reused.
 WORKERS_SQL = """
     SELECT worker, array_agg(DISTINCT queue ORDER BY queue),
            EXTRACT(EPOCH FROM now() - max(at)),
            bool_or(at + make_interval(secs => %(intervals)s * seconds + %(slack)s) >= now())
+             AND NOT bool_or(seconds = 0),
+           bool_or(seconds = 0)
     FROM pgjobs_queuestat
     WHERE at > now() - make_interval(secs => %(longest)s)
     GROUP BY worker ORDER BY worker
@@ -246,12 +268,13 @@ WORKERS_SQL = """
 
 
 def worker_stats(db: str | None = None) -> list[WorkerStats]:
-    """Workers that wrote a QueueStat row in the last 15 minutes: the queues they serve, and
-    whether they are alive (wrote a row within the last two of their intervals)."""
+    """Workers that wrote a QueueStat row in the last 15 minutes: the queues they serve, whether
+    they are alive (wrote a row within the last two of their intervals, and did not stop), and
+    whether they stopped."""
     params = {"intervals": ALIVE_INTERVALS, "slack": ALIVE_SLACK, "longest": max(WINDOWS)}
     with connections[job_database(db)].cursor() as cursor:
         cursor.execute(WORKERS_SQL, params)
         return [
-            WorkerStats(worker, list(queues), float(seen), bool(alive))
-            for worker, queues, seen, alive in cursor.fetchall()
+            WorkerStats(worker, list(queues), float(seen), bool(alive), bool(stopped))
+            for worker, queues, seen, alive, stopped in cursor.fetchall()
         ]

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextvars import ContextVar
-from functools import lru_cache
 from types import CodeType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from asgiref.sync import async_to_sync
 
 from django_pgjobs import registry
+from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
 from django_pgjobs.delays import as_seconds
@@ -40,7 +39,16 @@ def run(job: Job) -> Handled:
     whatever the handler raises, SystemExit and KeyboardInterrupt included, becomes a Handled.
 
     A job of an integration (e.g. Django's Tasks framework, see backend.py) goes to its runner.
+    With PGJOBS["TRACING"] on, it runs in its process span (tracing.py, imported only then).
     """
+    if get_settings().TRACING:
+        from django_pgjobs import tracing
+
+        return tracing.processed(job, _run)
+    return _run(job)
+
+
+def _run(job: Job) -> Handled:
     runner = registry.runner_for(job.task)
     if runner is not None:
         return runner(job)
@@ -152,26 +160,6 @@ def limits_of(job: Job, default_lease: float) -> tuple[float, float | None]:
     except UnknownTask:
         lease, timeout = None, None
     return lease or default_lease, timeout or get_settings().TIMEOUT
-
-
-def check_arguments(
-    func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: object
-) -> None:
-    """PayloadMismatch unless the handler can be called with `args` and `kwargs`."""
-    if not isinstance(kwargs, dict):
-        raise PayloadMismatch(
-            f"payload must be a JSON object of keyword arguments, got {type(kwargs).__name__}"
-        )
-    try:
-        _signature(func).bind(*args, **kwargs)
-    except TypeError as error:
-        raise PayloadMismatch(f"payload does not fit {name}(): {error}") from None
-
-
-@lru_cache(maxsize=1024)
-def _signature(func: Callable[..., Any]) -> inspect.Signature:
-    # Computing a signature costs more than running a small handler; functions don't change.
-    return inspect.signature(func)
 
 
 def failure_of(error: BaseException, *, with_traceback: bool = True) -> Failure:

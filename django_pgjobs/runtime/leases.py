@@ -1,24 +1,34 @@
 """The lease keeper: a thread that renews the leases of a worker's running jobs every lease/3,
-whatever the worker's main loop is doing (waiting, slow, or stuck on the database)."""
+and writes their handlers' progress reports about once a second, whatever the worker's main
+loop is doing (waiting, slow, or stuck on the database)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from uuid import UUID
 
 from django.db import DatabaseError, connections
 
 from django_pgjobs.data.jobs import JobManager
+from django_pgjobs.data.records import Claim, claim_of
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.locks import LockWaits
 
 logger = logging.getLogger(__name__)
 
+#: How often the lease keeper looks for progress reports to write: a job's report is written
+#: at most this often (and with every heartbeat), however often its handler reports.
+PROGRESS_INTERVAL = 1.0
+
 
 class LeaseKeeper:
     """Heartbeats `claims()` (the worker's running jobs) on its own connection; `lease_of(job)`
-    is each job's lease in seconds. A claim found lost is logged: its outcome will be refused."""
+    is each job's lease in seconds. Between heartbeats it writes, about once a second, the
+    claims whose handlers reported progress since their last write. A claim found lost is
+    logged once and left alone from then on: its outcome will be refused."""
 
     def __init__(
         self,
@@ -31,6 +41,12 @@ class LeaseKeeper:
         self.jobs, self.claims, self.lease_of = jobs, claims, lease_of
         self.default_lease = default_lease
         self.lock_waits = lock_waits
+        # By claim, never by job id (a stale and a fresh claim of one job may both be here):
+        # the report last written of each, the claims found lost, and those whose rows were
+        # locked elsewhere at their last heartbeat (tried again every round until renewed).
+        self._written: dict[Claim, object] = {}
+        self._lost: set[Claim] = set()
+        self._locked: set[Claim] = set()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="pgjobs-leases", daemon=True)
 
@@ -43,35 +59,88 @@ class LeaseKeeper:
     def interval(self, claims: list[Job]) -> float:
         return min([self.default_lease, *map(self.lease_of, claims)]) / 3
 
-    def renew(self, claims: list[Job]) -> None:
-        """One round: extend every lease in `claims` that is not locked elsewhere."""
+    def renew(self, claims: list[Job]) -> set[UUID]:
+        """Extend every lease in `claims` that is not locked elsewhere, writing each one's
+        latest progress report; returns the ids renewed."""
         by_lease: dict[float, list[Job]] = {}
         for job in claims:
             by_lease.setdefault(self.lease_of(job), []).append(job)
+        renewed: set[UUID] = set()
         for lease, jobs in by_lease.items():
-            renewed = self.jobs.heartbeat(jobs, lease)
+            renewed |= self.jobs.heartbeat(jobs, lease)
             skipped = [job for job in jobs if job.pk not in renewed]
-            if skipped:  # locked elsewhere (renewed next time), or lost
+            if skipped:  # locked elsewhere (renewed next round), or lost
                 held = self.jobs.held(skipped)
                 for job in skipped:
-                    if job.pk not in held:
+                    if job.pk in held:
+                        self._locked.add(claim_of(job))
+                    else:
+                        self._lost.add(claim_of(job))
                         logger.warning(
                             "lost the lease of job %s (%s); its outcome will not be recorded",
                             job.pk, job.task,
                         )  # fmt: skip
+        return renewed
+
+    def keep_up(self, claims: list[Job], heartbeat: bool) -> None:
+        """One round over `claims`: all of them when a heartbeat is due, else only those whose
+        handlers reported progress since their last write (none: no statement at all)."""
+        live = [job for job in claims if claim_of(job) not in self._lost]
+        # Read once: a handler may report again while its report is being written.
+        reports = {claim_of(job): job.progress for job in live}
+        # A row that was locked at the last heartbeat is tried every round, not only at the
+        # next heartbeat: its lease must be renewed as soon as the lock is gone, before the
+        # reaper (which skips locked rows too) can find the lease expired.
+        due = [
+            job
+            for job in live
+            if heartbeat
+            or claim_of(job) in self._locked
+            or reports[claim_of(job)] is not self._written.get(claim_of(job))
+        ]
+        if due:
+            renewed = self.renew(due)
+            for job in due:
+                if job.pk in renewed:
+                    self._written[claim_of(job)] = reports[claim_of(job)]
+                    self._locked.discard(claim_of(job))
+        # Forget the claims that ended.
+        self._written = {
+            claim: report for claim, report in self._written.items() if claim in reports
+        }
+        self._lost &= {claim_of(job) for job in claims}
+        self._locked &= {claim_of(job) for job in claims}
 
     def _keep(self) -> None:
         try:
             self.lock_waits.limit_this_thread()
-            while not self._stopped.wait(self.interval(self.claims())):
-                claims = self.claims()
-                if not claims:
-                    continue
+            heartbeat_at = time.monotonic() + self.default_lease / 3
+            while True:
+                wait = min(PROGRESS_INTERVAL, heartbeat_at - time.monotonic())
+                if self._stopped.wait(max(0.0, wait)):
+                    return
                 try:
-                    self.renew(claims)
+                    heartbeat_at = self._round(heartbeat_at)
                 except DatabaseError as error:
                     # The next round tries again; a lease outlives two missed rounds.
                     logger.warning("could not renew leases: %s", str(error).strip())
                     connections[self.jobs.db].close()
+                except Exception:
+                    # Whatever it was (a bug, a lease_of that raised), this thread must live on:
+                    # if it ended, every lease of this worker would run out under its handlers.
+                    logger.exception("the lease keeper's round failed; the next one tries again")
         finally:
             connections.close_all()
+
+    def _round(self, heartbeat_at: float) -> float:
+        """One round: a heartbeat if it is due (else only new progress reports); returns when
+        the next heartbeat is due."""
+        claims = self.claims()
+        # A claim with a shorter lease may have come since the last heartbeat.
+        heartbeat_at = min(heartbeat_at, time.monotonic() + self.interval(claims))
+        heartbeat = time.monotonic() >= heartbeat_at
+        if heartbeat:
+            heartbeat_at = time.monotonic() + self.interval(claims)
+        if claims:
+            self.keep_up(claims, heartbeat)
+        return heartbeat_at

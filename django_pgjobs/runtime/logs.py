@@ -39,13 +39,31 @@ def log_outcome(job: Job, handled: Handled, outcome: Outcome) -> None:
     )  # fmt: skip
 
 
+#: A rate over less time than this says little (a --once run of a few jobs): none is shown.
+MIN_RATE_SECONDS = 1.0
+
+
 def log_activity(activity: ActivityTally, seconds: float, in_flight: int) -> None:
     """One line of what the worker did over the last `seconds`."""
     if activity.queues or in_flight:
         done, dead = activity.total(Outcome.SUCCEEDED), activity.total(Outcome.FAILED)
         logger.info(
-            "last %.0fs: done=%d retried=%d dead=%d cancelled=%d lost=%d in_flight=%d "
-            "(%.0f jobs/s)", seconds, done, activity.total(Outcome.RETRIED), dead,
+            "last %s: done=%d retried=%d dead=%d cancelled=%d lost=%d in_flight=%d%s",
+            _span(seconds), done, activity.total(Outcome.RETRIED), dead,
             activity.total(Outcome.CANCELLED), activity.total(Outcome.LOST), in_flight,
-            (done + dead) / seconds,
+            rate(done + dead, seconds),
         )  # fmt: skip
+
+
+def rate(jobs: int, seconds: float) -> str:
+    """ " (231 jobs/s)", " (0.3 jobs/s)": two significant digits below 10 a second, so that
+    3 jobs in 10 s do not read as 0; nothing for a span under MIN_RATE_SECONDS or no jobs."""
+    if seconds < MIN_RATE_SECONDS or not jobs:
+        return ""
+    per_second = jobs / seconds
+    shown = f"{per_second:.0f}" if per_second >= 10 else f"{per_second:.2g}"
+    return f" ({shown} jobs/s)"
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"

@@ -34,6 +34,7 @@ class Options:
     max_jobs: int | None = None  # recycle after recording this many outcomes
     max_memory_mb: float | None = None  # recycle when resident memory passes this
     parent_pid: int | None = None  # a supervisor's: stop when it is gone
+    relay: bool = True  # publish the outbox of NATS queues (transports.py), if there are any
 
 
 class Exit(IntEnum):

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from django.db import DatabaseError, InterfaceError, OperationalError, ProgrammingError
+from django.db import DatabaseError, InterfaceError, OperationalError
 
+from django_pgjobs import schema
 from django_pgjobs.runtime import policy
 
 logger = logging.getLogger(__name__)
-
-#: SQLSTATEs of a missing table (42P01) or column (42703).
-UNDEFINED = ("42P01", "42703")
 
 
 class WorkerError(Exception):
@@ -47,13 +45,8 @@ class Outage:
         """One line saying what is wrong and, where we know, what to do."""
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         # An undefined table or column: the schema is older than the code.
-        if (
-            isinstance(error, ProgrammingError)
-            and getattr(error.__cause__, "sqlstate", None) in UNDEFINED
-        ):
-            return (
-                f"the pgjobs tables are missing or out of date ({first}): run `manage.py migrate`"
-            )
+        if schema.is_not_migrated(error):
+            return schema.explained(error)
         if "lock timeout" in first:
             return f"a statement waited too long for a lock held elsewhere ({first})"
         if isinstance(error, OperationalError | InterfaceError):

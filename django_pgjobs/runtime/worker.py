@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 from django.db import DatabaseError, connections, router
 
@@ -19,7 +20,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
-from django_pgjobs.runtime import execute, listener, policy
+from django_pgjobs.runtime import execute, listener, policy, served
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
@@ -41,7 +42,8 @@ LIMITS_INTERVAL = 1.0
 class Worker:
     """One worker process's runtime. ``run()`` returns how it ended (an Exit)."""
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, chores: Sequence[Chore] = ()) -> None:
+        """`chores`: more housekeeping for this worker (e.g. a NATS relay: jetstream/)."""
         self.options = options
         self.id = options.worker_id or worker_id()
         self.lease = options.lease or get_settings().LEASE
@@ -75,7 +77,7 @@ class Worker:
                 Pruner(self.jobs, options.prune_interval),
                 Ticker(Scheduler(self.db)),
             ]
-        self._chores.append(Reporter(options.stats_interval, self._report))
+        self._chores += [*chores, Reporter(options.stats_interval, self._report)]
         self._lock_waits = LockWaits(self.db, application_name(self.id))
         self._leases = LeaseKeeper(
             self.jobs, self.running_claims, self.lease_of, self.lease, self._lock_waits
@@ -104,6 +106,8 @@ class Worker:
             self.id, ",".join(options.queues), options.concurrency, options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
+        if options.parent_pid is None:  # a supervisor's children: it said so once for all
+            served.warn(self.db, options.queues, f"worker {self.id}")
         self._lock_waits.limit_this_thread()
         self._start_threads()
         outage = Outage()
@@ -242,12 +246,12 @@ class Worker:
     def lease_of(self, job: Job) -> float:
         return execute.limits_of(job, self.lease)[0]
 
-    def _report(self, seconds: float) -> None:
+    def _report(self, seconds: float, stopping: bool = False) -> None:
         """Write what this worker did per queue since the last report (QueueStat rows), and
-        log it in one line."""
+        log it in one line; `stopping`: the last report, which also says the worker stopped."""
         activity, self.activity = self.activity, ActivityTally()
         QueueStat.objects.using(self.db).bulk_create(
-            activity.rows(self.id, seconds, self.options.queues)
+            activity.rows(self.id, seconds, self.options.queues, stopping)
         )
         log_activity(activity, seconds, len(self._in_flight))
 
@@ -323,7 +327,7 @@ class Worker:
         reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
         seconds = max(1e-3, time.monotonic() - reporter.since)
         try:
-            self._report(seconds)
+            self._report(seconds, stopping=True)
         except DatabaseError:
             log_activity(self.activity, seconds, len(self._in_flight))
         connections.close_all()

@@ -7,16 +7,23 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
 import pytest
 from django.db import connection
+
+from tests.conftest import connection_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess:
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], log: Path, env: dict[str, str] | None = None,
+        command: str = "runjobs",
+    ) -> None:  # fmt: skip
         self.log_path = log
         env = {
             **os.environ,
@@ -27,7 +34,7 @@ class WorkerProcess:
         }
         self._log = log.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "manage.py", "runjobs", *args],
+            [sys.executable, "manage.py", command, *args],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -73,3 +80,27 @@ def start_worker(transactional_db: None, tmp_path: Path) -> Iterator:
     for worker in started:
         worker.kill()
         sys.stderr.write(f"--- {worker.log_path.name} ---\n{worker.log()[-3000:]}\n")
+
+
+def manage(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run `manage.py *args` with the test settings (and `env` over the environment) to its end."""
+    environ = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env}
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=environ, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+
+
+@contextmanager
+def scratch_database(suffix: str) -> Iterator[str]:
+    """A new, empty database of its own, named after the test database, dropped afterwards."""
+    name = f"{connection.settings_dict['NAME'].removeprefix('test_')}_{suffix}"
+    admin = {**connection_kwargs(), "dbname": "postgres"}
+    with psycopg.connect(**admin, autocommit=True) as server:
+        server.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        server.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield name
+    finally:
+        with psycopg.connect(**admin, autocommit=True) as server:
+            server.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

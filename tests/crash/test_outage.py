@@ -14,14 +14,12 @@ import threading
 from collections.abc import Callable, Iterator
 from urllib.parse import quote
 
-import psycopg
 import pytest
-from django.db import connection
 
 from django_pgjobs.models import Job
 from tests.chaos.servers import free_port
 from tests.conftest import connection_kwargs, wait_until
-from tests.crash.conftest import WorkerProcess
+from tests.crash.conftest import WorkerProcess, scratch_database
 from tests.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -172,16 +170,10 @@ def test_runjobs_once_against_an_unreachable_database_exits_non_zero_with_one_cl
 
 
 @pytest.fixture
-def unmigrated_database() -> Iterator[str]:
+def unmigrated_database(transactional_db: None) -> Iterator[str]:
     """An empty database beside the test database: no pgjobs tables."""
-    name = f"{connection.settings_dict['NAME']}_unmigrated"
-    kwargs = {**connection_kwargs(), "dbname": "postgres"}
-    with psycopg.connect(**kwargs, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield name
-    with psycopg.connect(**kwargs, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database("unmigrated") as name:
+        yield name
 
 
 def test_runjobs_once_against_an_unmigrated_database_exits_non_zero_saying_to_migrate(

@@ -517,3 +517,14 @@ def test_a_supervisor_that_gives_up_does_not_blame_unreleased_jobs(runjobs):
     supervisor = runjobs("--processes", "3", env=CRASHING)
     assert supervisor.wait(90) != 0
     assert "stopped without recording or releasing every job it held" not in supervisor.log()
+
+
+def test_a_supervisor_gives_the_start_up_warnings_once_for_all_its_children(runjobs):
+    supervisor = runjobs("--processes", "2", "--queue", "emial", "--lease", "3")
+    wait_until(lambda: supervisor.log().count(" started: ") == 2, timeout=60)
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0
+    log = supervisor.log()
+    assert log.count("the queue 'emial', served by the workers of supervisor ") == 1, log
+    assert log.count("no running worker serves the queue 'emails'") == 1, log
+    assert log.count("--lease 3 is under 10s") == 1, log

@@ -2,44 +2,27 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
-from django.db import connection
 
 from tests.conftest import connection_kwargs
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.crash.conftest import manage as run_manage
+from tests.crash.conftest import scratch_database
 
 
 @pytest.fixture
 def old_install(transactional_db: None) -> Iterator[str]:
     """A database of its own, migrated up to 0006 (before claims and scheduled jobs)."""
-    name = f"{connection.settings_dict['NAME']}_upgrade"
-    admin = {**connection_kwargs(), "dbname": "postgres"}
-    with psycopg.connect(**admin, autocommit=True) as server:
-        server.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        server.execute(f'CREATE DATABASE "{name}"')
-    try:
+    with scratch_database("upgrade") as name:
         assert manage(name, "migrate", "pgjobs", "0006").returncode == 0
         yield name
-    finally:
-        with psycopg.connect(**admin, autocommit=True) as server:
-            server.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def manage(database: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
-           "PGJOBS_TEST_DATABASE": database}  # fmt: skip
-    return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+    return run_manage(*args, PGJOBS_TEST_DATABASE=database)
 
 
 def test_an_install_from_before_claims_upgrades_with_migrate_and_its_waiting_jobs_move(old_install):

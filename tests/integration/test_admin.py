@@ -420,3 +420,28 @@ def test_the_detail_page_shows_the_kept_result_and_when_the_attempt_started(admi
     content = page.content.decode()
     assert "&quot;total&quot;: 42" in content
     assert "Started at" in content
+
+
+@pytest.mark.parametrize(
+    ("table", "url"),
+    [
+        ("pgjobs_job", JOBS),
+        ("pgjobs_job", DEAD),
+        ("pgjobs_job", REPLAY_MATCHING),
+        ("pgjobs_queue", reverse("admin:pgjobs_queue_changelist")),
+        ("pgjobs_queuestat", reverse("admin:pgjobs_queue_report")),
+        ("pgjobs_schedule", reverse("admin:pgjobs_schedule_changelist")),
+    ],
+)
+def test_a_page_whose_table_is_missing_says_to_run_migrate(table, url):
+    client = staff("view_job", "replay_job", "view_queue", "view_schedule")
+    with connection.cursor() as cursor:  # as if migrate had not run (undone with the test)
+        cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_elsewhere")
+    response = client.get(url)
+    assert response.status_code == 503
+    page = html.unescape(response.content.decode())
+    assert (
+        f'the pgjobs tables are missing or out of date (relation "{table}" does not exist): '
+        "run `manage.py migrate`"
+    ) in page
+    assert "<pre>python manage.py migrate</pre>" in page

@@ -40,6 +40,20 @@ def test_the_report_page_shows_the_verdict_and_figures_and_escapes_what_it_quote
 
 
 @pytest.mark.django_db
+def test_the_report_lists_a_worker_that_stopped_as_stopped_and_not_as_serving(admin_client):
+    JobFactory(queue="emails")
+    QueueStat.objects.create(seconds=10, worker="host:1:aa", queue="emails")
+    QueueStat.objects.create(seconds=0, worker="host:1:aa", queue="emails")  # its goodbye
+    response = admin_client.get(REPORT)
+    assert "stopped 0 s ago" in response.content.decode()
+    assert [w.worker for w in response.context["stopped"]] == ["host:1:aa"]
+    assert response.context["alive"] == [] and response.context["silent"] == []
+    assert [(q["queue"], q["workers"]) for q in response.context["data"]["queues"]] == [
+        ("emails", 0)
+    ]
+
+
+@pytest.mark.django_db
 def test_the_report_needs_the_permission_to_view_queues():
     assert staff("view_job").get(REPORT).status_code == 403
     assert staff("view_queue").get(REPORT).status_code == 200

@@ -64,8 +64,12 @@ def test_an_editor_corrects_a_missing_argument_and_the_job_is_replayed_and_logge
         ('{"to": "x"', "Not valid JSON"),
         ("[1, 2]", "payload must be a JSON object"),
         ('{"to": NaN}', "NaN is not JSON"),
-        ({"subject": "no recipient"}, "payload does not fit tests.tasks.send_email()"),
-        ({"to": "x", "cc": "y"}, "unexpected keyword argument 'cc'"),
+        (
+            {"subject": "no recipient"},
+            "the payload does not fit tests.tasks.send_email(to, subject=''): missing the "
+            "required argument 'to'",
+        ),
+        ({"to": "x", "cc": "y"}, "unexpected argument 'cc'"),
         ({"to": "x\u0000"}, "\\u0000"),
         ({"to": "x" * 1_000_000}, "over the limit of 1,000,000"),
     ],

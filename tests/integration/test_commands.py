@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import uuid
 from datetime import timedelta
 from io import StringIO
 
@@ -9,6 +12,7 @@ from django.core.management import call_command
 from django.db import connection
 
 from django_pgjobs.models import Job, QueueStat
+from django_pgjobs.observability import stats
 from django_pgjobs.status import Status
 from tests.conftest import statistics_count
 from tests.factories import JobFactory
@@ -25,6 +29,10 @@ def run(*args: str) -> str:
 def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
     other_connection,
 ):
+    # The verdict reads table-wide statistics: start them afresh, whatever earlier tests left
+    # (test_claim_cost's 200,000 rolled-back inserts count as dead tuples, "tune autovacuum").
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_reset_single_table_counters('pgjobs_job'::regclass)")
     JobFactory.create_batch(3)
     JobFactory(retrying=True)  # scheduled (its backoff) and retrying
     JobFactory(running=True)
@@ -52,6 +60,47 @@ def test_jobstats_reports_depth_age_retries_running_and_dead_letters_per_queue(
     assert report["database"]["oldest_snapshot_query"] == "SELECT count(*) FROM pgjobs_job"
 
 
+def as_a_user_who_reads(*tables: str) -> None:
+    """Go on as a new database user who may read only `tables`, without pg_monitor (the role
+    and the switch are undone with the test's transaction)."""
+    role = f"pgjobs_probe_{uuid.uuid4().hex[:12]}"
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE ROLE {role}")
+        cursor.execute(f"GRANT SELECT ON {', '.join(tables)} TO {role}")
+        cursor.execute(f"SET LOCAL ROLE {role}")
+
+
+def test_jobstats_that_may_not_read_the_figures_exits_unknown_in_one_line():
+    as_a_user_who_reads("pgjobs_job", "pgjobs_queue")
+    out = StringIO()
+    with pytest.raises(SystemExit) as exited:
+        call_command("jobstats", stdout=out)
+    assert exited.value.code == 3
+    assert out.getvalue() == (
+        "verdict: UNKNOWN: the report could not be read (permission denied for table "
+        "pgjobs_queuestat): the database user needs SELECT on the pgjobs tables, and the "
+        "pg_monitor role to read PostgreSQL's statistics\n"
+    )
+
+
+def test_jobstats_says_when_other_users_sessions_are_hidden_from_it():
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_has_role('pg_read_all_stats', 'USAGE')")
+        (sees_all,) = cursor.fetchone()
+    assert ("hidden from this database user" in report()) is not sees_all
+    as_a_user_who_reads("pgjobs_job", "pgjobs_queue", "pgjobs_queuestat")
+    assert "(other users' sessions are hidden from this database user: " in report()
+    assert json.loads(report("--json"))["database"]["sees_all_sessions"] is False
+
+
+def report(*args: str) -> str:
+    """What jobstats prints, whatever its verdict (the server's other sessions count too)."""
+    out = StringIO()
+    with contextlib.suppress(SystemExit):
+        call_command("jobstats", *args, stdout=out)
+    return out.getvalue()
+
+
 def test_prunejobs_deletes_old_finished_jobs_and_keeps_dead_letters():
     JobFactory.create_batch(4, succeeded=True, enqueued_ago=2 * 86400)
     JobFactory(dead=True, enqueued_ago=2 * 86400)
@@ -74,19 +123,89 @@ def test_runjobs_once_drains_what_is_due_and_restores_the_signal_handlers():
     assert Job.objects.filter(status=Status.READY).count() == 1
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_that_stopped_is_reported_stopped_not_alive(signal_handlers_restored):
+    JobFactory.create_batch(3)
+    call_command("runjobs", "--once", verbosity=0)
+    (worker,) = stats.worker_stats()
+    assert (worker.alive, worker.stopped, worker.queues) == (False, True, ["default"])
+    text = report()
+    assert "workers: 0 alive; stopped in the last 15 minutes: " in text
+    assert f"{worker.worker} " in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runjobs_warns_of_a_lease_under_ten_seconds(caplog, signal_handlers_restored):
+    call_command("runjobs", "--once", "--lease", "2", verbosity=0)
+    assert "--lease 2 is under 10s: heartbeats go out every lease/3 and the reaper looks " in (
+        caplog.text
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runjobs_warns_at_start_of_a_queue_nothing_uses_and_of_queues_nobody_serves(
+    caplog, signal_handlers_restored
+):
+    QueueStat.objects.create(seconds=10, worker="elsewhere", queue="payments")  # alive, serving
+    call_command("runjobs", "--once", "--queue", "emial", "--queue", "default", verbosity=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (worker,) = [w.worker for w in stats.worker_stats() if w.worker != "elsewhere"]
+    typo = [line for line in warnings if "'emial'" in line]
+    assert len(typo) == 1
+    assert (
+        f"the queue 'emial', served by worker {worker}, is used by no registered task, periodic "
+        "schedule or Django Tasks backend"
+    ) in typo[0]
+    assert "a typo in --queue? Jobs reach it only when enqueued with queue='emial'." in typo[0]
+    assert (
+        "no running worker serves the queue 'emails', which tests.tasks.send_email, "
+        "example_project.shop.tasks.send_confirmation use: its jobs wait until a worker does "
+        f"(runjobs --queue emails; served by worker {worker}: emial, default)."
+    ) in warnings
+    assert "no running worker serves the queue 'warehouse', " in "\n".join(warnings)
+    served_elsewhere_or_here = tuple(
+        f"no running worker serves the queue {q!r}" for q in ("payments", "default")
+    )
+    assert not [line for line in warnings if line.startswith(served_elsewhere_or_here)]
+
+
+def test_check_deploy_without_a_database_points_at_the_database_checks():
+    out = StringIO()
+    call_command("check", "--deploy", stderr=out, stdout=out)
+    assert "(pgjobs.I001) django-pgjobs's database checks did not run: " in out.getvalue()
+    assert "HINT: Run `manage.py check --deploy --database default` to run them." in (
+        out.getvalue()
+    )
+    out = StringIO()
+    call_command("check", "--deploy", "--database", "default", stderr=out, stdout=out)
+    assert "pgjobs.I001" not in out.getvalue()
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
         (["--queue", "bad queue"], "not a valid queue name"),
         (["--concurrency", "0"], "must be greater than 0"),
         (["--lease", "soon"], "is not a number"),
+        (
+            ["--lease", "0.5"],
+            "argument --lease: must be at least 1 second, got 0.5: heartbeats renew a lease "
+            "every lease/3 seconds, so a shorter lease is lost while its job still runs",
+        ),
+        (["--lease", "inf"], "must be at least 1 second, got inf"),
+        (
+            ["--grace", "-1"],
+            "argument --grace: must be 0 or more seconds, got -1: the time running jobs get "
+            "to finish after a stop signal",
+        ),
+        (["--grace", "nan"], "must be 0 or more seconds, got nan"),
     ],
 )
 def test_runjobs_refuses_bad_options_with_a_clear_message(option, message, capsys):
     from django.core.management import CommandError
 
     with pytest.raises(CommandError, match=message):
-        call_command("runjobs", *option)
+        call_command("runjobs", *option, "--once")  # without the check, it must not hang
 
 
 def finished_ago(job: Job, seconds: float) -> None:

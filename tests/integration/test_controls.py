@@ -161,8 +161,14 @@ def test_a_worker_writes_its_counts_and_claim_latencies_per_queue():
     JobFactory.create_batch(4)
     JobFactory(task="tests.tasks.fails_permanently")
     runjobs_once("default", "idle")
-    rows = {row.queue: row for row in QueueStat.objects.all()}
+    rows = {row.queue: row for row in QueueStat.objects.filter(seconds__gt=0)}
     assert set(rows) == {"default", "idle"}  # idle queues are reported too
+    # Then a row of no time per queue served: the worker says it stopped.
+    goodbye = QueueStat.objects.filter(seconds=0)
+    assert sorted(goodbye.values_list("queue", "claimed", "succeeded")) == [
+        ("default", 0, 0),
+        ("idle", 0, 0),
+    ]
     busy = rows["default"]
     assert (busy.claimed, busy.succeeded, busy.retried, busy.failed) == (5, 4, 0, 1)
     assert len(busy.latency_buckets) == len(LATENCY_BUCKETS) + 1

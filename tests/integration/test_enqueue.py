@@ -5,6 +5,7 @@ import time
 
 import pytest
 from django.db import connection, transaction
+from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -12,7 +13,8 @@ from django_pgjobs.data import wakeups as notify
 from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
-from tests import tasks
+from django_pgjobs.testing import run_jobs
+from tests import framework_tasks, tasks
 
 pytestmark = pytest.mark.django_db
 
@@ -89,10 +91,17 @@ def test_the_returned_job_has_every_field_as_read_back_from_the_table(bulk):
         (job,) = Job.objects.bulk_enqueue(tasks.send_email, [{"to": "a@x"}], delay=5)
     else:
         job = Job.objects.enqueue(tasks.send_email, {"to": "a@x"}, unique_key="k1")
+    assert not job.get_deferred_fields()  # every column has its value, none is loaded later
     row = Job.objects.get(pk=job.pk)
     for field in Job._meta.concrete_fields:
         assert getattr(job, field.attname) == getattr(row, field.attname), field.name
-    assert not job._state.adding
+    assert (job._state.adding, job._state.db) == (False, "default")
+
+
+def test_jobs_returned_by_one_enqueue_share_no_mutable_value():
+    first, second = Job.objects.bulk_enqueue(tasks.noop, [{}, {}])
+    first.errors.append({"type": "X"})
+    assert (second.errors, Job.objects.enqueue(tasks.noop).errors) == ([], [])
 
 
 def test_task_sugar_enqueues_with_kwargs_and_options():
@@ -102,6 +111,23 @@ def test_task_sugar_enqueues_with_kwargs_and_options():
     row = Job.objects.get(pk=later.pk)
     assert (row.queue, row.priority) == ("bulk", -5)
     assert dt.timedelta(seconds=59) < row.run_at - row.created_at <= dt.timedelta(seconds=60)
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+@pytest.mark.parametrize(
+    "when",
+    [{}, {"delay": 0}, {"delay": 1e-7}, {"delay": 2e-6}, {"delay": 30},
+     {"run_at": dt.datetime(2000, 1, 1, tzinfo=dt.UTC)},
+     {"run_at": dt.datetime(2100, 1, 1, tzinfo=dt.UTC)}],
+)  # fmt: skip
+def test_a_job_is_scheduled_exactly_when_it_is_not_yet_due_as_written(bulk, when):
+    if bulk:
+        (job,) = Job.objects.bulk_enqueue(tasks.noop, [{}], **when)
+    else:
+        job = Job.objects.enqueue(tasks.noop, **when)
+    row = Job.objects.get(pk=job.pk)
+    assert (row.run_at, row.scheduled) == (job.run_at, job.scheduled)
+    assert row.scheduled == (row.run_at > row.created_at)
 
 
 def test_run_at_schedules_at_that_time():
@@ -114,10 +140,45 @@ def test_bulk_enqueue_writes_every_job_in_few_statements():
     with CaptureQueriesContext(connection) as queries:
         jobs = Job.objects.bulk_enqueue(tasks.send_email, ({"to": f"{n}@x"} for n in range(12_000)))
     assert len(jobs) == Job.objects.filter(status=Status.READY).count() == 12_000
-    inserts = [q for q in queries if "INSERT INTO pgjobs_job" in q["sql"]]
-    assert len(queries) == len(inserts) == 3  # 5,000 rows per statement, and nothing else
-    assert "pg_notify" in inserts[0]["sql"]  # one wake-up for the whole batch
+    first, *copies = [q["sql"] for q in queries]
+    assert "pg_notify" in first  # one wake-up for the whole batch, with its times
+    assert len(copies) == 3  # 5,000 rows per COPY, and nothing else
+    assert all(sql.strip().startswith("COPY pgjobs_job") for sql in copies)
     assert {job.queue for job in jobs} == {"emails"}
+    assert list(Job.objects.order_by("pk").values_list("payload__to", flat=True)) == [
+        job.payload["to"] for job in jobs
+    ]
+
+
+@pytest.mark.django_db(transaction=True)  # a real ROLLBACK, not a savepoint's
+def test_a_bulk_enqueue_that_fails_part_way_writes_nothing():
+    copies = 0
+
+    def fail_on_the_third_copy(execute, sql, params, many, context):
+        nonlocal copies
+        copies += sql.strip().startswith("COPY")
+        if copies == 3:
+            raise Boom
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(fail_on_the_third_copy), pytest.raises(Boom):
+        Job.objects.bulk_enqueue(tasks.noop, [{}] * 12_000)
+    assert Job.objects.count() == 0
+
+
+def test_enqueued_jobs_are_built_like_loaded_ones_for_post_init_receivers():
+    seen = []
+
+    def receiver(sender, instance, **kwargs):
+        seen.append(instance.payload)
+
+    post_init.connect(receiver, sender=Job)
+    try:
+        Job.objects.enqueue(tasks.send_email, {"to": "a@x"})
+        Job.objects.bulk_enqueue(tasks.send_email, [{"to": "b@x"}, {"to": "c@x"}])
+    finally:
+        post_init.disconnect(receiver, sender=Job)
+    assert seen == [{"to": "a@x"}, {"to": "b@x"}, {"to": "c@x"}]
 
 
 def test_a_live_unique_key_is_not_enqueued_twice_and_the_existing_job_is_returned():
@@ -164,3 +225,68 @@ def test_one_bad_payload_in_a_bulk_enqueue_writes_nothing():
     with pytest.raises(EnqueueError, match=r"payload\['to'\] is inf"):
         Job.objects.bulk_enqueue(tasks.send_email, payloads)
     assert Job.objects.count() == 0
+
+
+# ---- the payload against the handler's signature -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "enqueue",
+    [
+        lambda: tasks.send_email.enqueue(recipient="a@example.com"),
+        lambda: tasks.send_email.using(priority=1).enqueue(recipient="a@example.com"),
+        lambda: Job.objects.enqueue(tasks.send_email, {"recipient": "a@example.com"}),
+        # By name, for a task registered in this process: checked as well.
+        lambda: Job.objects.enqueue("tests.tasks.send_email", {"recipient": "a@example.com"}),
+    ],
+    ids=["task.enqueue", "task.using().enqueue", "Job.objects.enqueue", "by name"],
+)
+def test_a_payload_that_does_not_fit_the_handler_is_refused_at_enqueue(enqueue):
+    with CaptureQueriesContext(connection) as queries, pytest.raises(EnqueueError) as raised:
+        enqueue()
+    assert str(raised.value) == (
+        "the payload does not fit tests.tasks.send_email(to, subject=''): unexpected argument "
+        "'recipient'; missing the required argument 'to'."
+    )
+    assert len(queries) == 0
+    assert Job.objects.count() == 0
+
+
+def test_celerys_countdown_is_refused_and_told_where_a_delay_goes():
+    with pytest.raises(EnqueueError, match=r"pass delay=\.\.\. with task\.using\(delay=\.\.\.\)"):
+        tasks.send_email.enqueue(to="a@example.com", countdown=10)
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("handler", "payload"),
+    [
+        (tasks.keyword_only, {"order_id": 1}),
+        (tasks.takes_varargs, {"order_id": 1}),
+        (tasks.takes_anything, {"order_id": 1, "anything": "else"}),
+        (tasks.decorated, {"order_id": 1}),
+        (tasks.greet, {"name": "Ada"}),
+    ],
+    ids=["keyword-only", "*args", "**kwargs", "functools.wraps", "callable object"],
+)
+def test_every_shape_of_handler_is_enqueued_and_run_with_a_payload_that_fits(handler, payload):
+    job = Job.objects.enqueue(handler, payload)
+    run = run_jobs()
+    assert [(ran.pk, ran.status) for ran in run.jobs] == [(job.pk, Status.SUCCEEDED)], run
+
+
+def test_bulk_enqueue_checks_each_payload_and_names_the_one_that_does_not_fit():
+    payloads = [{"to": "a"}, {"to": "b"}, {"subject": "no recipient"}]
+    with pytest.raises(EnqueueError, match=r"^payloads\[2\]: the payload does not fit"):
+        Job.objects.bulk_enqueue(tasks.send_email, payloads)
+    assert Job.objects.count() == 0
+
+
+def test_a_django_task_whose_arguments_do_not_fit_is_refused_at_enqueue():
+    with pytest.raises(EnqueueError, match=r"add_async\(a, b\): missing the required argument 'b'"):
+        framework_tasks.add_async.enqueue(1)
+    # A Task that takes its context gets it first: the payload fills the rest.
+    framework_tasks.sees_its_context.enqueue("x")
+    with pytest.raises(EnqueueError, match="unexpected argument 'values'"):
+        framework_tasks.sees_its_context.enqueue(values="x")
+    assert Job.objects.count() == 1

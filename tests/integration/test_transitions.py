@@ -192,7 +192,7 @@ def test_a_payload_that_does_not_fit_the_handler_is_a_permanent_error():
     JobFactory(task="tests.tasks.send_email", payload={"recipient": "x"}, max_attempts=5)
     row = run_claimed()
     assert row.status == Status.FAILED
-    assert "payload does not fit tests.tasks.send_email()" in row.last_error
+    assert "the payload does not fit tests.tasks.send_email(to, subject='')" in row.last_error
 
 
 def test_a_payload_that_is_not_an_object_is_a_permanent_error():

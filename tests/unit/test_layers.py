@@ -10,12 +10,21 @@ import django_pgjobs
 
 ROOT = Path(django_pgjobs.__file__).parent
 #: Imports inside functions that are not there to dodge a cycle: the package loads before the
-#: models can (django_pgjobs/__init__.py), and stats must import without settings.
+#: models can (django_pgjobs/__init__.py), stats must import without settings, and optional
+#: extras are imported only when used.
 ALLOWED_LATE = {
     ("django_pgjobs", "django_pgjobs.runtime.execute"),
     ("django_pgjobs", "django_pgjobs.runtime.cancellation"),
+    ("django_pgjobs", "django_pgjobs.runtime.progress"),
     ("django_pgjobs.observability.stats", "django_pgjobs.models"),
     ("django_pgjobs.management.commands.runjobs", "django_pgjobs.metrics"),
+    # tracing imports opentelemetry, which only PGJOBS["TRACING"] may cost.
+    ("django_pgjobs.data.enqueue", "django_pgjobs.tracing"),
+    ("django_pgjobs.runtime.execute", "django_pgjobs.tracing"),
+    # jetstream imports nats, which only a queue whose TRANSPORT is "nats" may cost.
+    ("django_pgjobs.management.commands.runjobs", "django_pgjobs.jetstream.workers"),
+    ("django_pgjobs.management.commands.relayjobs", "django_pgjobs.jetstream.workers"),
+    ("django_pgjobs.observability.figures", "django_pgjobs.jetstream.figures"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Jobs built from result rows (data/rows.py) are the Jobs Django would build."""
+"""Claimed jobs built from result rows (data/rows.load_jobs) are the Jobs Django would build."""
 
 from __future__ import annotations
 
@@ -27,17 +27,16 @@ def fields_of(job: Job) -> dict[str, object]:
     return {field.attname: getattr(job, field.attname) for field in Job._meta.concrete_fields}
 
 
-def test_a_job_built_from_a_row_equals_the_one_django_builds():
+def test_a_claimed_job_built_from_its_row_equals_the_one_django_builds():
     row = a_row()
-    ours = rows.new_job(Job, "default", row)
+    (ours,) = rows.load_jobs(Job, "default", [row])
     django = Job.from_db("default", [f.attname for f in Job._meta.concrete_fields], row)
     assert fields_of(ours) == fields_of(django)
     assert (ours._state.adding, ours._state.db) == (False, "default")
     assert ours == django and ours.pk == row[0]
-    assert ours.get_status_display() == django.get_status_display()
 
 
-def test_receivers_of_the_models_init_signals_still_see_every_job():
+def test_receivers_of_the_models_init_signals_still_see_every_claimed_job():
     seen: list[Job] = []
 
     def receiver(sender: type[Job], instance: Job, **kwargs: object) -> None:
@@ -45,7 +44,7 @@ def test_receivers_of_the_models_init_signals_still_see_every_job():
 
     post_init.connect(receiver, sender=Job)
     try:
-        job = rows.new_job(Job, "default", a_row())
+        jobs = rows.load_jobs(Job, "default", [a_row(), a_row()])
     finally:
         post_init.disconnect(receiver, sender=Job)
-    assert seen == [job]
+    assert seen == jobs

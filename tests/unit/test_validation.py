@@ -3,8 +3,10 @@ contract is in tests/integration/test_enqueue.py)."""
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import decimal
+import enum
 import uuid
 
 import pytest
@@ -19,6 +21,13 @@ from django_pgjobs.validation import (
 )
 
 LIMIT = 1_000_000
+
+
+def _nested(levels: int) -> list[object]:
+    value: list[object] = []
+    for _ in range(levels):
+        value = [value]
+    return value
 
 
 @pytest.mark.parametrize(
@@ -43,6 +52,31 @@ LIMIT = 1_000_000
 def test_payloads_that_do_not_survive_json_are_refused_naming_the_path(payload, message):
     with pytest.raises(EnqueueError, match=message):
         payload_json(payload, LIMIT)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({"n": 1 << 14_001}, r"payload\['n'\] is an integer of 14,002 bits"),
+        ({"a": [[[]]] * 2 + [[[[float("-inf")]]]]}, r"payload\['a'\]\[2\]\[0\]\[0\]\[0\] is -inf"),
+        ({"k\udc80": 1}, "lone surrogate"),
+        ({"deep": _nested(70)}, "more than 64 levels deep"),
+    ],
+)
+def test_what_the_json_text_cannot_show_is_refused_naming_the_path(payload, message):
+    with pytest.raises(EnqueueError, match=message):
+        payload_json(payload, LIMIT)
+
+
+class Colour(enum.StrEnum):
+    RED = "red"
+
+
+def test_subclasses_of_json_types_and_escaped_text_pass():
+    assert payload_json({"colour": Colour.RED, "path": "C:\\u0000"}, LIMIT) == (
+        '{"colour":"red","path":"C:\\\\u0000"}'
+    )
+    assert payload_json(collections.OrderedDict(n=True), LIMIT) == '{"n":true}'
 
 
 def test_an_over_large_payload_is_refused_with_its_size_and_the_limit():

@@ -1,19 +1,48 @@
 """manage.py jobstats: the health report (queues, workers, the table, the database) and its
-verdict; exits 0 when healthy, 1 on a warning, 2 when critical."""
+verdict. The exit status is a monitoring plugin's: 0 healthy, 1 warning, 2 critical (the
+database cannot be used, or the pgjobs tables are missing), 3 unknown (the report could not be
+taken: no permission to read it, a bad command line)."""
 
 from __future__ import annotations
 
 import json
 import time
+from argparse import ArgumentTypeError
+from dataclasses import dataclass
+from traceback import format_exception
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
+from django.db import DatabaseError, InterfaceError, OperationalError
 
+from django_pgjobs import schema
 from django_pgjobs.observability import report as reports
+from django_pgjobs.observability.health import Level
 from django_pgjobs.observability.report import Report
-from django_pgjobs.observability.stats import WINDOWS, window_label
+from django_pgjobs.observability.stats import WINDOWS, job_database, window_label
 
 CLEAR = "\x1b[H\x1b[2J"
+
+#: SQLSTATE of a statement refused for lack of a privilege.
+INSUFFICIENT_PRIVILEGE = "42501"
+
+
+@dataclass(frozen=True)
+class NoReport:
+    """A sample that could not be taken: its level (critical or unknown) and why, in one line."""
+
+    level: Level
+    why: str
+
+
+def _seconds_between(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ArgumentTypeError(f"must be more than 0 seconds between samples, got {value}")
+    return seconds
 
 
 class Command(BaseCommand):
@@ -21,8 +50,21 @@ class Command(BaseCommand):
         "Report per queue the jobs due, scheduled, retrying, running and failed, the oldest due "
         "job's age, throughput, retry rate and claim latency; the job table's size, tuples and "
         "vacuum; the database's oldest snapshot, idle transactions, NOTIFY queue and "
-        "connections; then a health verdict. Exit status: 0 healthy, 1 warning, 2 critical."
+        "connections; then a health verdict. Exit status: 0 healthy, 1 warning, 2 critical "
+        "(also: the database cannot be used, or the pgjobs tables are missing), 3 unknown "
+        "(the report could not be taken)."
     )
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        usage_error = parser.exit
+
+        def exit(status: int = 0, message: str | None = None) -> Any:
+            # argparse exits 2 on a bad command line, which a probe would read as critical.
+            return usage_error(int(Level.UNKNOWN) if status == 2 else status, message)
+
+        parser.exit = exit  # type: ignore[method-assign]
+        return parser
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -30,7 +72,7 @@ class Command(BaseCommand):
             "--watch",
             nargs="?",
             const=5.0,
-            type=float,
+            type=_seconds_between,
             metavar="SECONDS",
             help="refresh every SECONDS (default 5) until interrupted; the verdict then also "
             "says how backlogs moved since the previous sample",
@@ -38,29 +80,76 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         interval = options["watch"]
-        report: Report | None = None
+        previous: Report | None = None
+        sample: Report | NoReport | None = None
         try:
             while True:
-                report = reports.collect(previous=report)
-                self.show(report, options["json"], interval)
+                sample = self.take(previous, options["traceback"])
+                if isinstance(sample, Report):
+                    previous = sample
+                self.show(sample, options["json"], interval)
                 if not interval:
                     break
                 time.sleep(interval)
         except KeyboardInterrupt:
-            if report is None:
+            if sample is None:
                 raise
         # The last sample's verdict, also after Ctrl-C ends a --watch.
-        if report.verdict.exit_code:
-            raise SystemExit(report.verdict.exit_code)
+        code = sample.level if isinstance(sample, NoReport) else sample.verdict.exit_code
+        if code:
+            raise SystemExit(int(code))
 
-    def show(self, report: Report, as_json: bool, interval: float | None) -> None:
+    def take(self, previous: Report | None, traceback: bool) -> Report | NoReport:
+        """The report, or why it could not be taken (the --traceback option raises instead)."""
+        try:
+            return reports.collect(previous=previous)
+        except DatabaseError as error:
+            if traceback:
+                raise
+            return no_report(error)
+        except Exception as error:
+            if traceback:
+                raise
+            # A bug of ours or a broken setting: a probe must read "unknown", not exit 1
+            # ("warning"); the traceback goes to stderr for whoever fixes it.
+            self.stderr.write("".join(format_exception(error)))
+            return NoReport(Level.UNKNOWN, f"jobstats failed: {type(error).__name__}: {error}")
+
+    def show(self, sample: Report | NoReport, as_json: bool, interval: float | None) -> None:
         if as_json:
             indent = None if interval else 2  # one document per line when watching
-            self.stdout.write(json.dumps(reports.as_dict(report), default=str, indent=indent))
+            data = (
+                {"status": sample.level.name.lower(), "error": sample.why}
+                if isinstance(sample, NoReport)
+                else reports.as_dict(sample)
+            )
+            self.stdout.write(json.dumps(data, default=str, indent=indent))
             return
         if interval and self.stdout.isatty():
             self.stdout.write(CLEAR, ending="")
-        self.stdout.write(render(report))
+        if isinstance(sample, NoReport):
+            self.stdout.write(f"verdict: {sample.level.name}: {sample.why}")
+        else:
+            self.stdout.write(render(sample))
+
+
+def no_report(error: DatabaseError) -> NoReport:
+    """Why the report could not be taken, and how bad that is: the queue cannot work without
+    its database or its tables (critical); a probe without the right to read the figures
+    knows nothing (unknown)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    alias = job_database()
+    if schema.is_not_migrated(error):
+        return NoReport(Level.CRITICAL, f"{schema.explained(error)} on the database {alias!r}")
+    if getattr(error.__cause__, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
+        return NoReport(
+            Level.UNKNOWN,
+            f"the report could not be read ({first}): the database user needs SELECT on the "
+            "pgjobs tables, and the pg_monitor role to read PostgreSQL's statistics",
+        )
+    if isinstance(error, OperationalError | InterfaceError):
+        return NoReport(Level.CRITICAL, f"the database {alias!r} cannot be used: {first}")
+    return NoReport(Level.UNKNOWN, f"the report could not be taken: {first}")
 
 
 def render(report: Report) -> str:
@@ -88,12 +177,33 @@ def render(report: Report) -> str:
                 f"{a.retried:>7} {a.failed:>7} {a.retry_rate:>7.0%} "
                 f"{_latency(a.latency(0.5)):>7} {_latency(a.latency(0.95)):>7}"
             )
+    lines += _streams(report)
     lines += ["", _workers(report), *_table(report), *_database(report), ""]
     lines.append(f"verdict: {report.verdict.status.upper()}")
     for reason in report.verdict.reasons:
         lines.append(f"  {reason.level.name.lower():<8} {reason.summary}: {reason.detail}")
         lines.append(f"  {'':<8} threshold {reason.threshold}; see {reason.doc}")
     return "\n".join(lines)
+
+
+def _streams(report: Report) -> list[str]:
+    """The queues carried by NATS: each one's outbox (its due jobs above), stream and consumer."""
+    if not report.streams:
+        return []
+    lines = ["", f"{'NATS queue':<20} {'outbox':>7} {'oldest':>7} {'stream':>8} {'pending':>8} "
+                 f"{'acks due':>8} {'redeliv.':>8}"]  # fmt: skip
+    depths = {q.queue: q for q in report.queues}
+    for s in report.streams:
+        q = depths.get(s.queue)
+        outbox, oldest = (q.due, _seconds(q.oldest_due_seconds)) if q else (0, "-")
+        if not s.reachable:
+            lines.append(f"{s.queue:<20} {outbox:>7} {oldest:>7} unreachable: {s.error}")
+            continue
+        lines.append(
+            f"{s.queue:<20} {outbox:>7} {oldest:>7} {s.messages:>8} {s.pending:>8} "
+            f"{s.ack_pending:>8} {s.redelivered:>8}"
+        )
+    return lines
 
 
 def _workers(report: Report) -> str:
@@ -104,6 +214,9 @@ def _workers(report: Report) -> str:
     if silent:
         gone = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in silent)
         text += f"; silent in the last {max(WINDOWS) // 60} minutes: {gone}"
+    if report.stopped:
+        ended = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in report.stopped)
+        text += f"; stopped in the last {max(WINDOWS) // 60} minutes: {ended}"
     return text
 
 
@@ -134,6 +247,11 @@ def _database(report: Report) -> list[str]:
         + (f" (pid {d.oldest_snapshot_pid}, {d.oldest_snapshot_state}: "
            f"{d.oldest_snapshot_query!r})" if d.oldest_snapshot_seconds >= 60 else ""),
     ]  # fmt: skip
+    if not d.sees_all_sessions:
+        lines.append(
+            "(other users' sessions are hidden from this database user: connections, idle "
+            "transactions and the oldest snapshot count its own; grant it pg_monitor to see all)"
+        )
     if d.oldest_prepared_seconds:
         lines.append(f"oldest prepared transaction: {_seconds(d.oldest_prepared_seconds)}")
     for slot, active, xids in d.slots:

@@ -3,26 +3,35 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
 from argparse import SUPPRESS, ArgumentParser, ArgumentTypeError
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import router
 
+from django_pgjobs import checks, transports
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.runtime import reloading
+from django_pgjobs.models import Job
+from django_pgjobs.runtime import reloading, served
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.supervisor import Supervisor
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.validation import check_queue
 
+if TYPE_CHECKING:
+    from django_pgjobs.jetstream.consumer import NatsWorker
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+logger = logging.getLogger("django_pgjobs.runtime.worker")
 
 
 def _queue(value: str) -> str:
@@ -43,6 +52,39 @@ def _positive(kind: type[int] | type[float]) -> Any:
         return number
 
     return parse
+
+
+#: The shortest --lease: heartbeats renew leases every lease/3 seconds, so below a second the
+#: lease keeper would renew more than three times a second and lose leases to any statement
+#: that takes a moment. Leases under checks.MIN_LEASE (10 s) are accepted with a warning.
+MIN_LEASE = 1.0
+
+
+def _lease(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    if not MIN_LEASE <= seconds < 1e9:
+        raise ArgumentTypeError(
+            f"must be at least {MIN_LEASE:g} second, got {value}: heartbeats renew a lease "
+            f"every lease/3 seconds, so a shorter lease is lost while its job still runs "
+            f"(use {checks.MIN_LEASE:g} or more in production)"
+        )
+    return seconds
+
+
+def _grace(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= seconds < 1e9:
+        raise ArgumentTypeError(
+            f"must be 0 or more seconds, got {value}: the time running jobs get to finish "
+            "after a stop signal (0 releases them at once)"
+        )
+    return seconds
 
 
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
@@ -84,14 +126,14 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--lease",
-            type=_positive(float),
+            type=_lease,
             help="seconds a claim holds a job before it may be reaped; heartbeats "
             "extend it every lease/3 (default PGJOBS['LEASE'], "
             f"{get_settings().LEASE:g})",
         )
         parser.add_argument(
             "--grace",
-            type=float,
+            type=_grace,
             default=defaults.grace,
             help="seconds running jobs get to finish on shutdown before they are "
             f"released back to ready (default {defaults.grace:g})",
@@ -111,6 +153,9 @@ class Command(BaseCommand):
         parser.add_argument("--no-listen", dest="listen", action="store_false",
                             help="do not LISTEN for wake-ups; poll only (PgBouncer in transaction "
                                  "pooling mode)")  # fmt: skip
+        parser.add_argument("--no-relay", dest="relay", action="store_false",
+                            help="leave the outbox of NATS queues to other runjobs or relayjobs "
+                                 "processes")  # fmt: skip
         parser.add_argument(
             "--processes",
             "-p",
@@ -154,6 +199,16 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         _show_logs(options["verbosity"])
+        lease = options["lease"]
+        # A supervisor's children leave the warnings to it (runjobs --processes).
+        if lease is not None and lease < checks.MIN_LEASE and not options["supervised_by"]:
+            logger.warning(
+                "--lease %g is under %gs: heartbeats go out every lease/3 and the reaper looks "
+                "every 5 s, so a worker paused for more than %gs (a database failover, a long "
+                "garbage collection) loses its jobs to another worker while their handlers "
+                "still run (see check pgjobs.W021)",
+                lease, checks.MIN_LEASE, lease,
+            )  # fmt: skip
         if options["processes"] > 1 and options["once"]:
             raise CommandError("--once runs one worker; leave out --processes.")
         if options["processes"] > 1 and options["metrics_port"]:
@@ -182,6 +237,9 @@ class Command(BaseCommand):
     def run(self, options: dict[str, Any]) -> int:
         """Run the supervisor or the worker until stopped; returns the exit code."""
         if options["processes"] > 1:
+            queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
+            who = f"the workers of supervisor {os.getpid()}"
+            served.warn(router.db_for_write(Job), queues, who)
             supervisor = Supervisor(options["processes"], _child_args(options))
             _stoppers.append(supervisor.stop)
             try:
@@ -190,13 +248,13 @@ class Command(BaseCommand):
                 _stoppers.remove(supervisor.stop)
         if options["metrics_port"]:
             _serve_metrics(options["metrics_port"], options["metrics_addr"])
-        worker = Worker(
+        worker = _worker(
             Options(
                 queues=options["queues"] or [get_settings().DEFAULT_QUEUE],
                 concurrency=options["concurrency"],
                 batch_size=options["batch_size"],
                 lease=options["lease"],
-                grace=max(0.0, options["grace"]),
+                grace=options["grace"],
                 poll_interval=options["poll_interval"],
                 listen=options["listen"],
                 once=options["once"],
@@ -204,6 +262,7 @@ class Command(BaseCommand):
                 max_jobs=options["max_jobs_per_child"],
                 max_memory_mb=options["max_memory_per_child"],
                 parent_pid=options["supervised_by"],
+                relay=options["relay"],
             )
         )
 
@@ -225,6 +284,19 @@ class Command(BaseCommand):
                 signal.signal(signum, handler)
 
 
+def _worker(options: Options) -> Worker | NatsWorker:
+    """A Worker; when a queue uses NATS (PGJOBS["QUEUES"]), what jetstream/workers.py picks.
+    Imported only then: the PostgreSQL-only install never imports nats."""
+    if not transports.nats_queues():
+        return Worker(options)
+    from django_pgjobs.jetstream import workers
+
+    try:
+        return workers.worker(options)
+    except workers.MixedQueues as error:
+        raise CommandError(str(error)) from None
+
+
 def _child_args(options: dict[str, Any]) -> list[str]:
     """The command line of a supervisor's children: these options, but one process each."""
     args = [f"--verbosity={options['verbosity']}"]
@@ -236,6 +308,8 @@ def _child_args(options: dict[str, Any]) -> list[str]:
             args.append(f"--{name.replace('_', '-')}={options[name]}")
     if not options["listen"]:
         args.append("--no-listen")
+    if not options["relay"]:
+        args.append("--no-relay")
     if options.get("settings"):
         args.append(f"--settings={options['settings']}")
     return args

@@ -1,0 +1,156 @@
+"""The process's NATS connection, owned by an asyncio loop on a thread of its own, with
+blocking methods for the worker's threads (nats-py is asyncio; the worker is not)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from django_pgjobs.transports import NatsServers
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: A message to publish: subject, body, headers.
+Outgoing = tuple[str, bytes, dict[str, str]]
+
+
+class Bridge:
+    """One NATS connection and its JetStream context. Every method blocks its caller and may
+    be called from any thread; each raises what nats-py raises (a timeout, no servers)."""
+
+    def __init__(self, servers: NatsServers) -> None:
+        self.servers = servers
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pgjobs-nats", daemon=True
+        )
+        self._thread.start()
+        self._client: Client | None = None
+        self._connecting = threading.Lock()
+        self._closing = False
+
+    def call(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
+        """Run `coroutine` on the bridge's loop and wait for its result."""
+        future = asyncio.run_coroutine_threadsafe(_wrap(coroutine), self._loop)
+        wait = None if timeout is None else timeout + 1.0  # the coroutine's own timeout first
+        return future.result(wait)
+
+    @property
+    def client(self) -> Client:
+        with self._connecting:
+            if self._client is None:
+                self._client = self.call(self._connect(), self.servers.connect_timeout * 2)
+            return self._client
+
+    @property
+    def js(self) -> JetStreamContext:
+        return self.client.jetstream(timeout=self.servers.publish_timeout)
+
+    def publish(self, messages: Sequence[Outgoing]) -> None:
+        """Publish every message and wait until the stream acknowledged each one; raises the
+        first error (then some may have been stored: their ids make a new try harmless)."""
+        js, timeout = self.js, self.servers.publish_timeout
+
+        async def publish_all() -> None:
+            sent = [
+                js.publish(subject, body, timeout=timeout, headers=headers)
+                for subject, body, headers in messages
+            ]
+            for outcome in await asyncio.gather(*sent, return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+
+        self.call(publish_all(), timeout)
+
+    def fetch(self, subscription: Any, batch: int, timeout: float) -> list[Msg]:
+        """Up to `batch` messages of a pull subscription, waiting up to `timeout` for the
+        first; none when none came."""
+
+        async def fetch() -> list[Msg]:
+            try:
+                return list(await subscription.fetch(batch, timeout=timeout))
+            except (TimeoutError, nats.errors.TimeoutError):
+                return []
+
+        return self.call(fetch(), timeout + self.servers.publish_timeout)
+
+    def settle(self, acks: Sequence[Msg], naks: Sequence[tuple[Msg, float]],
+               terms: Sequence[Msg]) -> None:  # fmt: skip
+        """Acknowledge, negatively acknowledge with a delay (seconds), or terminate messages."""
+
+        async def settle() -> None:
+            sent = [msg.ack() for msg in acks]
+            sent += [msg.nak(delay=delay) for msg, delay in naks]
+            sent += [msg.term() for msg in terms]
+            await asyncio.gather(*sent)
+
+        self.call(settle(), self.servers.publish_timeout)
+
+    def in_progress(self, messages: Sequence[Msg]) -> None:
+        """Tell the server these messages' handlers still run: their ack wait starts again."""
+
+        async def touch() -> None:
+            await asyncio.gather(*(msg.in_progress() for msg in messages))
+
+        self.call(touch(), self.servers.publish_timeout)
+
+    def close(self) -> None:
+        """Close the connection and stop the loop (once; later calls do nothing)."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._client is not None and not self._client.is_closed:
+            try:
+                self.call(self._client.close(), self.servers.publish_timeout)
+            except Exception as error:  # closing: say so, never raise
+                logger.warning("NATS connection did not close cleanly: %r", error)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def _connect(self) -> Client:
+        """Connect, giving up after twice the connect timeout (nats-py alone would try the
+        first connection forever); once connected, the client reconnects by itself."""
+        said: dict[str, float] = {}
+
+        async def error(exc: Exception) -> None:
+            # Once per kind of error and half-minute: an outage retries every half second.
+            text = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() - said.get(text, -60.0) >= 30.0:
+                said[text] = time.monotonic()
+                logger.warning("NATS: %s", text)
+
+        async def disconnected() -> None:
+            if not self._closing:
+                logger.warning("NATS: disconnected; reconnecting")
+
+        async def reconnected() -> None:
+            logger.info("NATS: reconnected")
+
+        connecting = nats.connect(
+            **self.servers.options,
+            servers=list(self.servers.servers),
+            connect_timeout=self.servers.connect_timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=error,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+        )
+        return await asyncio.wait_for(connecting, self.servers.connect_timeout * 2)
+
+
+async def _wrap(awaitable: Awaitable[T]) -> T:
+    return await awaitable

@@ -1,0 +1,359 @@
+"""`runjobs --queue <a NATS queue>`: a worker that runs jobs from the queues' durable JetStream
+consumers, on the same handler threads and with the same handlers as a PostgreSQL worker.
+
+How an attempt ends (runtime/execute.py classifies it as for any job) becomes the message's
+(jetstream/answers.py):
+
+- succeeded: acknowledged;
+- Retry(delay): negatively acknowledged with that delay (it counts as a delivery);
+- an error: written back by the worker's own rule (JobManager.write_back). With attempts left,
+  nothing is written and the message is negatively acknowledged with the task's backoff as its
+  delay; otherwise the job is written back to PostgreSQL as a dead letter and the message is
+  terminated. A job's attempts are its deliveries (plus those it made before it entered the
+  stream), so a message delivered more often than its job's max_attempts without an outcome
+  (its workers died) is dead-lettered without running again, as the reaper does.
+
+While a handler runs, its message gets an in-progress acknowledgement every lease/3 on a
+thread of its own: the lease is the consumer's ack wait.
+
+A little over 300 lines: the loop and the state its parts share (fetching, answering, the
+in-progress acknowledgements, stopping), as runtime/worker.py is for PostgreSQL queues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from django.db import DatabaseError, connections, router
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from django_pgjobs import signals
+from django_pgjobs.conf import get_settings
+from django_pgjobs.data.records import Failure
+from django_pgjobs.jetstream import messages, streams
+from django_pgjobs.jetstream.answers import Reply, answer
+from django_pgjobs.jetstream.bridge import Bridge
+from django_pgjobs.models import Job, Queue, QueueStat
+from django_pgjobs.observability.activity import ActivityTally
+from django_pgjobs.outcomes import Handled, Outcome, Verdict
+from django_pgjobs.runtime import execute, policy
+from django_pgjobs.runtime.chores import Chore, Reporter
+from django_pgjobs.runtime.controls import QueueControls
+from django_pgjobs.runtime.handlers import HandlerPool
+from django_pgjobs.runtime.logs import log_activity, log_outcome
+from django_pgjobs.runtime.options import Exit, Options, worker_id
+from django_pgjobs.runtime.worker import LIMITS_INTERVAL
+from django_pgjobs.transports import NatsQueue
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a fetch waits for messages while handlers run (their outcomes wait for it).
+BUSY_FETCH = 0.05
+
+
+class NatsWorker:
+    """One worker process for NATS queues. ``run()`` returns how it ended (an Exit)."""
+
+    def __init__(
+        self, options: Options, queues: Sequence[NatsQueue], bridge: Bridge, chores: list[Chore]
+    ) -> None:
+        self.options, self.queues, self.bridge = options, list(queues), bridge
+        self.id = options.worker_id or worker_id()
+        self.lease = options.lease or get_settings().LEASE
+        self.db = router.db_for_write(Job)
+        self.jobs = Job.objects.db_manager(self.db)
+        self.activity = ActivityTally()
+        self.controls = QueueControls([q.queue for q in self.queues], options.controls_interval)
+        self._handlers = HandlerPool(options.concurrency, self._handed_in, self._timeout_of)
+        self._lock = threading.Lock()  # guards _in_flight and _done
+        self._in_flight: dict[int, tuple[Job, Msg]] = {}  # by claim (the Job object)
+        self._done: list[tuple[Job, Handled]] = []
+        self._wake = threading.Event()
+        self._stopping = False
+        self._deadline = float("inf")
+        self._subscriptions: dict[str, object] = {}
+        self._chores = [*chores, Reporter(options.stats_interval, self._report)]
+        self._fetched_nothing = False
+        self._mean_duration: float | None = None  # of recent handlers, for the prefetch
+        self._recorded = 0  # outcomes answered, for --max-jobs-per-child
+        self._limits_at = 0.0  # when to look at the supervisor and the limits next
+        self._exit = Exit.OK
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def stop(self, immediately: bool = False) -> None:
+        now = time.monotonic()
+        self._deadline = now if self._stopping or immediately else now + self.options.grace
+        self._stopping = True
+        self._wake.set()
+
+    def run(self) -> Exit:
+        options = self.options
+        logger.info(
+            "worker %s started: NATS queues=%s concurrency=%d lease=%gs",
+            self.id, ",".join(q.queue for q in self.queues), options.concurrency, self.lease,
+        )  # fmt: skip
+        self._handlers.start()
+        keeper = threading.Thread(target=self._keep_in_progress, name="pgjobs-nats-acks")
+        keeper.daemon = True
+        keeper.start()
+        failures = 0
+        while True:
+            try:
+                self._turn()
+                failures = 0
+            except Exception as error:  # NATS or the database: wait, then carry on
+                failures += 1
+                pause = policy.outage_pause(failures)
+                logger.warning(
+                    "worker %s: %s: %s; trying again in %.1fs",
+                    self.id, type(error).__name__, error, pause,
+                )  # fmt: skip
+                if isinstance(error, DatabaseError):
+                    connections[self.db].close()
+                if isinstance(error, NotFoundError):  # the stream or consumer was deleted:
+                    self._subscriptions.clear()  # made and bound again at the next turn
+                if options.once and failures > 5:
+                    break
+                self._wake.wait(pause)
+                self._wake.clear()
+            if self._stopping:
+                if not self._in_flight or time.monotonic() >= self._deadline:
+                    break
+                self._wake.wait(0.05)
+                self._wake.clear()
+            elif options.once and self._fetched_nothing and not self._in_flight:
+                break
+        return self._shutdown()
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def _turn(self) -> None:
+        self.controls.read_if_due(self.db)
+        if time.monotonic() >= self._limits_at:
+            self._limits_at = time.monotonic() + LIMITS_INTERVAL
+            self._check_limits()
+        for job in self._handlers.time_out():
+            timeout = self._timeout_of(job) or 0.0
+            logger.error("job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
+            self._finished(job, execute.timed_out(job, timeout))
+        self._settle()
+        if self._stopping:
+            return
+        for chore in self._chores:
+            chore.run_if_due()
+        self._fetch()
+
+    def _fetch(self) -> None:
+        """Take messages into the free handler slots, from each served queue in turn; wait
+        for a handler or a chore when there was nothing to take."""
+        taking = set(self.controls.open) | set(self.controls.limited)  # paused: not fetched
+        subscriptions = [(queue, self._subscription(queue)) for queue in self.queues]
+        fetched, waited = 0, False
+        for queue, subscription in subscriptions:
+            free = self._free_slots()
+            if free <= 0 or queue.queue not in taking:
+                continue
+            busy = bool(self._in_flight) or len(self.queues) > 1
+            wait = BUSY_FETCH if busy else min(self.options.poll_interval, self._chore_wait())
+            wait = max(wait, BUSY_FETCH)
+            batch = self.bridge.fetch(subscription, min(free, self.options.batch_size), wait)
+            waited = waited or wait > BUSY_FETCH
+            fetched += len(batch)
+            self._take(batch)
+        self._fetched_nothing = not fetched
+        if not (fetched or waited or self._done):
+            # Full, paused, or nothing came while handlers run: until one finishes (it wakes
+            # the loop), a chore or a time limit is due, or the next poll.
+            self._wake.wait(min(self.options.poll_interval, self._chore_wait()))
+            self._wake.clear()
+
+    def _free_slots(self) -> int:
+        """The handler threads, plus a prefetch of what they start within a moment (the
+        PostgreSQL worker's rule, runtime/policy.prefetch), less what is in flight."""
+        options = self.options
+        extra = policy.prefetch(options.concurrency, options.batch_size, self._mean_duration)
+        return options.concurrency + extra - len(self._in_flight)
+
+    def _subscription(self, queue: NatsQueue) -> object:
+        subscription = self._subscriptions.get(queue.queue)
+        if subscription is None:
+            streams.ensure_stream(self.bridge, queue)
+            subscription = streams.ensure_consumer(
+                self.bridge, queue, self.lease, self._max_ack_pending(queue)
+            )
+            self._subscriptions[queue.queue] = subscription
+        return subscription
+
+    def _max_ack_pending(self, queue: NatsQueue) -> int:
+        """The queue's max_running (a Queue row) when set: across every worker, as many
+        messages as that may be delivered and unacknowledged at once."""
+        limit = Queue.objects.using(self.db).filter(name=queue.queue).values_list(
+            "max_running", flat=True
+        ).first()  # fmt: skip
+        return limit or queue.max_ack_pending
+
+    def _take(self, batch: list[Msg]) -> None:
+        jobs = []
+        for msg in batch:
+            try:
+                job = messages.job_of(msg, self.id)
+            except (ValueError, KeyError, TypeError) as error:
+                # Not a message of ours (published by hand, or by a newer release): it would
+                # come back forever, so it is terminated and said once.
+                logger.error("worker %s: terminated a message it cannot read (%s: %s)",
+                             self.id, type(error).__name__, error)  # fmt: skip
+                self.bridge.settle([], [], [msg])
+                continue
+            with self._lock:
+                self._in_flight[id(job)] = (job, msg)
+            if job.attempts > job.max_attempts:
+                # Delivered again and again without an outcome: its workers died, as a job
+                # whose lease expired with no attempts left (the reaper's rule).
+                lost = Failure("WorkerLost", f"delivered {job.attempts} times without an outcome")
+                self._finished(job, Handled(Verdict.ERROR, failure=lost, permanent=True))
+                continue
+            jobs.append(job)
+        self.activity.claimed(jobs)
+        for job in jobs:
+            self._handlers.submit(job)
+
+    def _handed_in(self, job: Job, handled: Handled) -> None:
+        self._finished(job, handled)
+        self._wake.set()
+
+    def _finished(self, job: Job, handled: Handled) -> None:
+        with self._lock:
+            self._done.append((job, handled))
+
+    def _settle(self) -> None:
+        """Turn finished attempts into acknowledgements (and dead letters)."""
+        with self._lock:
+            done, self._done = self._done, []
+        if not done:
+            return
+        durations = [handled.duration for _, handled in done]
+        self._mean_duration = policy.mean_duration(self._mean_duration, durations)
+        replies: dict[Reply, list[tuple[Msg, float]]] = {reply: [] for reply in Reply}
+        outcomes: list[tuple[Job, Handled, Outcome]] = []
+        left = list(done)  # what is not answered yet
+        try:
+            while left:
+                job, handled = left[0]
+                reply, delay, outcome = answer(self.jobs, job, handled)
+                replies[reply].append((self._in_flight[id(job)][1], delay))
+                outcomes.append((job, handled, outcome))
+                left.pop(0)
+        except DatabaseError:
+            with self._lock:  # what was not written back is tried again
+                self._done[:0] = left
+            raise
+        finally:
+            try:
+                self.bridge.settle(
+                    [msg for msg, _ in replies[Reply.ACK]],
+                    replies[Reply.NAK],
+                    [msg for msg, _ in replies[Reply.TERM]],
+                )
+            except Exception as error:
+                logger.warning(
+                    "worker %s: could not acknowledge %d messages (%s); they are delivered "
+                    "again after their ack wait", self.id, len(outcomes), error,
+                )  # fmt: skip
+                outcomes = [(job, handled, Outcome.LOST) for job, handled, _ in outcomes]
+            for job, handled, outcome in outcomes:
+                self._settled(job, handled, outcome)
+
+    def _settled(self, job: Job, handled: Handled, outcome: Outcome) -> None:
+        with self._lock:
+            self._in_flight.pop(id(job), None)
+        self._recorded += 1
+        if self.options.max_jobs and self._recorded >= self.options.max_jobs:
+            self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
+        self.activity.finished(job, outcome)
+        signals.announce(
+            job, outcome, duration=handled.duration, error=handled.failure, delay=handled.delay
+        )
+        log_outcome(job, handled, outcome)
+
+    # ---- leases --------------------------------------------------------------------------------
+
+    def _keep_in_progress(self) -> None:
+        """Every lease/3, an in-progress acknowledgement for each message whose handler runs."""
+        while not self._stopping or self._in_flight:
+            time.sleep(self.lease / 3)
+            with self._lock:
+                finished = {id(job) for job, _ in self._done}
+                running = [msg for key, (_, msg) in self._in_flight.items() if key not in finished]
+            if running:
+                try:
+                    self.bridge.in_progress(running)
+                except Exception as error:
+                    logger.warning("could not extend the ack wait of running jobs: %s", error)
+
+    def _check_limits(self) -> None:
+        """Stop when the supervisor is gone; stop to be replaced (Exit.RECYCLE) past
+        --max-memory-per-child (and, in _settled, --max-jobs-per-child), as a PostgreSQL
+        worker does."""
+        options = self.options
+        if options.parent_pid is not None and os.getppid() != options.parent_pid:
+            logger.warning("worker %s: its supervisor %d is gone; stopping", self.id,
+                           options.parent_pid)  # fmt: skip
+            self.stop()
+        elif options.max_memory_mb and (used := policy.resident_mb()) > options.max_memory_mb:
+            self._recycle(
+                f"it uses {used:.0f} MB (--max-memory-per-child {options.max_memory_mb:g})"
+            )
+
+    def _recycle(self, why: str) -> None:
+        if not self._stopping:
+            logger.info("worker %s stops to be replaced: %s", self.id, why)
+            self._exit = Exit.RECYCLE
+            self.stop()
+
+    def _timeout_of(self, job: Job) -> float | None:
+        return execute.limits_of(job, self.lease)[1]
+
+    def _chore_wait(self) -> float:
+        """Until the next chore or time limit."""
+        waits = [chore.due_in() for chore in self._chores]
+        return max(0.0, min([*waits, self._handlers.deadlines.next_in()]))
+
+    def _report(self, seconds: float) -> None:
+        activity, self.activity = self.activity, ActivityTally()
+        queues = [q.queue for q in self.queues]
+        QueueStat.objects.using(self.db).bulk_create(activity.rows(self.id, seconds, queues))
+        log_activity(activity, seconds, len(self._in_flight))
+
+    # ---- shutdown ------------------------------------------------------------------------------
+
+    def _shutdown(self) -> Exit:
+        """Messages still running are left to their ack wait; the others are given back."""
+        self._handlers.stop()
+        unstarted = self._handlers.unstarted()
+        try:
+            self._settle()
+            with self._lock:
+                back = [self._in_flight.pop(id(job))[1] for job in unstarted]
+            self.bridge.settle([], [(msg, 0.0) for msg in back], [])
+        except Exception as error:
+            logger.warning("worker %s: could not settle every message at shutdown: %s",
+                           self.id, error)  # fmt: skip
+        if self._in_flight:
+            logger.warning(
+                "worker %s: %d jobs still running are delivered again after their ack wait",
+                self.id, len(self._in_flight),
+            )  # fmt: skip
+        reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
+        with contextlib.suppress(DatabaseError):  # the statistics of a last few seconds
+            self._report(max(1e-3, time.monotonic() - reporter.since))
+        self.bridge.close()
+        connections.close_all()
+        logger.info("worker %s stopped", self.id)
+        return self._exit

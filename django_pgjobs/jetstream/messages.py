@@ -1,0 +1,92 @@
+"""A job as a JetStream message, and back.
+
+The body is JSON: the job's id, task, payload and the rest of what running it needs. Its
+headers are the job's own `headers` (trace context), plus `Nats-Msg-Id`, by which the stream
+drops a second publish of the same message (a relay that died between publish and commit),
+and `Pgjobs-Task`, for other consumers that filter by task.
+
+The message id is the job's id and its claim count (`<id>:<claims>`). A job written back as a
+dead letter counts one claim more than the message it came from, so its replay goes out under a
+new id, which the stream's duplicate window cannot mistake for the first one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from django.utils import timezone
+from nats.aio.msg import Msg
+
+from django_pgjobs.models import Job
+from django_pgjobs.status import Status
+
+#: The version of the body's shape, so that a later release can read what this one wrote.
+VERSION = 1
+
+_HEADER_NAME = re.compile(r"[!-9;-~]+")
+_LINE_BREAK = re.compile(r"[\r\n]")
+
+
+def message_id(job: Job) -> str:
+    return f"{job.pk}:{job.claims}"
+
+
+def body(job: Job) -> bytes:
+    return json.dumps(
+        {
+            "v": VERSION,
+            "id": str(job.pk),
+            "queue": job.queue,
+            "task": job.task,
+            "payload": job.payload,
+            "priority": job.priority,
+            "run_at": job.run_at.isoformat(),
+            "created_at": job.created_at.isoformat(),
+            # Attempts made before the job entered the stream (in a PostgreSQL queue).
+            "attempts": job.attempts,
+            "max_attempts": job.max_attempts,
+            "claims": job.claims,
+            "errors": job.errors,
+            "headers": job.headers,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def headers(job: Job) -> dict[str, str]:
+    """The message's headers: the job's own (those a NATS header can carry: a name of visible
+    ASCII without ':', a value without line breaks; the body carries them all), then ours."""
+    carried = {
+        name: value
+        for name, value in ((str(k), str(v)) for k, v in (job.headers or {}).items())
+        if _HEADER_NAME.fullmatch(name) and not _LINE_BREAK.search(value)
+    }
+    return carried | {"Nats-Msg-Id": message_id(job), "Pgjobs-Task": job.task}
+
+
+def job_of(msg: Msg, worker: str) -> Job:
+    """The job a delivered message carries, as an unsaved Job running on `worker`: its
+    attempts count this delivery (and those made before it entered the stream), its claims one
+    more than the message's (see the module's docstring)."""
+    data: dict[str, Any] = json.loads(msg.data)
+    return Job(
+        id=UUID(data["id"]),
+        queue=data["queue"],
+        task=data["task"],
+        payload=data["payload"],
+        status=Status.RUNNING,
+        priority=data["priority"],
+        run_at=datetime.fromisoformat(data["run_at"]),
+        created_at=datetime.fromisoformat(data["created_at"]),
+        attempts=data["attempts"] + msg.metadata.num_delivered,
+        max_attempts=data["max_attempts"],
+        worker=worker,
+        errors=data["errors"],
+        claims=data["claims"] + 1,
+        headers=data["headers"],
+        started_at=timezone.now(),  # for the claim latency in the workers' statistics
+    )

@@ -1,0 +1,260 @@
+"""Queues carried by NATS JetStream, against a real nats-server: the outbox and its relay, the
+worker, retries, dead letters written back and replayed, shared work and fan-out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import transaction
+
+from django_pgjobs import transports
+from django_pgjobs.models import DeadLetter, Job, Queue
+from django_pgjobs.status import Status
+from tests import tasks
+from tests.conftest import wait_until
+from tests.integration.nats_helpers import (
+    WorkerThread,
+    bridge,
+    nats,
+    nats_queue,
+    relay,
+    stream_messages,
+)
+from tests.integration.test_admin import DEAD, act, messages_of
+from tests.models import ChaosExecution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def queue(settings: Any) -> Iterator[str]:
+    with nats_queue(settings) as name:
+        yield name
+
+
+class Boom(Exception):
+    pass
+
+
+def test_a_job_whose_enqueue_rolls_back_is_never_published(queue: str) -> None:
+    with pytest.raises(Boom), transaction.atomic():
+        tasks.ledger.using(queue=queue).enqueue(n=1)
+        raise Boom
+    committed = tasks.ledger.using(queue=queue).enqueue(n=2)
+
+    assert relay().round() == 1
+    assert stream_messages(queue) == 1
+    assert not Job.objects.filter(pk=committed.pk).exists()  # the outbox row went with it
+
+
+def test_a_relay_that_fails_before_its_commit_publishes_nothing_twice(queue: str) -> None:
+    jobs = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(50)], queue=queue)
+    crashing = relay()
+    publish = crashing._publish
+
+    def publish_then_die(batch: list[Job]) -> None:
+        publish(batch)  # the stream has them...
+        raise Boom  # ...but the rows' deletion never commits
+
+    crashing._publish = publish_then_die  # type: ignore[method-assign]
+    with pytest.raises(Boom):
+        crashing.round()
+    assert Job.objects.filter(queue=queue, status=Status.READY).count() == 50
+
+    assert relay().round() == 50
+    assert stream_messages(queue) == 50  # the second publish of each id was dropped
+    assert not Job.objects.filter(pk__in=[job.pk for job in jobs]).exists()
+
+
+def test_a_delayed_job_waits_in_the_outbox_until_it_is_due(queue: str) -> None:
+    later = tasks.ledger.using(queue=queue, delay=3600).enqueue(n=1)
+    tasks.ledger.using(queue=queue).enqueue(n=2)
+
+    assert relay().round() == 1
+    assert Job.objects.get(pk=later.pk).status == Status.READY
+
+    Job.objects.filter(pk=later.pk).run_now()
+    assert relay().round() == 1
+    assert stream_messages(queue) == 2
+
+
+def test_each_committed_job_runs_once(queue: str) -> None:
+    jobs = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(40)], queue=queue)
+    relay().round()
+
+    with WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.count() >= 40, timeout=30)
+
+    runs = list(ChaosExecution.objects.values_list("job_id", flat=True))
+    assert sorted(runs) == sorted(job.pk for job in jobs)
+    assert not DeadLetter.objects.filter(queue=queue).exists()
+
+
+def test_a_failing_job_is_retried_then_dead_lettered_in_postgresql_and_replayed(
+    queue: str, admin_client: Any
+) -> None:
+    tasks.calls.clear()
+    job = tasks.fails_and_counts.using(queue=queue).enqueue()  # max_attempts=3
+    relay().round()
+
+    with WorkerThread(queue):
+        dead = wait_until(lambda: DeadLetter.objects.filter(pk=job.pk, status="failed").first(),
+                          timeout=30)  # fmt: skip
+        assert tasks.calls["fails_and_counts"] == 3
+        assert dead.attempts == 3
+        assert dead.task == job.task and dead.payload == {} and dead.queue == queue
+        assert dead.last_error.startswith("RuntimeError")
+        assert [entry["attempt"] for entry in dead.errors] == [3]
+        assert dead.finished_at is not None
+
+        # Replay from the admin: ready again in the outbox, relayed under a new message id, run
+        # again through NATS.
+        response = act(admin_client, DEAD, "replay", [dead])
+        assert messages_of(response) == ["1 job replayed."]
+        assert relay().round() == 1
+        wait_until(lambda: tasks.calls["fails_and_counts"] == 6, timeout=30)
+        again = wait_until(
+            lambda: DeadLetter.objects.filter(pk=job.pk, status="failed").first(), timeout=30
+        )
+    assert again.claims == dead.claims + 1
+    assert [entry.get("replayed_at") is not None for entry in again.errors][-2:] == [True, False]
+
+
+def test_a_retry_waits_for_the_tasks_backoff(queue: str) -> None:
+    tasks.failed_at.clear()
+    job = tasks.fails_after_a_pause.using(queue=queue).enqueue()
+    relay().round()
+    with WorkerThread(queue):
+        wait_until(lambda: DeadLetter.objects.filter(pk=job.pk).exists(), timeout=30)
+    first, second, third = tasks.failed_at
+    assert second - first >= 0.38 and third - second >= 0.38  # the nak's delay: the backoff
+
+
+def test_a_permanent_error_is_dead_lettered_at_the_first_attempt(queue: str) -> None:
+    job = tasks.fails_permanently.using(queue=queue).enqueue()
+    relay().round()
+    with WorkerThread(queue):
+        dead = wait_until(lambda: DeadLetter.objects.filter(pk=job.pk).first(), timeout=30)
+    assert dead.attempts == 1 and dead.status == Status.FAILED
+
+
+def test_two_workers_share_a_queue_and_a_second_consumer_sees_every_job(queue: str) -> None:
+    jobs = Job.objects.bulk_enqueue(
+        tasks.ledger, [{"n": n, "seconds": 0.01} for n in range(200)], queue=queue
+    )
+    relay().round()
+
+    with WorkerThread(queue, concurrency=2) as one, WorkerThread(queue, concurrency=2) as two:
+        wait_until(lambda: ChaosExecution.objects.count() >= 200, timeout=60)
+
+    by_worker = dict(
+        ChaosExecution.objects.values_list("worker").annotate(models_count()).order_by()
+    )
+    assert set(by_worker) == {one.id, two.id}
+    assert sum(by_worker.values()) == 200
+    assert ChaosExecution.objects.values("job_id").distinct().count() == 200
+
+    # Fan-out: another service's consumer of the same stream reads every job.
+    analytics = bridge()
+    stream = transports.nats_queues()[queue]
+    sub = analytics.call(
+        analytics.js.pull_subscribe(stream.subject, durable="analytics", stream=stream.stream)
+    )
+    seen: set[str] = set()
+    while len(seen) < 200:
+        batch = analytics.fetch(sub, 100, 2.0)
+        assert batch, f"the analytics consumer saw {len(seen)} of 200 jobs"
+        seen |= {msg.headers["Nats-Msg-Id"].split(":")[0] for msg in batch}
+        analytics.settle(batch, [], [])
+    assert seen == {str(job.pk) for job in jobs}
+
+
+def models_count() -> Any:
+    from django.db.models import Count
+
+    return Count("id")
+
+
+def test_a_paused_queue_is_not_fetched_and_max_running_bounds_the_consumer(queue: str) -> None:
+    Queue.objects.create(name=queue, paused=True, max_running=2)
+    jobs = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(6)], queue=queue)
+    relay().round()
+
+    with WorkerThread(queue):
+        nats_queue_ = transports.nats_queues()[queue]
+        reader = bridge()
+        consumer = wait_until(lambda: _consumer(reader, nats_queue_), timeout=30)
+        assert consumer.config.max_ack_pending == 2  # the queue's max_running
+        time.sleep(1.5)  # a few turns of the worker: it must not fetch a paused queue
+        assert not ChaosExecution.objects.exists()
+        Queue.objects.filter(name=queue).resume()
+        wait_until(lambda: ChaosExecution.objects.count() >= 6, timeout=30)
+    assert sorted(ChaosExecution.objects.values_list("job_id", flat=True)) == sorted(
+        job.pk for job in jobs
+    )
+
+
+def _consumer(reader: Any, queue: Any) -> Any:
+    try:
+        return reader.call(reader.js.consumer_info(queue.stream, queue.consumer))
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+def test_the_jobs_headers_travel_as_message_headers_to_the_handler(queue: str) -> None:
+    job = tasks.reports_its_headers.using(queue=queue).enqueue()
+    Job.objects.filter(pk=job.pk).update(headers={"traceparent": "00-4bf92f35-00f067aa-01"})
+    relay().round()
+
+    reader = bridge()
+    stream = transports.nats_queues()[queue]
+    sub = reader.call(
+        reader.js.pull_subscribe(stream.subject, durable="peek", stream=stream.stream)
+    )
+    (msg,) = reader.fetch(sub, 1, 2.0)
+    assert msg.headers["traceparent"] == "00-4bf92f35-00f067aa-01"
+    assert msg.headers["Nats-Msg-Id"] == f"{job.pk}:0"
+    assert msg.headers["Pgjobs-Task"] == job.task
+
+    tasks.seen_headers.clear()
+    with WorkerThread(queue):
+        seen = wait_until(lambda: list(tasks.seen_headers), timeout=30)
+    assert seen == [(job.pk, 1, {"traceparent": "00-4bf92f35-00f067aa-01"})]
+
+
+def test_a_handler_longer_than_the_lease_keeps_its_message_by_in_progress_acks(
+    queue: str,
+) -> None:
+    job = tasks.ledger.using(queue=queue).enqueue(n=1, seconds=4.5)
+    relay().round()
+    with WorkerThread(queue, lease=1.5):  # the consumer's ack wait
+        wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+        time.sleep(5.0)  # past three ack waits; the handler returns meanwhile
+    runs = list(ChaosExecution.objects.values_list("job_id", "attempt"))
+    assert runs == [(job.pk, 1)]  # never delivered again
+    reader = bridge()
+    stream = transports.nats_queues()[queue]
+    info = reader.call(reader.js.consumer_info(stream.stream, stream.consumer))
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
+def test_a_message_the_worker_cannot_read_is_terminated_not_retried(queue: str) -> None:
+    relay().round()  # makes the stream
+    publisher = bridge()
+    stream = transports.nats_queues()[queue]
+    publisher.publish([(stream.subject, b"not json", {"Nats-Msg-Id": "junk"})])
+    job = tasks.ledger.using(queue=queue).enqueue(n=1)
+    relay().round()
+
+    def settled() -> Any:
+        info = _consumer(publisher, stream)
+        return info if info and info.num_ack_pending == 0 and info.num_pending == 0 else None
+
+    with WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.filter(job_id=job.pk).exists(), timeout=30)
+        info = wait_until(settled, timeout=30)
+    assert info.num_redelivered == 0
+    assert ChaosExecution.objects.count() == 1

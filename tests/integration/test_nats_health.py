@@ -1,0 +1,109 @@
+"""The health report of queues carried by NATS: the outbox, the stream and its consumer in
+jobstats and the admin, and the verdicts when the relay is behind or NATS is unreachable."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.urls import reverse
+
+from django_pgjobs.models import Job, QueueStat
+from django_pgjobs.observability import report as reports
+from tests import tasks
+from tests.chaos.nats_server import free_port
+from tests.conftest import wait_until
+from tests.integration.nats_helpers import WorkerThread, nats_queue, queue_settings, relay
+from tests.integration.test_health import codes, jobstats
+from tests.models import ChaosExecution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def queue(settings: Any) -> Iterator[str]:
+    with nats_queue(settings) as name:
+        yield name
+
+
+def stream_of(report: reports.Report, queue: str) -> Any:
+    return next(stream for stream in report.streams if stream.queue == queue)
+
+
+def test_the_report_shows_the_outbox_the_stream_and_the_consumer(queue: str) -> None:
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(5)], queue=queue)
+    relay().round()
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
+
+    with WorkerThread(queue, concurrency=1):  # creates the consumer, runs the 5 relayed jobs
+        wait_until(lambda: stream_of(reports.collect(), queue).messages == 5, timeout=30)
+        wait_until(lambda: stream_of(reports.collect(), queue).pending == 0, timeout=30)
+    report = reports.collect()
+    depth = next(q for q in report.queues if q.queue == queue)
+    assert depth.due == 3  # the outbox
+    stream = stream_of(report, queue)
+    assert stream.reachable and stream.messages == 5 and stream.ack_pending == 0
+
+    out = jobstats()[1]
+    assert f"{queue:<20}       3" in out
+    document = json.loads(jobstats("--json")[1])
+    assert [s["queue"] for s in document["streams"]] == [queue]
+
+
+def test_a_relay_that_falls_behind_is_a_warning_not_workers_behind(
+    queue: str, settings: Any
+) -> None:
+    settings.PGJOBS = {
+        **settings.PGJOBS,
+        "HEALTH": {"RELAY_LAG_SECONDS": 0, "OLDEST_DUE_SECONDS": 0},
+    }
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": 1}], queue=queue)
+    found = codes(reports.collect())
+    assert "relay_behind" in found
+    assert "workers_behind" not in found and "no_worker_serves_a_queue" not in found
+
+
+def test_messages_no_worker_takes_are_critical(queue: str) -> None:
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": 1}], queue=queue)
+    relay().round()
+    with WorkerThread(queue):  # the consumer exists, then its only worker stops
+        wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": 2}], queue=queue)
+    relay().round()
+    # The worker's QueueStat row says it is alive for a while: judge without it.
+    QueueStat.objects.all().delete()
+    report = reports.collect()
+    assert stream_of(report, queue).pending >= 1
+    assert "no_worker_serves_a_queue" in codes(report)
+
+
+def test_nats_unreachable_is_critical_in_jobstats_and_the_admin(
+    settings: Any, admin_client: Any
+) -> None:
+    queue = "pgjobstest_nowhere"  # its server listens nowhere: no stream is ever made
+    settings.PGJOBS = {
+        **settings.PGJOBS,
+        "QUEUES": queue_settings(queue),
+        "NATS": {"SERVERS": f"nats://127.0.0.1:{free_port()}"},
+    }
+    report = reports.collect()
+    assert not stream_of(report, queue).reachable
+    assert "nats_unreachable" in codes(report)
+    code, out = jobstats()
+    assert code == 2 and "unreachable:" in out
+
+    page = admin_client.get(reverse("admin:pgjobs_queue_report")).content.decode()
+    assert 'id="streams"' in page and "NATS unreachable" in page
+
+
+def test_prometheus_shows_the_stream_figures(queue: str) -> None:
+    pytest.importorskip("prometheus_client")
+    from django_pgjobs import metrics
+
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(4)], queue=queue)
+    relay().round()
+    (family,) = [f for f in metrics.families(reports.collect()) if f.name == "pgjobs_nats_messages"]
+    values = {tuple(s.labels.values()): s.value for s in family.samples}
+    assert values[(queue, "stream")] == 4
