@@ -33,7 +33,7 @@ class LockWaits:
     worker's connections in its OPTIONS.
     """
 
-    def __init__(self, db: str, name: str) -> None:
+    def __init__(self, db: str, name: str = "pgjobs worker") -> None:
         self.db = db
         self.name = name
         self._threads: set[int] = set()
