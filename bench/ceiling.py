@@ -34,7 +34,7 @@ def load(cluster: Cluster, count: int) -> None:
         conn.execute("CHECKPOINT")
 
 
-def _tps(output: str) -> float:
+def tps(output: str) -> float:
     match = re.search(r"tps = ([\d.]+) \(without initial connection time\)", output)
     if not match:
         raise RuntimeError(f"no tps in pgbench output:\n{output}")
@@ -52,7 +52,7 @@ def claim_complete(cluster: Cluster, batch: int, clients: int, jobs: int, repeat
         output = cluster.pgbench(["-n", "-M", "prepared", "-c", str(clients), "-j",
                                   str(clients), "-t", str(per_client), "-D", f"batch={batch}",
                                   "-f", str(HERE / "claim_complete.sql")])  # fmt: skip
-        results.append(_tps(output) * batch)
+        results.append(tps(output) * batch)
     return statistics.median(results)
 
 
@@ -70,5 +70,5 @@ def insert(
         output = cluster.pgbench(["-n", "-M", "prepared", "-c", str(clients), "-j",
                                   str(min(clients, 4)), "-T", str(int(seconds)),
                                   "-D", f"rows={rows}", "-f", str(HERE / script)])  # fmt: skip
-        results.append(_tps(output) * rows)
+        results.append(tps(output) * rows)
     return statistics.median(results)

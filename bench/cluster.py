@@ -8,7 +8,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,32 @@ class Cluster:
                 [list(names)],
             ).fetchall()
         return dict(rows)
+
+
+@contextmanager
+def migrated(prefix: str = "") -> Iterator[tuple[Cluster, Path]]:
+    """A started cluster with Django set up on it (bench.settings) and the schema migrated, and
+    a fresh folder for the run's logs under .bench/; the cluster is removed at the end."""
+    cluster = Cluster()
+    cluster.start()
+    try:
+        os.environ["DATABASE_URL"] = cluster.url
+        os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)
+        logs = (
+            Path(__file__).resolve().parent.parent
+            / ".bench"
+            / time.strftime(f"{prefix}%Y%m%d-%H%M%S")
+        )
+        logs.mkdir(parents=True, exist_ok=True)
+        yield cluster, logs
+    finally:
+        cluster.stop()
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> Any:

@@ -1,5 +1,5 @@
 """The benchmark: `python bench/run.py [--quick]`. Starts a throwaway durable PostgreSQL, measures
-the pgbench ceiling over our schema and W1–W6 through django-pgjobs, and prints one table with
+the pgbench ceiling over our schema and W1–W9 through django-pgjobs, and prints one table with
 every figure's ratio to the ceiling of the same shape (docs/performance.md explains it)."""
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ class Sizes:
     latency_seconds: float
     soak_jobs: int
     hold: tuple[float, float, float]  # before, hold, after (seconds)
+    scheduled: int  # W7: delayed jobs of a higher priority in the drained queue
+    oltp_seconds: float  # W8: each pgbench run
+    memory_jobs: int  # W9
 
 
 FULL = Sizes(3, {1: 8_000, 10: 60_000, 100: 200_000}, 5, 100_000, 5, 100_000, 20_000, 20,
-             1_000_000, (60, 300, 60))  # fmt: skip
+             1_000_000, (60, 300, 60), 200_000, 30, 1_000_000)  # fmt: skip
 QUICK = Sizes(1, {1: 2_000, 10: 10_000, 100: 40_000}, 2, 20_000, 2, 20_000, 4_000, 4,
-              40_000, (10, 10, 15))  # fmt: skip
+              40_000, (10, 10, 15), 200_000, 10, 100_000)  # fmt: skip
 
 
 @dataclass
@@ -58,7 +61,7 @@ class Row:
 
 
 def fmt(value: float, unit: str) -> str:
-    if unit in ("jobs/s", "rows/s"):
+    if unit in ("jobs/s", "rows/s", "tps"):
         return f"{value:,.0f} {unit}"
     if unit == "ms":
         return f"{value:.2f} ms"
@@ -114,7 +117,7 @@ def main() -> None:
         "--naptime", help="the cluster's autovacuum_naptime (default 10s), e.g. 1s: W6 with it"
     )
     parser.add_argument(
-        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,heartbeat,nats",
+        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w8,w9,heartbeat,nats",
         help="comma-separated sections to run (the ceiling is always measured for ratios)",
     )  # fmt: skip
     options = parser.parse_args()
@@ -129,31 +132,17 @@ def main() -> None:
         })  # fmt: skip
     sections = set(options.only.split(","))
 
-    from bench.cluster import SETTINGS, Cluster
+    from bench.cluster import SETTINGS, migrated
 
     if options.naptime:
         SETTINGS["autovacuum_naptime"] = options.naptime
-    cluster = Cluster()
-    cluster.start()
-    try:
-        os.environ["DATABASE_URL"] = cluster.url
-        os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-
-        call_command("migrate", verbosity=0)
-        logs = ROOT / ".bench" / time.strftime("%Y%m%d-%H%M%S")
-        logs.mkdir(parents=True, exist_ok=True)
+    with migrated() as (cluster, logs):
         rows = run(cluster, sizes, sections, logs)
         info = {
             "postgres": cluster.version(),
             **{f"pg {k}": v for k, v in cluster.settings([*SETTINGS, "wal_sync_method"]).items()},
             **machine(),
         }
-    finally:
-        cluster.stop()
     report = "\n".join(
         [
             table(rows),
@@ -256,9 +245,8 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
                         f"in {added['notifies']:.0%} of them"))  # fmt: skip
 
     w3: float | None = None
-    if sections & {"w3", "w4", "w6"}:
+    if sections & {"w3", "w4", "w6", "w7", "w8"}:
         startup = workloads.startup_cpu(cluster, logs)
-    if "w3" in sections or "w4" in sections or "w6" in sections:
         say("W3 drain, default settings, 1 process")
         runs = [
             workloads.drain(cluster, sizes.drain, 1, [], logs, startup)
@@ -279,6 +267,17 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
                             target="≤ 0.25", met=result.commits <= 0.25))  # fmt: skip
             rows.append(Row("W3 defaults: WAL bytes per job", result.wal_bytes, "B"))
     if "w3" in sections:
+        say("W3 drain, WORKER_SYNCHRONOUS_COMMIT (the worker's commits durable)")
+        runs = [
+            workloads.drain(cluster, sizes.drain, 1, [], logs, startup, env={"BENCH_SYNC": "1"})
+            for _ in range(repeat)
+        ]
+        durable = sorted(runs, key=lambda d: d.jobs_per_second)[len(runs) // 2]
+        name, ceil = same_batch(durable)
+        slower = w3 / durable.jobs_per_second
+        rows.append(Row("W3 drain, WORKER_SYNCHRONOUS_COMMIT = True", durable.jobs_per_second,
+                        "jobs/s", name, ceil,
+                        note=f"the default is {slower:.2f} × this; {_cause(durable)}"))  # fmt: skip
         say("W3 drain, prepared statements")
         prepared = workloads.drain(cluster, sizes.drain, 1, [], logs, startup,
                                    env={"BENCH_PREPARE": "5"})  # fmt: skip
@@ -353,12 +352,49 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
                                     note=f"{lat['missing']:.0f} missing" if lat["missing"]
                                     else ""))  # fmt: skip
 
+    if "w5" in sections:
+        say("W5 latency 50/s LISTEN, WORKER_SYNCHRONOUS_COMMIT")
+        lat = workloads.latency(cluster, 50, sizes.latency_seconds, True, logs, BENCH_SYNC="1")
+        for key in ("p50", "p95", "p99"):
+            rows.append(Row(f"W5 50/s LISTEN, WORKER_SYNCHRONOUS_COMMIT = True, {key}", lat[key],
+                            "ms"))  # fmt: skip
+
     if "heartbeat" in sections:
         say("heartbeats: HOT share")
         for beats in (1, 3, 20):
             share = workloads.heartbeat_hot_share(cluster, 1000, beats)
             rows.append(Row(f"Heartbeat updates that are HOT, {beats} per job", share, "share",
                             target="≥ 0.80", met=share >= 0.8))  # fmt: skip
+
+    if "w7" in sections:
+        say(f"W7 drain beside {sizes.scheduled:,} scheduled jobs of a higher priority")
+        assert w3 is not None
+        runs = [
+            workloads.drain(cluster, sizes.drain, 1, [], logs, startup, scheduled=sizes.scheduled)
+            for _ in range(repeat)
+        ]
+        backlog = sorted(runs, key=lambda d: d.jobs_per_second)[len(runs) // 2]
+        value = backlog.jobs_per_second
+        name, ceil = same_batch(backlog)
+        rows.append(Row(
+            f"W7 drain {sizes.drain:,} beside {sizes.scheduled:,} scheduled", value, "jobs/s",
+            name, ceil, "≥ 0.9 × W3", value >= 0.9 * w3,
+            f"{value / w3:.2f} × W3; {_cause(backlog)}",
+        ))  # fmt: skip
+
+    if "w8" in sections:
+        assert w3 is not None
+        rows.extend(_oltp_rows(cluster, sizes, w3, logs))
+
+    if "w9" in sections:
+        say(f"W9 worker memory over {sizes.memory_jobs:,} jobs")
+        mem = workloads.memory(cluster, sizes.memory_jobs, logs)
+        rows.append(Row(f"W9 worker resident memory, {sizes.memory_jobs:,} jobs: growth after "
+                        "warm-up", mem.growth * 100, "%", target="≤ 5%", met=mem.growth <= 0.05,
+                        note=f"{mem.warm_mb:.1f} MB at 10% of the jobs, {mem.end_mb:.1f} MB at "
+                        f"the last sample; {mem.jobs_per_second:,.0f} jobs/s"))  # fmt: skip
+        rows.append(Row("W9 worker resident memory, peak", mem.peak_mb, "MB",
+                        target="≤ 100 MB", met=mem.peak_mb <= 100))  # fmt: skip
 
     if "nats" in sections:
         rows.extend(_nats_rows(cluster, sizes, logs))
@@ -377,6 +413,55 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
                                  hold=(before, hold), logs=logs)  # fmt: skip
         rows.extend(_hold_rows(samples, before, hold))
     return rows
+
+
+#: W8: pgbench's TPC-B-like script at this scale from this many clients.
+OLTP_SCALE, OLTP_CLIENTS = 10, 4
+
+
+def _oltp_rows(cluster: Any, sizes: Sizes, w3: float, logs: Path) -> list[Row]:
+    from bench import workloads
+
+    say(f"W8 OLTP: pgbench -i -s {OLTP_SCALE}, its unthrottled maximum")
+    workloads.oltp_init(cluster, OLTP_SCALE)
+    maximum = workloads.oltp_maximum(cluster, OLTP_CLIENTS, sizes.oltp_seconds)
+    limit = maximum / 2
+    rows = [Row(f"W8 OLTP (TPC-B-like, scale {OLTP_SCALE}, {OLTP_CLIENTS} clients) unthrottled, "
+                "alone", maximum, "tps")]  # fmt: skip
+    alone = None
+    for share in (0.0, 0.5, 1.0):
+        say(f"W8 OLTP at {limit:,.0f} tps beside the queue at {share:.0%} of W3")
+        runs = sorted(
+            (workloads.oltp(cluster, OLTP_CLIENTS, limit, sizes.oltp_seconds, share * w3, logs)
+             for _ in range(sizes.repeat)), key=lambda r: r.p99,
+        )  # fmt: skip
+        result = runs[len(runs) // 2]
+        alone = alone or result
+        label = (
+            "alone" if not share else f"beside the queue at {share:.0%} of W3 ({share * w3:,.0f}/s)"
+        )
+        check = share == 0.5
+        rows += [
+            Row(f"W8 OLTP at {limit:,.0f} tps, {label}: tps", result.tps, "tps",
+                target="≥ 0.97 × the rate" if check else "",
+                met=result.tps >= 0.97 * limit if check else None,
+                note=f"{result.tps / alone.tps:.2f} × alone" if share else ""),
+            Row(f"W8 OLTP, {label}: p50", result.p50, "ms",
+                note=f"{result.p50 / alone.p50:.2f} × alone" if share else ""),
+            Row(f"W8 OLTP, {label}: p99", result.p99, "ms",
+                target="≤ 1.5 × alone" if check else "",
+                met=result.p99 <= 1.5 * alone.p99 if check else None,
+                note=f"{result.p99 / alone.p99:.2f} × alone" if share else ""),
+        ]  # fmt: skip
+        if share:
+            rows.append(
+                Row(
+                    f"W8 queue finished beside OLTP, {share:.0%} of W3",
+                    result.queue_rate,
+                    "jobs/s",
+                    note=f"{result.queue_rate / (share * w3):.2f} × the rate",
+                )
+            )
 
 
 def _nats_rows(cluster: Any, sizes: Sizes, logs: Path) -> list[Row]:

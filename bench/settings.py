@@ -25,6 +25,7 @@ if os.environ.get("BENCH_PREPARE"):
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PGJOBS = {
     "NOTIFY": os.environ.get("BENCH_NOTIFY", "1") == "1",
+    "WORKER_SYNCHRONOUS_COMMIT": os.environ.get("BENCH_SYNC") == "1",
     # Short, so the soak reaches a steady state that pruning keeps bounded.
     "RETENTION": timedelta(seconds=float(os.environ.get("BENCH_RETENTION", "3600"))),
 }

@@ -1,4 +1,4 @@
-"""W1–W6: our own figures, through the public API and real `runjobs` processes."""
+"""W1–W9: our own figures, through the public API and real `runjobs` processes."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from django.db import connection, connections, transaction
 from django.test.utils import override_settings
 
-from bench.ceiling import reset
+from bench.ceiling import reset, tps
 from bench.cluster import Cluster, wait_for
 from django_pgjobs.models import Job
 
@@ -242,11 +243,16 @@ def startup_cpu(cluster: Cluster, logs: Path) -> float:
 def drain(
     cluster: Cluster, count: int, processes: int, args: list[str], logs: Path, startup: float,
     fail_share: float = 0.0, env: dict[str, str] | None = None, supervised: bool = False,
+    scheduled: int = 0,
 ) -> Drain:  # fmt: skip
     """Enqueue `count` jobs, then time `processes` × `runjobs --once` draining them; or, when
     `supervised`, one `runjobs --processes <processes>` (a supervisor and its children: they
-    do not exit when drained, so it is stopped with SIGTERM once no job is left)."""
+    do not exit when drained, so it is stopped with SIGTERM once no job is left). `scheduled`:
+    that many jobs of a higher priority, due in an hour, enqueued first in the same queue."""
     reset(cluster)
+    for start in range(0, scheduled, 50_000):
+        later = (None for _ in range(min(50_000, scheduled - start)))
+        Job.objects.bulk_enqueue(NOOP, later, priority=10, delay=3600)
     if fail_share:
         rng = random.Random(7)
         payloads = [{"fail": rng.random() < fail_share} for _ in range(count)]
@@ -308,7 +314,8 @@ def _wait_drained(cluster: Cluster, worker: subprocess.Popen[bytes]) -> int:
         while True:
             polls += 1
             row = conn.execute(
-                "SELECT EXISTS (SELECT 1 FROM pgjobs_job WHERE status IN ('ready', 'running'))"
+                "SELECT EXISTS (SELECT 1 FROM pgjobs_job WHERE status = 'running' "
+                "OR (status = 'ready' AND run_at <= now()))"
             ).fetchone()
             if row is not None and not row[0]:
                 return polls
@@ -321,13 +328,13 @@ def _wait_drained(cluster: Cluster, worker: subprocess.Popen[bytes]) -> int:
 
 
 def latency(
-    cluster: Cluster, rate: float, seconds: float, listen: bool, logs: Path
+    cluster: Cluster, rate: float, seconds: float, listen: bool, logs: Path, **env: str
 ) -> dict[str, float]:
     """Enqueue `stamp` jobs at `rate`/s; enqueue-commit → handler-start, in milliseconds."""
     reset(cluster)
     stamps = Path(tempfile.mkstemp(prefix="stamps-", dir=logs)[1])
     args = [] if listen else ["--no-listen"]
-    worker = start_worker(cluster, args, logs / "latency.log", BENCH_STAMPS=str(stamps))
+    worker = start_worker(cluster, args, logs / "latency.log", BENCH_STAMPS=str(stamps), **env)
     committed: dict[str, float] = {}
 
     def enqueue_one() -> str:
@@ -399,6 +406,38 @@ def heartbeat_hot_share(cluster: Cluster, jobs: int, beats: int) -> float:
     return (after.hot_updates - before.hot_updates) / max(1, updates)
 
 
+class Producer(threading.Thread):
+    """Enqueues no-op jobs at `rate`/s in batches every 20 ms, until `stop` is set, `jobs` are
+    in or `seconds` have passed."""
+
+    def __init__(
+        self, rate: float, stop: threading.Event, jobs: int | None = None,
+        seconds: float | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(daemon=True)
+        self.rate, self.stop, self.jobs, self.seconds = rate, stop, jobs, seconds
+        self.enqueued = 0
+
+    def run(self) -> None:
+        tick, started, n = 0.02, time.perf_counter(), 0
+        while not self.stop.is_set():
+            n += 1
+            due = int(self.rate * tick * n) - self.enqueued
+            if self.jobs is not None:
+                due = min(due, self.jobs - self.enqueued)
+            if due > 0:
+                Job.objects.bulk_enqueue(NOOP, (None for _ in range(due)))
+                self.enqueued += due
+            if self.jobs is not None and self.enqueued >= self.jobs:
+                break
+            if self.seconds is not None and time.perf_counter() - started >= self.seconds:
+                break
+            pause = started + tick * n - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+        connections.close_all()
+
+
 # ---- W6: soak ---------------------------------------------------------------------------------
 
 
@@ -420,28 +459,7 @@ def soak(
     is (start, length) in seconds of a REPEATABLE READ transaction holding its snapshot."""
     reset(cluster)
     worker = start_worker(cluster, [], logs / "soak.log", BENCH_RETENTION="5")
-    enqueued = 0
     stop = threading.Event()
-
-    def produce() -> None:
-        nonlocal enqueued
-        tick, started, n = 0.02, time.perf_counter(), 0
-        while not stop.is_set():
-            n += 1
-            due = int(rate * tick * n) - enqueued
-            if jobs is not None:
-                due = min(due, jobs - enqueued)
-            if due > 0:
-                Job.objects.bulk_enqueue(NOOP, (None for _ in range(due)))
-                enqueued += due
-            if jobs is not None and enqueued >= jobs:
-                break
-            if seconds is not None and time.perf_counter() - started >= seconds:
-                break
-            pause = started + tick * n - time.perf_counter()
-            if pause > 0:
-                time.sleep(pause)
-        connections.close_all()
 
     def hold_snapshot() -> None:
         assert hold is not None
@@ -456,7 +474,7 @@ def soak(
 
     samples: list[Sample] = []
     wait_for(lambda: "started" in (logs / "soak.log").read_text(), 30)
-    producer = threading.Thread(target=produce, daemon=True)
+    producer = Producer(rate, stop, jobs, seconds)
     holder = threading.Thread(target=hold_snapshot, daemon=True)
     began = time.perf_counter()
     producer.start()
@@ -473,7 +491,7 @@ def soak(
                 ).fetchone()
                 assert row is not None
                 backlog, size, dead = int(row[0]), int(row[1]), int(row[2])
-                done = enqueued - backlog
+                done = producer.enqueued - backlog
                 samples.append(
                     Sample(time.perf_counter() - began, done, backlog, size / 2**20, dead)
                 )
@@ -484,3 +502,122 @@ def soak(
         worker.send_signal(signal.SIGTERM)
         worker.wait(60)
     return samples
+
+
+# ---- W8: OLTP beside the queue ----------------------------------------------------------------
+
+
+@dataclass
+class Oltp:
+    tps: float
+    p50: float  # ms, from the transaction's scheduled start (pgbench -R)
+    p99: float
+    queue_rate: float  # jobs/s the worker finished meanwhile
+
+
+def oltp_init(cluster: Cluster, scale: int) -> None:
+    """pgbench's TPC-B-like tables at `scale`, in the bench database beside the job table."""
+    cluster.pgbench(["-i", "-q", "-s", str(scale)])
+
+
+def oltp_maximum(cluster: Cluster, clients: int, seconds: float) -> float:
+    """Unthrottled TPC-B-like tps from `clients` connections, nothing else running."""
+    output = cluster.pgbench(["-n", "-c", str(clients), "-j", str(min(clients, 2)),
+                              "-T", str(int(seconds))])  # fmt: skip
+    return tps(output)
+
+
+def oltp(
+    cluster: Cluster, clients: int, limit: float, seconds: float, queue_rate: float, logs: Path
+) -> Oltp:
+    """pgbench's TPC-B-like script throttled to `limit` tps, beside an enqueuer at `queue_rate`
+    jobs/s and one default worker (none when 0); per-transaction latencies from pgbench's log."""
+    reset(cluster)
+    stop = threading.Event()
+    worker = None
+    if queue_rate:
+        worker = start_worker(cluster, [], logs / "oltp.log", BENCH_RETENTION="5")
+        wait_for(lambda: "started" in (logs / "oltp.log").read_text(), 30)
+    producer = Producer(queue_rate, stop)
+    if queue_rate:
+        producer.start()
+        time.sleep(2.0)  # the queue in its steady state before OLTP starts
+    prefix = cluster.root / f"oltp-{queue_rate:.0f}"
+    with cluster.connect(user="bench_monitor") as conn:
+        done_before = producer.enqueued - _backlog(conn)
+        began = time.perf_counter()
+        try:
+            output = cluster.pgbench(["-n", "-c", str(clients), "-j", str(min(clients, 2)),
+                                      "-T", str(int(seconds)), "-R", f"{limit:.0f}", "-l",
+                                      f"--log-prefix={prefix}"])  # fmt: skip
+        finally:
+            elapsed = time.perf_counter() - began
+            done = producer.enqueued - _backlog(conn) - done_before
+            stop.set()
+            if queue_rate:
+                producer.join()
+    if worker is not None:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(60)
+    latencies = []
+    for path in cluster.root.glob(f"{prefix.name}.*"):
+        # client_id transaction_no time script_no time_epoch time_us [schedule_lag]
+        latencies += [int(line.split()[2]) / 1000 for line in path.read_text().splitlines()]
+        path.unlink()
+    return Oltp(tps(output), percentile(latencies, 50), percentile(latencies, 99),
+                done / elapsed)  # fmt: skip
+
+
+def _backlog(conn: Any) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pgjobs_job WHERE status IN ('ready', 'running')"
+    ).fetchone()
+    return int(row[0])
+
+
+# ---- W9: worker memory ------------------------------------------------------------------------
+
+
+@dataclass
+class Memory:
+    warm_mb: float  # resident memory once 10% of the jobs were done
+    peak_mb: float
+    end_mb: float
+    jobs_per_second: float
+
+    @property
+    def growth(self) -> float:
+        return self.end_mb / self.warm_mb - 1
+
+
+def memory(cluster: Cluster, count: int, logs: Path) -> Memory:
+    """The resident memory of one default `runjobs --once` draining `count` no-op jobs,
+    sampled every 0.5 s, with the share still due read from the claim index."""
+    import psutil
+
+    reset(cluster)
+    for start in range(0, count, 50_000):
+        Job.objects.bulk_enqueue(NOOP, (None for _ in range(min(50_000, count - start))))
+    with cluster.connect() as conn:
+        conn.execute("VACUUM ANALYZE pgjobs_job")
+    worker = start_worker(cluster, ["--once"], logs / "memory.log")
+    process = psutil.Process(worker.pid)
+    samples: list[tuple[int, float]] = []  # (jobs due, resident MB)
+    began = time.perf_counter()
+    with cluster.connect(user="bench_monitor") as conn:
+        while worker.poll() is None:
+            try:
+                resident = process.memory_info().rss / 2**20
+            except psutil.NoSuchProcess:
+                break
+            row = conn.execute("SELECT count(*) FROM pgjobs_job WHERE status = 'ready'").fetchone()
+            assert row is not None
+            samples.append((int(row[0]), resident))
+            time.sleep(0.5)
+    elapsed = time.perf_counter() - began
+    if worker.returncode != 0:
+        raise RuntimeError(f"runjobs exited with {worker.returncode}")
+    warm = [mb for due, mb in samples if due <= 0.9 * count]
+    if not warm:
+        raise RuntimeError("the drain ended before a sample after the warm-up")
+    return Memory(warm[0], max(mb for _, mb in samples), warm[-1], count / elapsed)

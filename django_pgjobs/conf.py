@@ -32,6 +32,10 @@ class Settings:
     MAX_PAYLOAD_BYTES: int = 1_000_000
     #: How many attempts' errors a job keeps in its history.
     ERRORS_KEPT: int = 5
+    #: Whether the worker's own transactions (claims, outcomes, heartbeats, reaping, pruning)
+    #: wait for their WAL flush. False: they commit asynchronously, and a crash of PostgreSQL
+    #: may undo the last fraction of a second of them (docs/explanation/guarantees.md).
+    WORKER_SYNCHRONOUS_COMMIT: bool = False
     #: Wake idle workers with a NOTIFY that an enqueue's INSERT sends (delivered at commit).
     NOTIFY: bool = True
     #: How long finished jobs stay before they are pruned: one timedelta for succeeded and

@@ -111,5 +111,6 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
             "alive": report.alive,
             "silent": report.silent,
             "stopped": report.stopped,
+            "load": report.load,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)

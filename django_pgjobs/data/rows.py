@@ -97,12 +97,16 @@ def load_jobs(model: type[Job], db: str, rows: Iterable[Sequence[Any]]) -> list[
     """Jobs from binary result rows with every column in model order (sql.JOB_COLUMNS)."""
     attnames, converters = _loading(model)
     connection = connections[db]
+    plain = _plainly_built(model)  # see new_jobs
     jobs = []
     for row in rows:
         values = list(row)
         for n, field in converters:
             values[n] = field.from_db_value(values[n], None, connection)
-        jobs.append(model.from_db(db, attnames, values))
+        if plain:
+            jobs.append(_built(model, db, dict(zip(attnames, values, strict=True))))
+        else:
+            jobs.append(model.from_db(db, attnames, values))
     return jobs
 
 
@@ -131,12 +135,18 @@ def new_jobs(
         if not plain:
             yield model.from_db(db, attnames, [values[name] for name in attnames])
             continue
-        job = object.__new__(model)
-        state = ModelState()
-        state.adding, state.db = False, db
-        values["_state"] = state
-        job.__dict__ = values
-        yield job
+        yield _built(model, db, values)
+
+
+def _built(model: type[Job], db: str, values: dict[str, Any]) -> Job:
+    """The instance from_db would make from `values` (every attribute by name), without
+    Model.__init__; `values` becomes its __dict__."""
+    job = object.__new__(model)
+    state = ModelState()
+    state.adding, state.db = False, db
+    values["_state"] = state
+    job.__dict__ = values
+    return job
 
 
 def _plainly_built(model: type[Job]) -> bool:

@@ -5,6 +5,7 @@ Each module imports only those listed before it:
 - activity: a worker's per-queue tally, written as QueueStat rows;
 - stats: the queues' depth (job table), recent activity and live workers (QueueStat rows);
 - dbstats: the job table's and the database's figures (PostgreSQL's statistics views);
+- load: the queue's share of the database's active time;
 - figures: all of them at one moment;
 - health: the verdict on the figures, against PGJOBS["HEALTH"];
 - report: figures and verdict, as `jobstats`, the admin and django_pgjobs.metrics show them.

@@ -13,11 +13,13 @@ from django.db import connections
 
 from django_pgjobs import transports
 from django_pgjobs.observability import dbstats, stats
+from django_pgjobs.observability.load import QueueLoad, queue_load
 
 
 @dataclass(frozen=True)
 class Figures:
-    """The queues, their recent activity, the workers, the job table and the database."""
+    """The queues, their recent activity, the workers, the job table, the database and the
+    queue's share of its active time."""
 
     at: datetime  # the database's clock when the figures were taken
     queues: list[stats.QueueDepth]
@@ -27,6 +29,7 @@ class Figures:
     database: dbstats.DatabaseStats
     #: The queues carried by NATS JetStream, if any.
     streams: list[stats.StreamStats] = field(default_factory=list)
+    load: QueueLoad | None = None  # the queue's share of the database's active time
 
     def activity_of(self, queue: str, window: int) -> stats.QueueActivity | None:
         return next((a for a in self.activity if a.queue == queue and a.window == window), None)
@@ -67,6 +70,7 @@ def measure(db: str | None = None) -> Figures:
         table=dbstats.table_stats(db),
         database=dbstats.database_stats(db),
         streams=stream_stats(),
+        load=queue_load(db),
     )
 
 

@@ -45,6 +45,8 @@ class Thresholds:
     RELAY_LAG_SECONDS: float = 30.0
     #: A NATS queue's consumer with this many messages not yet delivered: workers are behind.
     NATS_PENDING: float = 10_000
+    #: The queue's share of the database's active time over this.
+    QUEUE_SHARE: float = 0.5
 
 
 THRESHOLD_NAMES = frozenset(field.name for field in fields(Thresholds))
@@ -118,6 +120,7 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
         *_vacuum(report, limits),
         *_database(report, limits),
         *_streams(report, limits),
+        *_queue_share(report, limits),
     ]
     strained = {reason.code for reason in reasons} & {"workers_behind", "tune_autovacuum"}
     finished = sum(a.throughput for a in report.activity if a.window == 900)
@@ -308,3 +311,18 @@ def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
                 )
             )
     return reasons
+
+
+def _queue_share(report: Figures, limits: Thresholds) -> list[Reason]:
+    load = report.load
+    if load is None or load.share is None or load.share < limits.QUEUE_SHARE:
+        return []
+    return [
+        _reason(
+            "queue_takes_the_database",
+            Level.WARNING,
+            "the queue takes much of the database's time",
+            f"the job queue's statements: {load.describe()}",
+            "QUEUE_SHARE",
+        )
+    ]

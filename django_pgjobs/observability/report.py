@@ -63,6 +63,7 @@ def as_dict(report: Report) -> dict[str, Any]:
             "connections_ratio": report.database.connections_ratio,
         },
         "streams": [asdict(stream) for stream in report.streams],
+        "load": None if report.load is None else asdict(report.load),
     }
 
 

@@ -16,9 +16,10 @@ logger = logging.getLogger(__name__)
 
 def listen(
     db: str, on_notify: Callable[[str], None], on_connect: Callable[[], None],
-    stopping: Callable[[], bool],
+    stopping: Callable[[], bool], name: str = "",
 ) -> None:  # fmt: skip
-    """LISTEN on a dedicated connection until `stopping()`; reconnect with backoff on errors.
+    """LISTEN on a dedicated connection (its application_name `name`, when given) until
+    `stopping()`; reconnect with backoff on errors.
 
     Calls on_notify(queue) for each notification and on_connect() after every (re)connect, so
     the worker polls at once for whatever it missed while disconnected.
@@ -27,7 +28,10 @@ def listen(
     failures = 0
     while not stopping():
         try:
-            connection: Any = wrapper.get_new_connection(wrapper.get_connection_params())
+            params = wrapper.get_connection_params()
+            if name:
+                params["application_name"] = name
+            connection: Any = wrapper.get_new_connection(params)
             try:
                 connection.autocommit = True
                 connection.execute(f"LISTEN {CHANNEL}")

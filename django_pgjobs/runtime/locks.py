@@ -1,5 +1,7 @@
-"""No statement of the worker's own waits long on a lock held elsewhere: the connections of its
-main thread and lease keeper get a lock_timeout (handlers' connections are left alone)."""
+"""The session settings of the worker's own connections (its main thread's and lease keeper's;
+handlers' connections are left alone): a lock_timeout, so that no statement of the worker's own
+waits long on a lock held elsewhere; an application_name that says whose they are in
+pg_stat_activity; and synchronous_commit off unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]."""
 
 from __future__ import annotations
 
@@ -9,21 +11,31 @@ from typing import Any
 from django.db import DatabaseError, connections
 from django.db.backends.signals import connection_created
 
+from django_pgjobs.conf import get_settings
+
 #: The longest one of the worker's statements waits for a lock; past it the statement fails and
 #: the worker tries again later, instead of stalling behind, say, an operator's open transaction.
 LOCK_TIMEOUT = "5s"
 
 
+def application_name(worker: str) -> str:
+    """What the worker's own connections are called (jobstats counts them as the queue's)."""
+    return f"pgjobs worker {worker}"
+
+
 class LockWaits:
-    """Gives the worker's own threads' connections to `db` a lock_timeout, on every (re)connect.
+    """Gives the worker's own threads' connections to `db` a lock_timeout, the worker's
+    application_name and its synchronous_commit, on every (re)connect.
 
     Not behind a transaction-mode pooler (DISABLE_SERVER_SIDE_CURSORS): a session setting would
     leak to other clients of the pooled server connection. There, set it for the worker's role
-    (``ALTER ROLE worker SET lock_timeout = '5s'``; see docs/howto/pgbouncer.md).
+    (``ALTER ROLE worker SET lock_timeout = '5s'``; see docs/howto/pgbouncer.md), and name the
+    worker's connections in its OPTIONS.
     """
 
-    def __init__(self, db: str) -> None:
+    def __init__(self, db: str, name: str = "pgjobs worker") -> None:
         self.db = db
+        self.name = name
         self._threads: set[int] = set()
         self.enabled = not connections[db].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
 
@@ -36,7 +48,7 @@ class LockWaits:
         connection = connections[self.db]
         if connection.connection is not None:
             try:
-                self._set(connection)
+                self._set(connection, self.name)
             except DatabaseError:
                 connection.close()  # gone already: set again when the worker reconnects
 
@@ -46,9 +58,14 @@ class LockWaits:
 
     def _on_connect(self, sender: Any, connection: Any, **kwargs: Any) -> None:
         if connection.alias == self.db and threading.get_ident() in self._threads:
-            self._set(connection)
+            self._set(connection, self.name)
 
     @staticmethod
-    def _set(connection: Any) -> None:
+    def _set(connection: Any, name: str) -> None:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT set_config('lock_timeout', %s, false)", [LOCK_TIMEOUT])
+            cursor.execute(
+                "SELECT set_config('lock_timeout', %s, false), "
+                "set_config('application_name', %s, false), "
+                "set_config('synchronous_commit', %s, false)",
+                [LOCK_TIMEOUT, name, "on" if get_settings().WORKER_SYNCHRONOUS_COMMIT else "off"],
+            )

@@ -96,6 +96,9 @@ class Scheduler:
     def _enqueue(self, periodic: Periodic) -> None:
         schedule = Schedule.objects.using(self.db).filter(name=periodic.name)
         with transaction.atomic(using=self.db):
+            # An enqueue is durable at its commit, also on the worker's own connection.
+            with connections[self.db].cursor() as cursor:
+                cursor.execute("SET LOCAL synchronous_commit = on")
             row = schedule.annotate(now=Now()).values_list("last_tick", "now").first()
             if row is None:  # the row was deleted: create it again, counting from now
                 self._synced = False

@@ -25,7 +25,7 @@ from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Report
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.leases import LeaseKeeper
-from django_pgjobs.runtime.locks import LockWaits
+from django_pgjobs.runtime.locks import LockWaits, application_name
 from django_pgjobs.runtime.logs import log_activity, log_outcome
 from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.outages import Outage, WorkerError
@@ -78,7 +78,7 @@ class Worker:
                 Ticker(Scheduler(self.db)),
             ]
         self._chores += [*chores, Reporter(options.stats_interval, self._report)]
-        self._lock_waits = LockWaits(self.db)
+        self._lock_waits = LockWaits(self.db, application_name(self.id))
         self._leases = LeaseKeeper(
             self.jobs, self.running_claims, self.lease_of, self.lease, self._lock_waits
         )
@@ -274,6 +274,7 @@ class Worker:
             thread = threading.Thread(
                 target=listener.listen,
                 args=(self.db, self._on_notify, self.poll_now, lambda: self._stopping),
+                kwargs={"name": application_name(self.id)},
                 name="pgjobs-listener",
                 daemon=True,
             )

@@ -256,6 +256,8 @@ def _database(report: Report) -> list[str]:
         lines.append(f"oldest prepared transaction: {_seconds(d.oldest_prepared_seconds)}")
     for slot, active, xids in d.slots:
         lines.append(f"replication slot {slot} ({'active' if active else 'inactive'}): {xids} xids")
+    if report.load is not None:
+        lines.append(f"the queue's share of the database's active time: {report.load.describe()}")
     return lines
 
 

@@ -1,0 +1,85 @@
+"""Interleaved A/B pairs on one throwaway cluster, for a shared, noisy machine: each pair runs
+both variants back to back (in alternating order), and the median of the per-pair ratios is
+what a change is judged by. `python bench/ab.py [--quick] [--pairs N] COMPARISON ...`
+
+Comparisons: `sync` (the default drain against WORKER_SYNCHRONOUS_COMMIT = True), `latency`
+(W5's 50/s LISTEN p50 and p99, the same two), `w7` (a drain beside 200,000 scheduled jobs
+against a clean one), `w4` (a drain where 10% fail once against a clean one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("comparisons", nargs="+", choices=["sync", "latency", "w7", "w4"])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="20,000-job drains (else 100,000)")
+    options = parser.parse_args()
+    from bench.cluster import migrated
+
+    with migrated("ab-") as (cluster, logs):
+        count = 20_000 if options.quick else 100_000
+        for name in options.comparisons:
+            for label, a, b in comparison(name, cluster, count, logs):
+                pairs = []
+                for n in range(options.pairs):
+                    first, second = (a, b) if n % 2 == 0 else (b, a)
+                    x, y = first(), second()
+                    pairs.append((x, y) if n % 2 == 0 else (y, x))
+                a_values, b_values = [p[0] for p in pairs], [p[1] for p in pairs]
+                ratio = statistics.median(x / y for x, y in pairs)
+                print(
+                    f"| {label} | {statistics.median(a_values):,.2f} | "
+                    f"{statistics.median(b_values):,.2f} | {ratio:.2f} | "
+                    f"{' '.join(f'{x / y:.2f}' for x, y in pairs)} |",
+                    flush=True,
+                )
+
+
+Measure = Callable[[], float]
+
+
+def comparison(
+    name: str, cluster: object, count: int, logs: Path
+) -> list[tuple[str, Measure, Measure]]:
+    """(label, A, B) for each figure of the comparison; the table shows A, B and A / B."""
+    from bench import workloads
+
+    startup = workloads.startup_cpu(cluster, logs)
+
+    def drain(**kwargs: object) -> Measure:
+        return lambda: (
+            workloads.drain(cluster, count, 1, [], logs, startup, **kwargs).jobs_per_second
+        )
+
+    if name == "sync":
+        return [("drain jobs/s: default / WORKER_SYNCHRONOUS_COMMIT", drain(),
+                 drain(env={"BENCH_SYNC": "1"}))]  # fmt: skip
+    if name == "w7":
+        return [("drain jobs/s: beside 200,000 scheduled / clean", drain(scheduled=200_000),
+                 drain())]  # fmt: skip
+    if name == "w4":
+        return [("drain jobs/s: 10% failing once / clean", drain(fail_share=0.1), drain())]
+
+    def latency(key: str, **env: str) -> Measure:
+        return lambda: workloads.latency(cluster, 50, 4, True, logs, **env)[key]
+
+    return [
+        (f"W5 50/s LISTEN {key} ms: default / WORKER_SYNCHRONOUS_COMMIT", latency(key),
+         latency(key, BENCH_SYNC="1"))
+        for key in ("p50", "p99")
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
