@@ -31,7 +31,7 @@ if not os.environ.get("DJANGO_SETTINGS_MODULE"):
 django.setup()
 
 project = "django-pgjobs"
-author = "django-pgjobs developers"
+author = "the django-pgjobs authors"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 html_theme = "furo"
