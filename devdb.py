@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -9,8 +10,6 @@ import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
-
-import environ
 
 ROOT = Path(__file__).resolve().parent
 PGDATA = ROOT / ".pgdata"
@@ -23,15 +22,58 @@ def database_config() -> dict[str, Any]:
     The embedded server keeps running after this process exits (worker subprocesses and the
     next run reuse it); `python dev.py stopdb` stops it.
     """
+    import environ
+
     env = environ.Env()
     if env.str("DATABASE_URL", default=""):
         config: dict[str, Any] = env.db_url("DATABASE_URL")
     else:
         config = _embedded_config()
+    # Each Django leg of `dev.py test` (PGJOBS_LEG) has test databases of its own, so that the
+    # legs can run at the same time on one server.
+    if os.environ.get("PGJOBS_LEG", "5.2") != "5.2":
+        leg = os.environ["PGJOBS_LEG"].replace(".", "_")
+        config["TEST"] = {"NAME": f"test_{config['NAME']}_django{leg}"}
     # Tests run worker subprocesses against the test database pytest-django created.
     if os.environ.get("PGJOBS_TEST_DATABASE"):
         config["NAME"] = os.environ["PGJOBS_TEST_DATABASE"]
     return config
+
+
+def describe(config: dict[str, Any], *, must_exist: bool) -> str:
+    """Where `config` points, in a few words; raises DatabaseUnavailable if the server cannot be
+    reached, or the database does not exist and `must_exist` (the demo migrates it; the tests
+    only need the server, on which they create test databases of their own)."""
+    import psycopg
+
+    where = (
+        f"DATABASE_URL (database {config['NAME']!r} on {config['HOST'] or 'localhost'})"
+        if os.environ.get("DATABASE_URL")
+        else f"the embedded PostgreSQL in {PGDATA.name}/ (database {config['NAME']!r})"
+    )
+    kwargs = {
+        "user": config.get("USER") or None,
+        "password": config.get("PASSWORD") or None,
+        "host": config.get("HOST") or None,
+        "port": config.get("PORT") or None,
+        "connect_timeout": 10,
+    }
+    kwargs = {key: value for key, value in kwargs.items() if value is not None}
+    missing = ""
+    try:
+        with psycopg.connect(dbname=config["NAME"], **kwargs) as connection:
+            version = connection.info.server_version
+    except psycopg.Error as error:
+        # A database that does not exist yet fails the connection like a server that is down.
+        if must_exist or f'database "{config["NAME"]}" does not exist' not in str(error):
+            raise DatabaseUnavailable(f"cannot connect to {where} ({_one_line(error)})") from error
+        try:
+            with psycopg.connect(dbname="postgres", **kwargs) as connection:
+                version = connection.info.server_version
+        except psycopg.Error:
+            raise DatabaseUnavailable(f"cannot connect to {where} ({_one_line(error)})") from error
+        missing = f"; database {config['NAME']!r} does not exist (the tests do not need it)"
+    return f"{where}, PostgreSQL {version // 10000}.{version % 10000}{missing}"
 
 
 def _embedded_config() -> dict[str, Any]:
@@ -47,26 +89,117 @@ def _embedded_config() -> dict[str, Any]:
 
 
 def start_embedded() -> Path:
-    """Start (or find running) the embedded PostgreSQL in .pgdata/ and return its socket folder."""
+    """Start (or find running) the embedded PostgreSQL in .pgdata/ and return its socket folder.
+
+    Every way this can fail ends the process with one line that says what to do
+    (DatabaseUnavailable), never a traceback from inside pgserver.
+    """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
             import pgserver
     except ImportError:
         return _start_with_binaries_on_path()
-    # pgserver narrates every handle it opens and closes at INFO; keep only its warnings.
-    logging.getLogger("pgserver").setLevel(logging.WARNING)
-    server = pgserver.get_server(PGDATA, cleanup_mode=None)
-    return Path(server.get_postmaster_info().socket_dir)
+    # pgserver narrates every command at INFO and logs a failed one with its whole output at
+    # ERROR: keep that output's last line for the one line DatabaseUnavailable prints.
+    failures = _LastError()
+    pgserver_log = logging.getLogger("pgserver")
+    pgserver_log.setLevel(logging.ERROR)
+    pgserver_log.propagate = False
+    pgserver_log.handlers = [failures]
+    if os.geteuid() == 0:
+        _ensure_system_user()
+    try:
+        server = pgserver.get_server(PGDATA, cleanup_mode=None)
+        return Path(server.get_postmaster_info().socket_dir)
+    except Exception as error:  # whatever pgserver raises, the reader needs one line
+        said = failures.last_line or _one_line(error)
+        raise DatabaseUnavailable(
+            f"the embedded PostgreSQL did not start in {PGDATA} ({said})",
+            hint=f"See {PGDATA / 'log'} if it exists. {USE_YOUR_OWN_SERVER}",
+        ) from error
+
+
+class _LastError(logging.Handler):
+    """Keeps the last line a failed PostgreSQL command wrote (pgserver logs its stderr)."""
+
+    last_line = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage().split("stderr:", 1)[-1]
+        lines = [line.strip() for line in text.splitlines() if line.strip() not in ("", "---")]
+        if lines:
+            self.last_line = lines[-1]
+
+
+class DatabaseUnavailable(SystemExit):
+    """No database for the demo or the tests: a one-line message that ends the process."""
+
+    def __init__(self, problem: str, hint: str | None = None) -> None:
+        if hint is None:
+            hint = (
+                "Check DATABASE_URL (a database that exists, e.g. createdb pgjobs), or unset it to "
+                "use the embedded PostgreSQL"
+                if os.environ.get("DATABASE_URL")
+                else USE_YOUR_OWN_SERVER
+            )
+        super().__init__(f"No database: {problem}. {hint}.")
+
+
+#: The way out of every failure to start the embedded server.
+USE_YOUR_OWN_SERVER = (
+    "Or use a PostgreSQL server of your own: createdb pgjobs, then set "
+    "DATABASE_URL=postgres://USER@HOST:5432/pgjobs"
+)
+
+#: The system user pgserver runs PostgreSQL as when we are root (PostgreSQL refuses root).
+SYSTEM_USER = "pgserver"
+
+
+def _ensure_system_user() -> None:
+    """As root, create the unprivileged user pgserver runs PostgreSQL as, if it is missing.
+
+    pgserver would run `useradd` itself, but only from PATH, and a root shell's PATH often
+    lacks /usr/sbin (su without -l, containers): look there too.
+    """
+    import pwd
+
+    try:
+        pwd.getpwnam(SYSTEM_USER)
+        return
+    except KeyError:
+        pass
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin"])
+    useradd = shutil.which("useradd", path=path)
+    if useradd is None:
+        raise DatabaseUnavailable(
+            f"as root, the embedded PostgreSQL runs as the system user {SYSTEM_USER!r}, which "
+            f"does not exist, and there is no useradd to create it: create it "
+            f"(e.g. adduser -D {SYSTEM_USER}) or run as a normal user"
+        )
+    created = subprocess.run(
+        [useradd, "--system", "--user-group", "-s", "/bin/sh", SYSTEM_USER],
+        capture_output=True,
+        text=True,
+    )
+    if created.returncode != 0:
+        raise DatabaseUnavailable(
+            f"as root, the embedded PostgreSQL runs as the system user {SYSTEM_USER!r}, and "
+            f"{useradd} could not create it ({_one_line(created.stderr)})"
+        )
+
+
+def _one_line(error: object) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _start_with_binaries_on_path() -> Path:
     """Fallback for Pythons pgserver has no wheel for: initdb/pg_ctl from PATH."""
     if not (shutil.which("initdb") and shutil.which("pg_ctl")):
-        raise SystemExit(
-            "No PostgreSQL available: pgserver has no wheel for this Python and initdb/pg_ctl "
-            "are not on PATH. Set DATABASE_URL to a PostgreSQL server, e.g. "
-            "DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres"
+        raise DatabaseUnavailable(
+            "pgserver (the embedded PostgreSQL) has no wheel for this Python and initdb/pg_ctl "
+            "are not on PATH"
         )
     if not (PGDATA / "PG_VERSION").exists():
         subprocess.run(
@@ -95,23 +228,16 @@ def _start_with_binaries_on_path() -> Path:
 
 
 def stop_embedded() -> None:
-    """Stop the embedded server if it runs."""
+    """Stop the embedded server if it runs (with pgserver's pg_ctl from either virtualenv, else
+    pg_ctl on PATH; needs neither Django nor pgserver importable)."""
     if not (PGDATA / "postmaster.pid").exists():
+        print("the embedded PostgreSQL is not running")
         return
-    pg_ctl = shutil.which("pg_ctl")
-    user = None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from pgserver._commands import POSTGRES_BIN_PATH
-        pg_ctl = str(POSTGRES_BIN_PATH / "pg_ctl")
-        user = "pgserver" if os.geteuid() == 0 else None
-    except ImportError:
-        pass
-    command = [pg_ctl or "pg_ctl", "-D", str(PGDATA), "-w", "stop", "-m", "fast"]
-    if user:
-        command = ["su", user, "-s", "/bin/sh", "-c", " ".join(command)]
-    subprocess.run(command, check=False)
+    bundled = sorted(ROOT.glob(".venv*/lib/python3*/site-packages/pgserver/pginstall/bin/pg_ctl"))
+    pg_ctl = str(bundled[0]) if bundled else shutil.which("pg_ctl") or "pg_ctl"
+    # As root, pgserver runs the server as its own system user; pg_ctl must be that user too.
+    user = SYSTEM_USER if bundled and os.geteuid() == 0 else None
+    subprocess.run([pg_ctl, "-D", str(PGDATA), "-w", "stop", "-m", "fast"], check=False, user=user)
 
 
 def _create_database(socket_dir: Path) -> None:
@@ -124,4 +250,6 @@ def _create_database(socket_dir: Path) -> None:
             "SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE_NAME]
         ).fetchone()
         if not exists:
-            connection.execute(f'CREATE DATABASE "{DATABASE_NAME}"')
+            # Two first runs at once (the CI's two Django legs) may both get here.
+            with contextlib.suppress(psycopg.errors.DuplicateDatabase):
+                connection.execute(f'CREATE DATABASE "{DATABASE_NAME}"')

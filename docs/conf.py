@@ -8,14 +8,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
 import django  # noqa: E402
+from django.conf import settings  # noqa: E402
 
+# Settings of the docs' own: autodoc imports the package's modules, which needs the apps loaded
+# but never a database (the docs build on their own, with only the `docs` extra, as on Read the
+# Docs; no DATABASE_URL, no embedded server).
+if not os.environ.get("DJANGO_SETTINGS_MODULE"):
+    settings.configure(
+        INSTALLED_APPS=[
+            "django.contrib.admin",
+            "django.contrib.auth",
+            "django.contrib.contenttypes",
+            "django.contrib.sessions",
+            "django.contrib.messages",
+            "django_pgjobs",
+        ],
+        DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "unused"}},
+        USE_TZ=True,
+    )
 django.setup()
 
 project = "django-pgjobs"
-author = "django-pgjobs developers"
+author = "the django-pgjobs authors"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 html_theme = "furo"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import django
 import environ
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -67,8 +68,14 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-# Confirmation emails go to the worker's output unless EMAIL_BACKEND says otherwise.
-EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
+# Confirmation emails go to the worker's output unless EMAIL_BACKEND says otherwise. Django 6.1
+# configures mail as MAILERS (its EMAIL_BACKEND setting is deprecated); earlier versions as
+# EMAIL_BACKEND.
+_EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
+if django.VERSION >= (6, 1):
+    MAILERS = {"default": {"BACKEND": _EMAIL_BACKEND}}
+else:
+    EMAIL_BACKEND = _EMAIL_BACKEND
 
 # Every key is optional; see the settings reference. The shop keeps the defaults.
 PGJOBS: dict[str, object] = {}

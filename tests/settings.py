@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import django
+
 from devdb import database_config
 
 SECRET_KEY = "tests-only-not-secret"
@@ -51,7 +53,7 @@ if os.environ.get("PGJOBS_CHAOS"):
 if os.environ.get("PGJOBS_PGBOUNCER"):
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 try:  # Django's Tasks framework: built in from Django 6, else the django-tasks backport
-    import django.tasks  # noqa: F401
+    import django.tasks
 
     IMMEDIATE_BACKEND = "django.tasks.backends.immediate.ImmediateBackend"
 except ImportError:
@@ -72,6 +74,10 @@ TASKS = {
     "immediate": {"BACKEND": IMMEDIATE_BACKEND},
 }
 STATIC_URL = "/static/"
+# Django 6.1 configures mail as MAILERS and warns on sending without it (the test runner swaps
+# the backend for its outbox either way).
+if django.VERSION >= (6, 1):
+    MAILERS = {"default": {"BACKEND": "django.core.mail.backends.locmem.EmailBackend"}}
 # The admin tests log users in by the dozen; the default hasher's cost is meant for production.
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

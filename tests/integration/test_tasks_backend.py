@@ -8,7 +8,6 @@ workers that only ever run Tasks of this backend.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -270,7 +269,8 @@ def test_arefresh_works_from_async_code():
     assert result.return_value == 42
 
 
-@pytest.mark.parametrize("result_id", ["123", str(uuid.uuid4()), ""])
+# A fixed UUID that no job has: test ids must be the same in every pytest-xdist process.
+@pytest.mark.parametrize("result_id", ["123", "0190d5a4-4b7e-7c3a-9f1e-2a6b8c0d4e5f", ""])
 def test_a_missing_or_malformed_id_is_a_result_that_does_not_exist(result_id):
     with pytest.raises(TaskResultDoesNotExist):
         default_task_backend.get_result(result_id)
