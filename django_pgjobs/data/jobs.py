@@ -266,13 +266,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         statuses = [status for (status,) in rows.execute(self._write_db(), sql.ABANDON, params)]
         return statuses.count(Status.READY), statuses.count(Status.FAILED)
 
-    def reap(self, *, limit: int = 1000) -> tuple[int, int]:
+    def reap(self, *, limit: int = 1000, sparing: Sequence[Job] = ()) -> tuple[int, int]:
         """Take back running jobs whose lease expired: to ready (after a backoff), or to failed
         when no attempts remain, recording "lease expired" as the attempt's error. Safe to run
-        from every worker at once (SKIP LOCKED). Returns (returned to ready, failed)."""
+        from every worker at once (SKIP LOCKED). `sparing`: the calling worker's claims whose
+        handlers are running (never its to take). Returns (returned to ready, failed)."""
         settings = get_settings()
         params = {
             "limit": limit,
+            "spared_ids": [job.pk for job in sparing],
+            "spared_claims": [job.claims for job in sparing],
             "cap": settings.BACKOFF_MAX,
             "base": settings.BACKOFF_BASE,
             "error": LEASE_EXPIRED.as_json(),

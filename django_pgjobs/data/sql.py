@@ -306,10 +306,15 @@ RELEASE = """
 # Take back running jobs whose lease expired: to ready after a backoff (full jitter, as
 # retry.ExponentialBackoff), or failed when no attempts remain, or cancelled when that was
 # asked; "lease expired" joins the error history. SKIP LOCKED: every worker may reap at once.
+# A worker spares its own claims whose handlers it knows are running (%(spared_*)s): a lease
+# that ran out while the row was locked (the handler locked its own job) is renewed by the
+# lease keeper once the lock is gone, and must not be taken by the same worker meanwhile.
 REAP = """
     WITH expired AS (
         SELECT id FROM pgjobs_job
         WHERE status = 'running' AND leased_until < statement_timestamp()
+          AND (id, claims) NOT IN (SELECT * FROM unnest(%(spared_ids)s::uuid[],
+                                                        %(spared_claims)s::int4[]))
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     )

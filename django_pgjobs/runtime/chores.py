@@ -15,7 +15,7 @@ from django.db.models.functions import Now
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.jobs import JobManager
-from django_pgjobs.models import QueueStat
+from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -42,14 +42,21 @@ class Chore:
 
 
 class Reaper(Chore):
-    """Returns jobs whose lease expired (any worker's) to ready, or to the dead letters."""
+    """Returns jobs whose lease expired (any worker's but those of `running()`, this worker's
+    own running claims) to ready, or to the dead letters."""
 
-    def __init__(self, jobs: JobManager, interval: float, on_reaped: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        jobs: JobManager,
+        interval: float,
+        on_reaped: Callable[[], None],
+        running: Callable[[], list[Job]],
+    ) -> None:
         super().__init__()
-        self.jobs, self.interval, self.on_reaped = jobs, interval, on_reaped
+        self.jobs, self.interval, self.on_reaped, self.running = jobs, interval, on_reaped, running
 
     def run(self) -> float:
-        returned, failed = self.jobs.reap()
+        returned, failed = self.jobs.reap(sparing=self.running())
         if returned or failed:
             logger.warning(
                 "reaped %d jobs with expired leases (%d failed)", returned + failed, failed

@@ -69,7 +69,7 @@ class Worker:
         self._last_claim_empty = False
         self.controls = QueueControls(options.queues, options.controls_interval)
         self._chores: list[Chore] = [
-            Reaper(self.jobs, options.reap_interval, self.poll_now),
+            Reaper(self.jobs, options.reap_interval, self.poll_now, self.running_claims),
             Promoter(self.jobs, options.promote_interval),
         ]
         if not options.once:

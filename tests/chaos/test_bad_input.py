@@ -81,7 +81,7 @@ BAD_ROWS = [
     ("chaos.work", '"n=1"', "payload must be a JSON object of keyword arguments, got str"),
     ("chaos.work", "null", "payload must be a JSON object of keyword arguments, got NoneType"),
     ("chaos.work", "{}", "missing a required argument: 'n'"),
-    ("chaos.work", '{"n": 1, "rm": "-rf"}', "got an unexpected keyword argument 'rm'"),
+    ("chaos.work", '{"n": 1, "rm": "-rf"}', "unexpected argument 'rm'"),
 ]
 
 

@@ -102,6 +102,20 @@ def test_complete_many_reports_which_jobs_were_still_owned():
     assert Job.objects.complete_many(jobs) == {jobs[1].pk, jobs[2].pk}
 
 
+def test_a_worker_never_reaps_its_own_running_claims_but_reaps_a_stale_claim_of_the_same_job():
+    """A handler that held its own row locked past the lease: its worker's reaper spares it (the
+    lease keeper renews it once the lock is gone); another worker's reaper may still take it."""
+    JobFactory.create_batch(2)
+    mine, other = Job.objects.claim(["default"], worker="w1", limit=2)
+    expire_leases()
+    stale = Job.objects.get(pk=mine.pk)
+    stale.claims -= 1  # an earlier claim of the same job: not the one running
+    assert Job.objects.reap(sparing=[mine, stale]) == (1, 0)
+    assert Job.objects.get(pk=mine.pk).status == Status.RUNNING
+    assert Job.objects.get(pk=other.pk).status == Status.READY
+    assert Job.objects.reap(sparing=[stale]) == (1, 0)  # another worker's view of it
+
+
 def test_reap_returns_expired_jobs_to_ready_recording_a_lost_worker():
     job = JobFactory(expired=True, max_attempts=3)
     JobFactory(running=True)  # lease still valid: untouched
