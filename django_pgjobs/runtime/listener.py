@@ -18,7 +18,8 @@ def listen(
     db: str, on_notify: Callable[[str], None], on_connect: Callable[[], None],
     stopping: Callable[[], bool], name: str = "",
 ) -> None:  # fmt: skip
-    """LISTEN on a dedicated connection (its application_name `name`, when given) until
+    """LISTEN on a dedicated connection (its application_name `name`, when given and the
+    database's OPTIONS name none) until
     `stopping()`; reconnect with backoff on errors.
 
     Calls on_notify(queue) for each notification and on_connect() after every (re)connect, so
@@ -29,7 +30,7 @@ def listen(
     while not stopping():
         try:
             params = wrapper.get_connection_params()
-            if name:
+            if name and not params.get("application_name"):  # a name from OPTIONS is kept
                 params["application_name"] = name
             connection: Any = wrapper.get_new_connection(params)
             try:

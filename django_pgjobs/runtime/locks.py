@@ -25,7 +25,8 @@ def application_name(worker: str) -> str:
 
 class LockWaits:
     """Gives the worker's own threads' connections to `db` a lock_timeout, the worker's
-    application_name and its synchronous_commit, on every (re)connect.
+    application_name (unless the database's OPTIONS set one) and its synchronous_commit, on
+    every (re)connect.
 
     Not behind a transaction-mode pooler (DISABLE_SERVER_SIDE_CURSORS): a session setting would
     leak to other clients of the pooled server connection. There, set it for the worker's role
@@ -35,7 +36,9 @@ class LockWaits:
 
     def __init__(self, db: str, name: str = "pgjobs worker") -> None:
         self.db = db
-        self.name = name
+        # An application_name the project gave the database (DATABASES OPTIONS) is kept: it is
+        # theirs to choose (and what their monitoring may already read).
+        self.name = connections[db].settings_dict.get("OPTIONS", {}).get("application_name") or name
         self._threads: set[int] = set()
         self.enabled = not connections[db].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
 

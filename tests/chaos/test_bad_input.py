@@ -80,7 +80,7 @@ BAD_ROWS = [
     ("chaos.work", "[1, 2]", "payload must be a JSON object of keyword arguments, got list"),
     ("chaos.work", '"n=1"', "payload must be a JSON object of keyword arguments, got str"),
     ("chaos.work", "null", "payload must be a JSON object of keyword arguments, got NoneType"),
-    ("chaos.work", "{}", "missing a required argument: 'n'"),
+    ("chaos.work", "{}", "missing the required argument 'n'"),
     ("chaos.work", '{"n": 1, "rm": "-rf"}', "unexpected argument 'rm'"),
 ]
 

@@ -54,3 +54,20 @@ def test_other_threads_connections_keep_their_own_settings():
         sessions.stop()
         connection.close()
     assert seen[0][1:] == ("", "on")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_application_name_the_project_configured_is_kept():
+    """DATABASES OPTIONS naming the connections is the project's choice (its monitoring, or the
+    chaos suite's audit trigger, may read it): the worker keeps it, and sets the rest."""
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    options["application_name"] = "shop worker 7"
+    connection.close()
+    sessions = LockWaits("default", application_name("host:1:ab"))
+    try:
+        sessions.limit_this_thread()
+        assert _settings() == (LOCK_TIMEOUT, "shop worker 7", "off")
+    finally:
+        sessions.stop()
+        del options["application_name"]
+        connection.close()
