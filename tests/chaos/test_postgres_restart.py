@@ -85,7 +85,7 @@ def test_workers_survive_fast_and_immediate_restarts_and_finish_every_job(
     # A restart cuts every worker off at once: each in-flight job may run again.
     report = check.check(
         driver, faults=faults, allowance=faults * len(pool.slots) * CONCURRENCY,
-        faulted_pids=pool.pids(),
+        faulted_pids=pool.pids(), crashes=True,
     )  # fmt: skip
     report.details["refused_enqueues"] = driver.refused
     check.assert_sound(report)
