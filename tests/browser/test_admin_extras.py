@@ -109,7 +109,7 @@ def test_an_editor_fixes_a_dead_letters_payload_and_replays_it_and_it_succeeds(
 
     editor.fill('{"subject": "Receipt", "too": "ada@example.com"}')  # a typo
     page.get_by_role("button", name="Save and replay").click()
-    expect()(page.locator(".errorlist")).to_contain_text("missing a required argument: 'to'")
+    expect()(page.locator(".errorlist")).to_contain_text("missing the required argument 'to'")
     assert Job.objects.get(pk=job.pk).status == Status.FAILED
     page.screenshot(path=shots_dir(tmp_path) / "admin-edit-payload.png")
 
