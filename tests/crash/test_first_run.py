@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.chaos.servers import free_port
 from tests.conftest import connection_kwargs
 from tests.crash.conftest import ROOT, manage, scratch_database
 
@@ -62,8 +61,15 @@ def test_the_deploy_checks_before_migrate_list_the_migrations_without_a_tracebac
     assert "HINT: Run `manage.py migrate`" in done.stderr
 
 
+def down_url() -> str:
+    """A DATABASE_URL whose server is down: port 1, where nothing listens. Not a free port
+    picked now, which a server another test starts meanwhile may take (a NATS or PostgreSQL
+    server of a parallel test would make a connect hang, not fail)."""
+    return f"postgres://postgres@127.0.0.1:1/{connection_kwargs()['dbname']}"
+
+
 def test_jobstats_with_the_database_down_is_critical_in_one_line():
-    url = f"postgres://postgres@127.0.0.1:{free_port()}/{connection_kwargs()['dbname']}"
+    url = down_url()
     done = manage("jobstats", DATABASE_URL=url)
     assert done.returncode == 2  # critical: the monitoring plugin's 1 would be a mere warning
     assert done.stdout.startswith("verdict: CRITICAL: the database 'default' cannot be used: ")
@@ -82,7 +88,7 @@ def test_jobstats_with_a_bad_command_line_exits_unknown_not_critical(args):
 
 
 def test_jobstats_watch_goes_on_through_an_outage_and_exits_with_the_last_samples_status():
-    url = f"postgres://postgres@127.0.0.1:{free_port()}/{connection_kwargs()['dbname']}"
+    url = down_url()
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "DATABASE_URL": url}
     with subprocess.Popen(
         [sys.executable, "manage.py", "jobstats", "--watch", "0.1"], cwd=ROOT, env=env,
@@ -91,7 +97,12 @@ def test_jobstats_watch_goes_on_through_an_outage_and_exits_with_the_last_sample
         assert watch.stdout is not None and watch.stderr is not None
         lines = [watch.stdout.readline() for _ in range(3)]  # three samples: it did not stop
         watch.send_signal(signal.SIGINT)  # Ctrl-C
-        assert watch.wait(30) == 2
+        try:
+            assert watch.wait(30) == 2
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            printed = watch.communicate()
+            raise AssertionError(f"jobstats --watch ignored Ctrl-C: {printed}") from None
         assert "Traceback" not in watch.stderr.read()
     critical = "verdict: CRITICAL: the database 'default' cannot be used: "
     assert all(line.startswith(critical) for line in lines), lines
