@@ -48,6 +48,7 @@ from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.logs import log_activity, log_outcome
 from django_pgjobs.runtime.options import Exit, Options, worker_id
+from django_pgjobs.runtime.wake import Wake
 from django_pgjobs.runtime.worker import LIMITS_INTERVAL
 from django_pgjobs.transports import NatsQueue
 
@@ -74,7 +75,7 @@ class NatsWorker:
         self._lock = threading.Lock()  # guards _in_flight and _done
         self._in_flight: dict[int, tuple[Job, Msg]] = {}  # by claim (the Job object)
         self._done: list[tuple[Job, Handled]] = []
-        self._wake = threading.Event()
+        self._wake = Wake()  # set by signal handlers too: see runtime/wake.py
         self._stopping = False
         self._deadline = float("inf")
         self._subscriptions: dict[str, object] = {}

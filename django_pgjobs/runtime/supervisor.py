@@ -25,6 +25,7 @@ from django.db import DatabaseError, connections
 
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.options import Exit, worker_id
+from django_pgjobs.runtime.wake import Wake
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Supervisor:
     _stopping: int = 0  # stop signals received
     _crashes: list[float] = field(default_factory=list)
     _restart_at: dict[int, float] = field(default_factory=dict)  # slot → when to start again
-    _wake: threading.Event = field(default_factory=threading.Event)
+    _wake: Wake = field(default_factory=Wake)  # set by signal handlers too
     _failed: bool = False
 
     def run(self) -> int:

@@ -31,6 +31,7 @@ from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.scheduler import Scheduler
 from django_pgjobs.runtime.settling import Settler
+from django_pgjobs.runtime.wake import Wake
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Worker:
         self.jobs = Job.objects.db_manager(self.db)
         self.activity = ActivityTally()
         self._handlers = HandlerPool(options.concurrency, self._handed_in, self.timeout_of)
-        self._wake = threading.Event()
+        self._wake = Wake()  # set by signal handlers too: see wake.py
         # Claimed and not yet settled, keyed by the claim (its Job object), never by job id: a
         # stale claim's outcome must not unregister a newer claim of the same job.
         self._in_flight: dict[int, Job] = {}

@@ -337,7 +337,8 @@ def test_the_keeper_lives_on_after_a_round_that_raised_and_renews_the_leases(cap
             raise found
         return found
 
-    lease_keeper = LeaseKeeper(Job.objects, claims, lambda job: 3.0, 3.0, LockWaits("default"))
+    lock_waits = LockWaits("default")
+    lease_keeper = LeaseKeeper(Job.objects, claims, lambda job: 3.0, 3.0, lock_waits)
     lease_keeper.start()
     try:
         deadline = time.monotonic() + 10
@@ -348,6 +349,8 @@ def test_the_keeper_lives_on_after_a_round_that_raised_and_renews_the_leases(cap
             time.sleep(0.1)
     finally:
         lease_keeper.stop()
+        # Its session settings must not reach a later thread given the same ident.
+        lock_waits.stop()
     assert "the lease keeper's round failed" in caplog.text
     assert renewed != leased_until
 
