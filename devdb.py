@@ -250,6 +250,10 @@ def _create_database(socket_dir: Path) -> None:
             "SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE_NAME]
         ).fetchone()
         if not exists:
-            # Two first runs at once (the CI's two Django legs) may both get here.
-            with contextlib.suppress(psycopg.errors.DuplicateDatabase):
+            # Two first runs at once (the CI's two Django legs) may both get here: the loser
+            # sees DuplicateDatabase, or, when both insert into pg_database at the same moment,
+            # the catalog's UniqueViolation (seen in CI).
+            with contextlib.suppress(
+                psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation
+            ):
                 connection.execute(f'CREATE DATABASE "{DATABASE_NAME}"')
