@@ -93,6 +93,9 @@ def test_jobstats_watch_goes_on_through_an_outage_and_exits_with_the_last_sample
     with subprocess.Popen(
         [sys.executable, "manage.py", "jobstats", "--watch", "0.1"], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C as in a terminal: a background job of a non-interactive shell (CI's second
+        # leg) starts with SIGINT ignored, and Python then never raises KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ) as watch:  # fmt: skip
         assert watch.stdout is not None and watch.stderr is not None
         lines = [watch.stdout.readline() for _ in range(3)]  # three samples: it did not stop
