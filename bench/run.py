@@ -462,6 +462,7 @@ def _oltp_rows(cluster: Any, sizes: Sizes, w3: float, logs: Path) -> list[Row]:
                     note=f"{result.queue_rate / (share * w3):.2f} × the rate",
                 )
             )
+    return rows
 
 
 def _nats_rows(cluster: Any, sizes: Sizes, logs: Path) -> list[Row]:
