@@ -11,10 +11,16 @@ from django.db import connection, transaction
 Plan = dict[str, Any]
 
 
-def explain(sql: str, params: object = None, *, analyze: bool = False) -> Plan:
+def explain(
+    sql: str, params: object = None, *, analyze: bool = False, buffers: bool = False
+) -> Plan:
     """The root node of `sql`'s plan (EXPLAIN (FORMAT JSON)). With `analyze` the statement
-    runs, inside a transaction (or savepoint) that is rolled back, so it changes nothing."""
-    options = "ANALYZE, FORMAT JSON" if analyze else "FORMAT JSON"
+    runs, inside a transaction (or savepoint) that is rolled back, so it changes nothing; with
+    `buffers` too, each node counts the buffers it read."""
+    options = ", ".join(
+        name for name, wanted in (("ANALYZE", analyze), ("BUFFERS", buffers)) if wanted
+    )
+    options = f"{options}, FORMAT JSON" if options else "FORMAT JSON"
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(f"EXPLAIN ({options}) {sql}", params)
         (document,) = cursor.fetchone()

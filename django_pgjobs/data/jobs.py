@@ -23,7 +23,7 @@ from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
-from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
+from django_pgjobs.data.records import FailedAttempt, Failure, Position, Settled, claim_of
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.status import LIVE, Status
 
@@ -141,13 +141,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         limit: int,
         lease: float | None = None,
         results: Mapping[UUID, str] | None = None,
+        after: Mapping[str, Position] | None = None,
     ) -> Settled:
         """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs
         from `queues`, in one statement (sql.SETTLE_AND_CLAIM): one round trip and one commit
         per turn of a worker's loop.
 
         `succeeded` are completed, keeping the return values in `results` (job id → JSON text)
-        as their `result`; each of `failed` is recorded as by `fail`. Returns the ids of
+        as their `result`; each of `failed` is recorded as by `fail`. A queue's claim starts
+        after its Position in `after` (the last job this worker claimed there), passing over
+        ready jobs behind it; without one, at the start (every due job). Returns the ids of
         `succeeded` this worker still owned, the new status of each of `failed` it still
         owned, and the claimed jobs (as `claim`).
         """
@@ -158,6 +161,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         params = turn_params(
             succeeded, failed, queues if claiming else [], worker=worker,
             limit=limit if claiming else 0, lease=lease, results=results or {},
+            after=after,
         )  # fmt: skip
         db = self._write_db()
         found = rows.execute(db, sql.SETTLE_AND_CLAIM, params, binary=True)
@@ -364,9 +368,11 @@ def turn_params(
     limit: int,
     lease: float | None,
     results: Mapping[UUID, str],
+    after: Mapping[str, Position] | None = None,
 ) -> dict[str, Any]:
     """The parameters of sql.SETTLE_AND_CLAIM, by name."""
     settings = get_settings()
+    positions = [(after or {}).get(queue) for queue in queues]
     return {
         "worker": worker,
         "succeeded_ids": [job.pk for job in succeeded],
@@ -382,6 +388,9 @@ def turn_params(
         "failed_progress": reports([f.job for f in failed]),
         "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
         "queues": list(queues),
+        "after_priority": [p.priority if p else None for p in positions],
+        "after_run_at": [p.run_at if p else None for p in positions],
+        "after_id": [p.id if p else None for p in positions],
         "limit": limit,
         "lease": settings.LEASE if lease is None else lease,
     }

@@ -81,6 +81,20 @@ class Settled(NamedTuple):
     recorded: dict[Claim, str]
 
 
+class Position(NamedTuple):
+    """Where a worker's claims in one queue got to: the claim order's key (priority, run_at,
+    id) of the last job it claimed there. Its next claim there starts after it (see
+    sql.SETTLE_AND_CLAIM's `due`)."""
+
+    priority: int
+    run_at: datetime
+    id: UUID
+
+    @classmethod
+    def of(cls, job: Job) -> Position:
+        return cls(job.priority, job.run_at, job.pk)
+
+
 class NewJob(NamedTuple):
     """One job to insert, its options checked (see data.enqueue.options_of)."""
 

@@ -117,6 +117,16 @@ COPY_JOBS_TYPES = (
 # - due: per queue, an index range scan of the claim index in its own order that stops after
 #   %(limit)s rows; SKIP LOCKED, so concurrent workers never wait for each other or take the
 #   same job. `queue = ANY(...)` ordered across queues would read and sort every ready row.
+#   A queue's scan starts after the position its worker's claims got to (%(after_*)s: the
+#   priority, run_at and id of the last job it claimed there), not at the index's start: the
+#   claim index keeps an entry for every job claimed since the last vacuum, and while a long
+#   snapshot (a report, a backup, a replica's feedback) keeps vacuum from removing them, a
+#   scan from the start would walk them all on every claim. In claim order: jobs of a higher
+#   priority than the position (from the start of their range), then those after it at its
+#   priority, then those of lower priorities; each branch runs only while the ones before it
+#   found fewer than %(limit)s. A NULL position is the index's start: the whole range. Jobs
+#   that become ready behind a position (committed out of order, released keeping their
+#   place) are found by the worker's next sweep from the start (runtime/positions.py).
 #   Jobs that were scheduled (not yet due when written) are not in the claim index, so the
 #   scan never walks past waiting jobs of a higher priority; those that have come due are
 #   found by run_at in the scheduled index (few: workers move them to the claim index every
@@ -185,14 +195,39 @@ SETTLE_AND_CLAIM = """
     ),
     due AS (
         SELECT d.id, d.priority, d.run_at, q.turn_of
-        FROM unnest(%(queues)s::text[]) WITH ORDINALITY AS q(name, turn_of)
+        FROM unnest(%(queues)s::text[], %(after_priority)s::int2[],
+                    %(after_run_at)s::timestamptz[], %(after_id)s::uuid[])
+             WITH ORDINALITY AS q(name, priority, run_at, id, turn_of)
         CROSS JOIN LATERAL (
-            SELECT id, priority, run_at FROM pgjobs_job
-            WHERE status = 'ready' AND NOT scheduled AND queue = q.name
-              AND run_at <= statement_timestamp()
-            ORDER BY priority DESC, run_at, id
+            SELECT * FROM (
+                SELECT id, priority, run_at FROM pgjobs_job
+                WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+                  AND run_at <= statement_timestamp() AND priority > q.priority
+                ORDER BY priority DESC, run_at, id
+                LIMIT %(limit)s
+                FOR UPDATE SKIP LOCKED
+            ) AS higher_priorities
+            UNION ALL
+            SELECT * FROM (
+                SELECT id, priority, run_at FROM pgjobs_job
+                WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+                  AND run_at <= statement_timestamp() AND priority = q.priority
+                  AND (run_at, id) > (q.run_at, q.id)
+                ORDER BY run_at, id
+                LIMIT %(limit)s
+                FOR UPDATE SKIP LOCKED
+            ) AS following
+            UNION ALL
+            SELECT * FROM (
+                SELECT id, priority, run_at FROM pgjobs_job
+                WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+                  AND run_at <= statement_timestamp()
+                  AND priority < COALESCE(q.priority, 32767)
+                ORDER BY priority DESC, run_at, id
+                LIMIT %(limit)s
+                FOR UPDATE SKIP LOCKED
+            ) AS lower_priorities
             LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
         ) AS d
         UNION ALL
         SELECT s.id, s.priority, s.run_at, q.turn_of

@@ -110,6 +110,7 @@ class Settler:
         """Record the outcomes and claim up to `limit` jobs from the open queues."""
         worker = self.worker
         try:
+            started = time.monotonic()
             settled: Settled = worker.jobs.settle_and_claim(
                 [job for job, _ in succeeded],
                 [_attempt(job, handled) for job, handled in failed],
@@ -118,7 +119,10 @@ class Settler:
                 limit=limit,
                 lease=worker.lease,
                 results=_results(succeeded),
+                after=worker.positions.for_turn() if limit > 0 else None,
             )
+            if limit > 0:
+                worker.positions.turned(settled.claimed, time.monotonic() - started)
             return settled
         except (OperationalError, InterfaceError):
             raise  # the connection: tried again after the reconnect

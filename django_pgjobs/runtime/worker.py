@@ -29,6 +29,7 @@ from django_pgjobs.runtime.locks import LockWaits, application_name
 from django_pgjobs.runtime.logs import log_activity, log_outcome
 from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.outages import Outage, WorkerError
+from django_pgjobs.runtime.positions import Positions
 from django_pgjobs.runtime.scheduler import Scheduler
 from django_pgjobs.runtime.settling import Settler
 from django_pgjobs.runtime.wake import Wake
@@ -58,6 +59,7 @@ class Worker:
         self._in_flight: dict[int, Job] = {}
         self._lock = threading.Lock()  # guards _in_flight against the lease keeper
         self._settler = Settler(self)
+        self.positions = Positions()  # where its claims got to in each queue
         self._stopping = False
         self._deadline = float("inf")
         self._exit = Exit.OK
