@@ -8,18 +8,19 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from django_pgjobs.data import sql
 from django_pgjobs.data.jobs import turn_params
-from django_pgjobs.data.records import Position
+from django_pgjobs.data.records import FailedAttempt, Failure, Position
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import positions
 from django_pgjobs.runtime.positions import Positions
 from tests import plans
-from tests.factories import JobFactory
+from tests.factories import JobFactory, backlog
 
 pytestmark = pytest.mark.django_db
 
@@ -102,6 +103,8 @@ def _claim_buffers(after: dict[str, Position]) -> int:
 def test_under_a_held_snapshot_a_claim_after_its_position_reads_no_more_than_a_fresh_one(
     other_connection,
 ):
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM pgjobs_job")  # no entries left by earlier tests' rollbacks
     Job.objects.bulk_enqueue("tests.tasks.noop", [{}] * 6_000)
     fresh = _claim_buffers({})
     other_connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
@@ -150,3 +153,37 @@ def test_a_worker_sweeps_from_the_start_then_claims_after_its_positions_until_th
     seen.turned([], seconds=0.001)  # a turn after the positions does not move the sweep
     clock[0] += 0.5 + 1e-6
     assert seen.for_turn() == {}
+
+
+def test_a_worker_finds_its_own_jobs_by_primary_key_never_through_the_running_index():
+    """Under a held snapshot the running jobs' partial index keeps an entry for every running
+    row version since: a statement reading a worker's jobs through it reads them all. On this
+    table (110 running, 100,000 finished, analyzed) the planner would pick that index for the
+    plain `status = 'running' AND worker = …` guard (checked: a hash join over it)."""
+    backlog(finished=100_000)
+    Job.objects.bulk_enqueue("tests.tasks.noop", [{}] * 110)
+    claimed = Job.objects.claim(["default"], worker="w1", limit=110)
+    failed = [FailedAttempt(job, Failure("RuntimeError", "boom"), False, 0.0) for job in claimed]
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE pgjobs_job")
+    own = {
+        "ids": [job.pk for job in claimed],
+        "claims": [job.claims for job in claimed],
+        "worker": "w1",
+        "progress": [None] * len(claimed),
+        "lease": 60.0,
+        "delay": None,
+    }
+    statements = {
+        "outcomes (succeeded)": (sql.SETTLE_AND_CLAIM, turn_params(
+            claimed, [], [], worker="w1", limit=0, lease=60.0, results={})),
+        "outcomes (failed)": (sql.SETTLE_AND_CLAIM, turn_params(
+            [], failed, [], worker="w1", limit=0, lease=60.0, results={})),
+        "heartbeat": (sql.HEARTBEAT, own),
+        "held": (sql.HELD, own),
+        "release": (sql.RELEASE, own),
+    }  # fmt: skip
+    for name, (statement, params) in statements.items():
+        plan = plans.explain(statement, params, analyze=True)
+        assert not plans.index_scans(plan, "pgjobs_job_running_idx"), (name, plans.shown(plan))
+        assert plans.index_scans(plan, "pgjobs_job_pkey"), (name, plans.shown(plan))
