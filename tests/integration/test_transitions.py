@@ -12,6 +12,7 @@ from django_pgjobs.data.records import Failure
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Verdict
 from django_pgjobs.runtime import execute
+from django_pgjobs.runtime.chores import Pruner
 from django_pgjobs.status import Status
 from tests import plans, tasks
 from tests.factories import JobFactory, backlog
@@ -381,3 +382,16 @@ def test_finding_prunable_jobs_reads_a_range_of_ids_not_every_finished_job():
     assert plan["Node Type"] in ("Index Scan", "Index Only Scan", "Bitmap Heap Scan"), plan
     assert plan["Actual Rows"] == 0
     assert plan.get("Rows Removed by Filter", 0) == 0
+
+
+def test_a_worker_prunes_again_within_a_quarter_of_the_shortest_retention(settings):
+    pruner = Pruner(Job.objects, 60.0)
+    settings.PGJOBS = {**settings.PGJOBS, "RETENTION": timedelta(hours=1)}
+    assert pruner.run() == 60.0  # the interval, sooner than a quarter of an hour
+    settings.PGJOBS = {**settings.PGJOBS, "RETENTION": {"succeeded": timedelta(seconds=8)}}
+    assert pruner.run() == 2.0  # a job is deleted at most 2 s after its retention
+    settings.PGJOBS = {**settings.PGJOBS, "RETENTION": timedelta(0)}
+    assert pruner.run() == 1.0  # never more than once a second while there is no backlog
+    settings.PGJOBS = {**settings.PGJOBS, "PRUNE_BATCH": 2}
+    JobFactory.create_batch(3, succeeded=True, enqueued_ago=3 * 3600)
+    assert pruner.run() == 0.0  # a full batch: again at the next turn
