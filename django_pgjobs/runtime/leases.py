@@ -28,7 +28,13 @@ class LeaseKeeper:
     """Heartbeats `claims()` (the worker's running jobs) on its own connection; `lease_of(job)`
     is each job's lease in seconds. Between heartbeats it writes, about once a second, the
     claims whose handlers reported progress since their last write. A claim found lost is
-    logged once and left alone from then on: its outcome will be refused."""
+    logged once and left alone from then on: its outcome will be refused.
+
+    A claim is found lost when two rounds in a row (about a second apart) find it no longer
+    held and still among `claims()`: one round is not enough, because the worker's main thread
+    may have recorded the job's outcome between this thread's reading of `claims()` and its
+    heartbeat, and forgets the claim only once that statement has returned (benchmark drains
+    logged hundreds of such jobs as lost, every one of them recorded)."""
 
     def __init__(
         self,
@@ -47,6 +53,7 @@ class LeaseKeeper:
         self._written: dict[Claim, object] = {}
         self._lost: set[Claim] = set()
         self._locked: set[Claim] = set()
+        self._unheld: set[Claim] = set()  # found not held once: lost if so again next round
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="pgjobs-leases", daemon=True)
 
@@ -69,13 +76,16 @@ class LeaseKeeper:
         for lease, jobs in by_lease.items():
             renewed |= self.jobs.heartbeat(jobs, lease)
             skipped = [job for job in jobs if job.pk not in renewed]
-            if skipped:  # locked elsewhere (renewed next round), or lost
+            if skipped:  # locked elsewhere (renewed next round), settled meanwhile, or lost
                 held = self.jobs.held(skipped)
                 for job in skipped:
+                    claim = claim_of(job)
                     if job.pk in held:
-                        self._locked.add(claim_of(job))
+                        self._locked.add(claim)
+                    elif claim not in self._unheld:
+                        self._unheld.add(claim)  # looked at again next round
                     else:
-                        self._lost.add(claim_of(job))
+                        self._lost.add(claim)
                         logger.warning(
                             "lost the lease of job %s (%s); its outcome will not be recorded",
                             job.pk, job.task,
@@ -96,6 +106,7 @@ class LeaseKeeper:
             for job in live
             if heartbeat
             or claim_of(job) in self._locked
+            or claim_of(job) in self._unheld
             or reports[claim_of(job)] is not self._written.get(claim_of(job))
         ]
         if due:
@@ -108,8 +119,10 @@ class LeaseKeeper:
         self._written = {
             claim: report for claim, report in self._written.items() if claim in reports
         }
-        self._lost &= {claim_of(job) for job in claims}
-        self._locked &= {claim_of(job) for job in claims}
+        current = {claim_of(job) for job in claims}
+        self._lost &= current
+        self._locked &= current
+        self._unheld &= current
 
     def _keep(self) -> None:
         try:

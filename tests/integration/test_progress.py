@@ -464,3 +464,17 @@ def test_the_job_page_shows_the_last_report_with_when_it_was_written() -> None:
     assert "1,500 of 2,000 (75%)" in page
     assert "line one\nline two" in page
     assert "reported" in page and "<time datetime=" in page
+
+
+def test_a_claim_its_worker_settled_during_the_keepers_round_is_not_reported_lost(
+    caplog: Any,
+) -> None:
+    """The keeper read the claims, then the main thread recorded the job's outcome before the
+    heartbeat ran, and forgot the claim only after: the job is not held, but was not lost."""
+    JobFactory()
+    job = claim_one()
+    lease_keeper = keeper([job])
+    assert Job.objects.complete(job)
+    lease_keeper.keep_up([job], heartbeat=True)  # still among the claims this round
+    lease_keeper.keep_up([], heartbeat=True)  # forgotten by the next
+    assert "lost the lease" not in caplog.text
