@@ -1,8 +1,9 @@
 """What the worker's hot path does to save CPU, and that nothing else changes: jsonb columns
-loaded without the JSON parser for their common values."""
+loaded without the JSON parser for their common values, the collector's passes during a run."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -10,6 +11,10 @@ from django.db import connection
 from psycopg.types.json import set_json_loads
 
 from django_pgjobs.data import rows
+from django_pgjobs.models import Job
+from django_pgjobs.runtime.options import Options
+from django_pgjobs.runtime.worker import Worker
+from tests import tasks
 
 VALUES = ["{}", "[]", "null", '{"n": 1, "s": "é"}', "[1, [], {}]", '""', "0"]
 
@@ -42,3 +47,14 @@ def test_a_json_loads_set_on_the_connection_is_kept():
     finally:
         connection.close()  # the next test gets a connection without it
     assert list(row) == [{"loaded by": "mine"}] * 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_leaves_what_existed_before_it_out_of_the_collectors_passes_while_it_runs():
+    before = gc.get_freeze_count()
+    tasks.frozen_while_running.clear()
+    Job.objects.enqueue("tests.tasks.counts_frozen")
+    Worker(Options(queues=["default"], once=True, listen=False, concurrency=1)).run()
+    (frozen,) = tasks.frozen_while_running
+    assert frozen > before
+    assert gc.get_freeze_count() == before  # collectable again once it stopped
