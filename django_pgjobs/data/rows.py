@@ -120,9 +120,11 @@ def load_jobs(model: type[Job], db: str, rows: Iterable[Sequence[Any]]) -> list[
     plain = _plainly_built(model)  # see new_jobs
     jobs = []
     for row in rows:
-        values = list(row)
-        for n, field in converters:
-            values[n] = field.from_db_value(values[n], None, connection)
+        values = row
+        if converters:  # none for Job's own fields: its rows are used as they come
+            values = list(row)
+            for n, field in converters:
+                values[n] = field.from_db_value(values[n], None, connection)
         if plain:
             jobs.append(_built(model, db, dict(zip(attnames, values, strict=True))))
         else:
