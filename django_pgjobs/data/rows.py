@@ -3,6 +3,7 @@ Job loading."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import lru_cache
@@ -88,13 +89,15 @@ BINARY = psycopg.pq.Format.BINARY
 class _JsonbLoader(JsonbBinaryLoader):
     """psycopg's binary jsonb loader, with the values most rows hold (an empty payload, an
     empty error history) made without the JSON parser: at two per claimed job, parsing them
-    was most of the cost of loading a job's row. Each load makes a new object."""
+    was most of the cost of loading a job's row. Each load makes a new object. Used only where
+    psycopg's own loader would be (see cursor), and only with psycopg's default json.loads."""
 
     def load(self, data: Buffer) -> Any:
-        if data == b"\x01{}":
-            return {}
-        if data == b"\x01[]":
-            return []
+        if self.loads is json.loads:  # not psycopg.types.json.set_json_loads()'s own
+            if data == b"\x01{}":
+                return {}
+            if data == b"\x01[]":
+                return []
         return super().load(data)
 
 

@@ -49,6 +49,16 @@ def test_a_json_loads_set_on_the_connection_is_kept():
     assert list(row) == [{"loaded by": "mine"}] * 2
 
 
+@pytest.mark.django_db
+def test_a_json_loads_set_for_every_connection_is_kept():
+    set_json_loads(lambda data: {"loaded by": "mine"})
+    try:
+        (row,) = rows.execute("default", "SELECT '{}'::jsonb, '[1]'::jsonb", {}, binary=True)
+    finally:
+        set_json_loads(json.loads)
+    assert list(row) == [{"loaded by": "mine"}] * 2
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_leaves_what_existed_before_it_out_of_the_collectors_passes_while_it_runs():
     before = gc.get_freeze_count()
