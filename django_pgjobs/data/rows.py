@@ -50,21 +50,8 @@ def cursor(db: str, binary: bool = False) -> Iterator[Any]:
 def execute(db: str, sql: str, params: dict[str, Any], binary: bool = False) -> list[Any]:
     """Run one statement on `db` and return all its rows."""
     with cursor(db, binary) as raw:
-        raw.execute(compact(sql), params)
+        raw.execute(sql, params)
         return list(raw.fetchall())
-
-
-@lru_cache(maxsize=64)
-def compact(sql: str) -> str:
-    """`sql` without its lines' indentation, when no quoted text spans a line.
-
-    psycopg parses a statement's placeholders at every execute unless the statement is under
-    4,096 bytes (then it keeps the parse): the worker's turn, indented, is over it, and parsing
-    it cost about 30 µs a turn."""
-    lines = sql.strip().splitlines()
-    if "$" in sql or any(line.count("'") % 2 or line.count('"') % 2 for line in lines):
-        return sql  # a literal or quoted name might span lines: left as it is
-    return "\n".join(line.strip() for line in lines)
 
 
 def copy(db: str, statement: str, types: Sequence[str], records: Iterable[Sequence[Any]]) -> None:

@@ -48,28 +48,3 @@ def test_receivers_of_the_models_init_signals_still_see_every_claimed_job():
     finally:
         post_init.disconnect(receiver, sender=Job)
     assert seen == jobs
-
-
-def test_a_statement_loses_its_indentation_and_nothing_else():
-    statement = """
-        SELECT 'a  b', "Odd  name"
-          FROM t  -- a comment
-         WHERE x = %(x)s
-    """
-    assert rows.compact(statement) == (
-        "SELECT 'a  b', \"Odd  name\"\nFROM t  -- a comment\nWHERE x = %(x)s"
-    )
-
-
-def test_a_statement_whose_quoted_text_might_span_lines_is_left_as_it_is():
-    spanning = "SELECT 'one\n    two'"
-    dollars = "SELECT $$one\n    two$$"
-    assert rows.compact(spanning) == spanning
-    assert rows.compact(dollars) == dollars
-
-
-def test_the_turns_statement_is_short_enough_for_psycopg_to_keep_its_parse():
-    from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
-
-    assert len(sql.SETTLE_AND_CLAIM.encode()) > MAX_CACHED_STATEMENT_LENGTH  # why compact
-    assert len(rows.compact(sql.SETTLE_AND_CLAIM).encode()) <= MAX_CACHED_STATEMENT_LENGTH
