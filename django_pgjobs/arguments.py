@@ -40,6 +40,14 @@ def check_arguments(
         raise PayloadMismatch(
             f"payload must be a JSON object of keyword arguments, got {type(kwargs).__name__}"
         )
+    # Whether a call fits depends on the names of its arguments, never on their values: a
+    # fit once found is looked up (binding costs more than running a small handler).
+    try:
+        fit = (func, len(args), *kwargs)
+        if fit in _FITS:
+            return
+    except TypeError:  # an unhashable callable: checked every time
+        fit = None
     signature = _signature(func)
     if signature is None:
         return
@@ -50,6 +58,13 @@ def check_arguments(
         raise PayloadMismatch(
             f"the payload does not fit {name}{_shown(signature)}: {'; '.join(problems)}"
         ) from None
+    if fit is not None and len(_FITS) < FITS_KEPT:
+        _FITS.add(fit)
+
+
+#: Calls found to fit: (handler, positional count, *keyword names). Bounded.
+_FITS: set[tuple[Any, ...]] = set()
+FITS_KEPT = 4096
 
 
 def _problems(signature: inspect.Signature, given: int, kwargs: Mapping[str, Any]) -> list[str]:

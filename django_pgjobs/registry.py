@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, overload
 
 from django.apps import apps
@@ -45,7 +46,7 @@ class Task:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.func(*args, **kwargs)
 
-    @property
+    @cached_property  # asked at every run of the task's jobs; func never changes
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.func)
 

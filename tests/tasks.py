@@ -319,3 +319,14 @@ def overruns_then_retries_quietly(seconds: float) -> None:
     while (now := time.monotonic()) < until:
         progress(round(now, 2), note="attempt 1, past its time limit")
         time.sleep(0.01)
+
+
+frozen_while_running: list[int] = []
+
+
+@task
+def counts_frozen() -> None:
+    """Notes how many objects the collector leaves out of its passes (see Worker.run)."""
+    import gc
+
+    frozen_while_running.append(gc.get_freeze_count())

@@ -73,17 +73,32 @@ class HandlerPool:
     def _handle(self) -> None:
         """Run jobs, connections handled per job the way Django handles them per request.
         Whatever happens, each job gets an outcome."""
-        while (job := self._todo.get()) is not None:
-            started = time.perf_counter()
-            self.deadlines.begin(job, self.timeout_of(job))
+        aged = True  # this thread's connections may have aged since they were last looked at
+        while True:
             try:
-                close_old_connections()
+                job = self._todo.get_nowait()
+            except queue.Empty:
+                job, aged = self._todo.get(), True
+            if job is None:
+                break
+            started = time.perf_counter()
+            timeout = self.timeout_of(job)
+            if timeout is not None:
+                self.deadlines.begin(job, timeout)
+            try:
+                # Django closes obsolete connections before and after each request. After one
+                # job and before the next one taken at once, they are the same look: it is
+                # taken again only when the thread waited for its job.
+                if aged:
+                    close_old_connections()
                 signals.send(signals.job_started, Job, job=job)
                 handled = execute.run(job)  # never raises; its duration is the handler's own
                 close_old_connections()
+                aged = False
             except BaseException as error:
                 handled = execute.raised(job, error, None, (), started)
-            if not self.deadlines.end(job):
+                aged = True
+            if timeout is not None and not self.deadlines.end(job):
                 break  # timed out: recorded already, and this thread was replaced
             self.finished(job, handled)
         connections.close_all()

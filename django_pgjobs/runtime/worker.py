@@ -7,6 +7,7 @@ leases, chores, controls), which live in the modules beside it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -113,6 +114,17 @@ class Worker:
             served.warn(self.db, options.queues, f"worker {self.id}")
         self._lock_waits.limit_this_thread()
         self._start_threads()
+        # The loop makes and drops objects by the thousand a second, and each of the collector's
+        # full passes would walk everything imported at start-up too (tens of milliseconds in a
+        # Django process): what exists now is left out of its passes while the worker runs.
+        gc.freeze()
+        try:
+            return self._loop()
+        finally:
+            gc.unfreeze()
+
+    def _loop(self) -> Exit:
+        options = self.options
         outage = Outage()
         while True:
             try:

@@ -91,3 +91,27 @@ def test_a_payload_that_is_not_an_object_is_refused():
 
 def test_a_callable_without_a_readable_signature_is_not_checked():
     check_arguments(max, "max", (), {"anything": 1})  # inspect.signature(max) raises
+
+
+def test_a_fit_found_once_is_remembered_by_names_and_other_names_are_still_checked():
+    def handler(to: str, subject: str = "") -> None: ...
+
+    check_arguments(handler, "handler", (), {"to": "a@example.com"})
+    check_arguments(handler, "handler", (), {"to": "b@example.com"})  # the same names: fits
+    with pytest.raises(PayloadMismatch, match="unexpected argument 'too'"):
+        check_arguments(handler, "handler", (), {"too": "a@example.com"})
+    with pytest.raises(PayloadMismatch, match="missing the required argument 'to'"):
+        check_arguments(handler, "handler", (), {})
+    with pytest.raises(PayloadMismatch, match="'to' is given twice"):
+        check_arguments(handler, "handler", [1], {"to": "a@example.com"})
+
+
+def test_an_unhashable_handler_is_checked_every_time():
+    class Handler:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, n: int) -> None: ...
+
+    check_arguments(Handler(), "handler", (), {"n": 1})
+    with pytest.raises(PayloadMismatch, match="unexpected argument 'm'"):
+        check_arguments(Handler(), "handler", (), {"m": 1})
