@@ -69,7 +69,8 @@ def comparison(
         return [("drain jobs/s: beside 200,000 scheduled / clean", drain(scheduled=200_000),
                  drain())]  # fmt: skip
     if name == "w4":
-        return [("drain jobs/s: 10% failing once / clean", drain(fail_share=0.1), drain())]
+        return [("drain jobs/s: 10% failing once / the same task, none failing",
+                 drain(fail_share=0.1), drain(fail_share=0.0))]  # fmt: skip
 
     def latency(key: str, **env: str) -> Measure:
         return lambda: workloads.latency(cluster, 50, 4, True, logs, **env)[key]

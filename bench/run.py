@@ -324,12 +324,22 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
 
     if "w4" in sections:
         say("W4 failing mix")
-        mix = workloads.drain(cluster, sizes.drain, 1, [], logs, startup, fail_share=0.1)
+        # W4's task takes a payload and reads current_job(), W3's no-op neither: the same task
+        # with no failure, in alternated runs, separates the failures' cost from the task's.
+        pairs = [
+            (workloads.drain(cluster, sizes.drain, 1, [], logs, startup, fail_share=0.1),
+             workloads.drain(cluster, sizes.drain, 1, [], logs, startup, fail_share=0.0))
+            for _ in range(repeat)
+        ]  # fmt: skip
+        mix = sorted((m for m, _ in pairs), key=lambda d: d.jobs_per_second)[len(pairs) // 2]
+        same = statistics.median(c.jobs_per_second for _, c in pairs)
         name, ceil = same_batch(mix)
         assert w3 is not None
         rows.append(Row("W4 drain, 10% fail once", mix.jobs_per_second, "jobs/s", name, ceil,
-                        "≥ 0.8 × W3", mix.jobs_per_second >= 0.8 * w3,
-                        f"{mix.jobs_per_second / w3:.2f} × W3"))  # fmt: skip
+                        "≥ 0.85 × W3", mix.jobs_per_second >= 0.85 * w3,
+                        f"{mix.jobs_per_second / w3:.2f} × W3; "
+                        f"{mix.jobs_per_second / same:.2f} × the same task with none failing "
+                        f"({same:,.0f} jobs/s)"))  # fmt: skip
 
     if "w5" in sections:
         for listen in (True, False):

@@ -242,7 +242,7 @@ def startup_cpu(cluster: Cluster, logs: Path) -> float:
 
 def drain(
     cluster: Cluster, count: int, processes: int, args: list[str], logs: Path, startup: float,
-    fail_share: float = 0.0, env: dict[str, str] | None = None, supervised: bool = False,
+    fail_share: float | None = None, env: dict[str, str] | None = None, supervised: bool = False,
     scheduled: int = 0,
 ) -> Drain:  # fmt: skip
     """Enqueue `count` jobs, then time `processes` × `runjobs --once` draining them; or, when
@@ -253,7 +253,7 @@ def drain(
     for start in range(0, scheduled, 50_000):
         later = (None for _ in range(min(50_000, scheduled - start)))
         Job.objects.bulk_enqueue(NOOP, later, priority=10, delay=3600)
-    if fail_share:
+    if fail_share is not None:  # the failing task, failing that share (0: the same task, clean)
         rng = random.Random(7)
         payloads = [{"fail": rng.random() < fail_share} for _ in range(count)]
         Job.objects.bulk_enqueue("bench.tasks.flaky", payloads)
