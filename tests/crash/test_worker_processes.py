@@ -101,9 +101,10 @@ def test_the_worker_survives_pg_terminate_backend_on_all_its_connections(start_w
     worker = start_worker("--concurrency", "4", "--batch-size", "4")
     wait_until(lambda: Execution.objects.count() > 50, timeout=30)
     for _ in range(3):
-        # Its listener and main loop are (back) on their connections; handler threads come
-        # and go.
-        wait_until(lambda: _listening() and _worker_backends() >= 2, timeout=10)
+        # Its listener and its main loop (or lease keeper) are (back) on their connections,
+        # which carry the worker's name; handler threads' connections come and go (one counted
+        # here could close before the terminate, which then found only the listener).
+        wait_until(lambda: _listening() and _named_worker_sessions() >= 2, timeout=10)
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -134,12 +135,12 @@ def test_a_job_running_three_times_longer_than_its_lease_is_never_reaped_while_i
     assert Execution.objects.filter(n=1).count() == 1
 
 
-def _worker_backends() -> int:
-    """Sessions on the test database other than the test's own: the worker's."""
+def _named_worker_sessions() -> int:
+    """Sessions named after a worker: its main loop, lease keeper and listener."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            "WHERE datname = current_database() AND application_name LIKE 'pgjobs worker %%'"
         )
         return int(cursor.fetchone()[0])
 
