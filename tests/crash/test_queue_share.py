@@ -39,15 +39,21 @@ def test_a_worker_names_its_main_loop_and_listener_connections_after_itself(star
     wait_until(worker.started, timeout=20)
     worker_id = worker.log().split("worker ", 1)[1].split(" started", 1)[0]
     # Its main loop and its wake-up listener; the handler threads' connections are the jobs'.
-    wait_until(lambda: {f"{WORKER_APPLICATION} {worker_id}"} <= _worker_applications(), timeout=20)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FILTER (WHERE query LIKE 'LISTEN%%'), count(*) FROM pg_stat_activity "
-            "WHERE application_name = %s",
-            [f"{WORKER_APPLICATION} {worker_id}"],
-        )
-        listening, named = cursor.fetchone()
-    assert (listening, named >= 2) == (1, True)
+    # The listener connects on its own thread, after the main loop may have: wait for both (the
+    # first named session alone was once taken as the sign, and the listener was not there yet).
+
+    def named() -> tuple[int, int]:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FILTER (WHERE query LIKE 'LISTEN%%'), count(*) "
+                "FROM pg_stat_activity WHERE application_name = %s",
+                [f"{WORKER_APPLICATION} {worker_id}"],
+            )
+            listening, count = cursor.fetchone()
+        return int(listening), int(count)
+
+    wait_until(lambda: named()[0] == 1 and named()[1] >= 2, timeout=20)
+    assert f"{WORKER_APPLICATION} {worker_id}" in _worker_applications()
 
 
 def test_jobstats_and_the_admin_show_the_queues_share_of_active_time_and_warn_past_a_threshold(
