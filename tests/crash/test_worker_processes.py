@@ -106,8 +106,12 @@ def test_the_worker_survives_pg_terminate_backend_on_all_its_connections(start_w
         # here could close before the terminate, which then found only the listener).
         wait_until(lambda: _listening() and _named_worker_sessions() >= 2, timeout=10)
         with connection.cursor() as cursor:
+            # With a timeout, each call returns once its backend has gone: a terminated session
+            # must not linger in pg_stat_activity into the next round's wait (it did under
+            # load, and that round then found only one session to terminate).
             cursor.execute(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) "
+                "FROM pg_stat_activity "
                 "WHERE datname = current_database() AND pid <> pg_backend_pid()"
             )
             (terminated,) = cursor.fetchone()
