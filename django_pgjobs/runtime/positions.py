@@ -47,6 +47,16 @@ class Positions:
         self._sweeping = time.monotonic() >= self._next_sweep
         return {} if self._sweeping else self._at
 
+    def poll_by(self, claimed: int, wanted: int) -> float:
+        """When (time.monotonic()) the worker should claim again at the latest, after a turn
+        that claimed `claimed` of the `wanted` jobs: at the next sweep when this turn started
+        after its positions and came back short, since jobs behind them (an enqueue that woke
+        the worker, committed after a later job was claimed) are found only by a sweep; else
+        never (the worker's own poll schedule decides)."""
+        if self._sweeping or claimed >= wanted:
+            return float("inf")
+        return self._next_sweep
+
     def turned(self, claimed: Sequence[Job], seconds: float) -> None:
         """Move past the jobs this turn claimed (in claim order), the turn having taken
         `seconds`."""

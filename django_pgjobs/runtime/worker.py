@@ -214,7 +214,10 @@ class Worker:
         self._poll_delay = policy.poll_delay(
             self._poll_delay, len(jobs), wanted, self.options.poll_interval
         )
-        self._next_poll = time.monotonic() + self._poll_delay
+        # A short claim after the positions is followed by a sweep, whatever the poll delay.
+        self._next_poll = min(
+            time.monotonic() + self._poll_delay, self.positions.poll_by(len(jobs), wanted)
+        )
 
     def settled(self, job: Job, handled: Handled, outcome: Outcome) -> None:
         """Forget a claim whose outcome was recorded (or refused), count and announce it."""

@@ -187,3 +187,23 @@ def test_a_worker_finds_its_own_jobs_by_primary_key_never_through_the_running_in
         plan = plans.explain(statement, params, analyze=True)
         assert not plans.index_scans(plan, "pgjobs_job_running_idx"), (name, plans.shown(plan))
         assert plans.index_scans(plan, "pgjobs_job_pkey"), (name, plans.shown(plan))
+
+
+def test_a_short_claim_after_the_positions_is_followed_by_a_sweep_whatever_the_poll_delay(
+    monkeypatch,
+):
+    """A wake-up's turn that started after the positions and found too few: the job that woke
+    the worker may be behind them (committed after a later job was claimed), so the worker must
+    claim again at the next sweep, not after its poll delay (up to --poll-interval)."""
+    clock = [100.0]
+    monkeypatch.setattr(positions.time, "monotonic", lambda: clock[0])
+    seen = Positions()
+    job = Job(queue="a", priority=0, run_at=NOW, id=uuid.uuid4())
+
+    seen.for_turn()  # a sweep
+    assert seen.poll_by(claimed=0, wanted=10) == float("inf")  # a sweep found all there is
+    seen.turned([job], seconds=0.001)
+    clock[0] += 0.01
+    assert seen.for_turn() != {}  # after the positions
+    assert seen.poll_by(claimed=10, wanted=10) == float("inf")  # a full claim: more follow
+    assert seen.poll_by(claimed=3, wanted=10) == 100.0 + positions.SWEEP_EVERY
