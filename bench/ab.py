@@ -4,7 +4,8 @@ what a change is judged by. `python bench/ab.py [--quick] [--pairs N] COMPARISON
 
 Comparisons: `sync` (the default drain against WORKER_SYNCHRONOUS_COMMIT = True), `latency`
 (W5's 50/s LISTEN p50 and p99, the same two), `w7` (a drain beside 200,000 scheduled jobs
-against a clean one), `w4` (a drain where 10% fail once against a clean one).
+against a clean one), `w4` (a drain where 10% fail once against a clean one), `prepare` (the
+drain and W5's latency by default against prepare_threshold None on every connection).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("comparisons", nargs="+", choices=["sync", "latency", "w7", "w4"])
+    comparisons = ["sync", "latency", "w7", "w4", "prepare"]
+    parser.add_argument("comparisons", nargs="+", choices=comparisons)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="20,000-job drains (else 100,000)")
     options = parser.parse_args()
@@ -74,6 +76,14 @@ def comparison(
 
     def latency(key: str, **env: str) -> Measure:
         return lambda: workloads.latency(cluster, 50, 4, True, logs, **env)[key]
+
+    if name == "prepare":
+        unprepared = {"BENCH_PREPARE": "none"}
+        return [
+            ("drain jobs/s: default / prepare_threshold None", drain(), drain(env=unprepared)),
+            *((f"W5 50/s LISTEN {key} ms: default / prepare_threshold None", latency(key),
+               latency(key, **unprepared)) for key in ("p50", "p99")),
+        ]  # fmt: skip
 
     return [
         (f"W5 50/s LISTEN {key} ms: default / WORKER_SYNCHRONOUS_COMMIT", latency(key),

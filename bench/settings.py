@@ -20,8 +20,13 @@ INSTALLED_APPS = [
 ]
 DATABASES = {"default": environ.Env().db_url("DATABASE_URL")}
 if os.environ.get("BENCH_PREPARE"):
-    # psycopg prepares a statement after this many executions (Django's default: never).
-    DATABASES["default"]["OPTIONS"] = {"prepare_threshold": int(os.environ["BENCH_PREPARE"])}
+    # psycopg prepares a statement after this many executions; "none": never, on every
+    # connection (Django's default, and the workers' own connections then prepare nothing
+    # either: runtime/locks.py).
+    threshold = os.environ["BENCH_PREPARE"]
+    DATABASES["default"]["OPTIONS"] = {
+        "prepare_threshold": None if threshold == "none" else int(threshold)
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PGJOBS = {
     "NOTIFY": os.environ.get("BENCH_NOTIFY", "1") == "1",

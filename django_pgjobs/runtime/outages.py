@@ -47,6 +47,11 @@ class Outage:
         # An undefined table or column: the schema is older than the code.
         if schema.is_not_migrated(error):
             return schema.explained(error)
+        if "cached plan must not change result type" in first:  # prepared: runtime/locks.py
+            return (
+                "a migration changed the job table under the worker's prepared statements; "
+                "it reconnects, which prepares them again"
+            )
         if "lock timeout" in first:
             return f"a statement waited too long for a lock held elsewhere ({first})"
         if isinstance(error, OperationalError | InterfaceError):

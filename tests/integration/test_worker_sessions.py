@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import threading
+import time
 
 import pytest
 from django.db import connection
 
+from django_pgjobs.models import Job
 from django_pgjobs.runtime.locks import LOCK_TIMEOUT, LockWaits, application_name
+from django_pgjobs.runtime.options import Options
+from django_pgjobs.runtime.worker import Worker
+from tests.conftest import wait_until
 
 
 def _settings() -> tuple[str, str, str]:
@@ -71,3 +77,87 @@ def test_an_application_name_the_project_configured_is_kept():
         sessions.stop()
         del options["application_name"]
         connection.close()
+
+
+def _prepared() -> list[str]:
+    """The statements this session has prepared (its own; another session's are not visible)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [statement for (statement,) in cursor.fetchall()]
+
+
+def _claim_six_times() -> None:
+    for _ in range(6):  # past the threshold: psycopg prepares at the fifth execution
+        Job.objects.enqueue("tests.tasks.noop")
+        assert Job.objects.claim(["default"], worker="w", limit=1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_workers_connections_prepare_the_statements_they_run_again_and_again():
+    sessions = LockWaits("default", application_name("host:1:ab"))
+    try:
+        sessions.limit_this_thread()
+        _claim_six_times()
+        assert any(s.lstrip().startswith("WITH succeeded AS") for s in _prepared())
+    finally:
+        sessions.stop()
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"OPTIONS": {"prepare_threshold": None}},  # the project turned preparing off
+        {"DISABLE_SERVER_SIDE_CURSORS": True},  # a transaction-mode pooler
+    ],
+)
+def test_a_project_that_turned_preparing_off_or_uses_a_pooler_gets_no_prepared_statements(
+    setting,
+):
+    saved = copy.deepcopy(connection.settings_dict)
+    for key, value in setting.items():
+        if isinstance(value, dict):
+            connection.settings_dict.setdefault(key, {}).update(value)
+        else:
+            connection.settings_dict[key] = value
+    connection.close()
+    sessions = LockWaits("default", application_name("host:1:ab"))
+    try:
+        sessions.limit_this_thread()
+        _claim_six_times()
+        assert _prepared() == []
+    finally:
+        sessions.stop()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_keeps_working_when_a_migration_changes_a_column_its_prepared_turn_returns(
+    other_connection, signal_handlers_restored, caplog
+):
+    """A migration run while workers run may change a column's type: PostgreSQL then refuses
+    the prepared statement ("cached plan must not change result type"). The worker treats it
+    like a lost connection: it reconnects (which prepares afresh) and goes on."""
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False, poll_interval=0.05))
+    ended: list[object] = []
+    thread = threading.Thread(target=lambda: ended.append(worker.run()))
+    thread.start()
+    try:
+        first = [Job.objects.enqueue("tests.tasks.noop") for _ in range(20)]
+        wait_until(lambda: Job.objects.filter(status="succeeded").count() == 20, 20)
+        time.sleep(1.0)  # idle turns, every poll_interval: the idle turn's statement is prepared
+        other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN priority TYPE int4")
+        try:
+            later = [Job.objects.enqueue("tests.tasks.noop") for _ in range(20)]
+            wait_until(lambda: Job.objects.filter(status="succeeded").count() == 40, 20)
+        finally:
+            other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN priority TYPE int2")
+    finally:
+        worker.stop()
+        thread.join(20)
+    assert ended and len(first + later) == 40
+    said = [r.getMessage() for r in caplog.records if r.name.endswith("outages")]
+    assert any("a migration changed the job table" in line for line in said), said
