@@ -18,6 +18,12 @@ rows are looked up by primary key. Otherwise it may read the worker's entries in
 instead, and every running row version that died since the oldest snapshot in the cluster
 stays there: under a snapshot held for minutes, each turn read all of them (4 ms a turn and
 rising in benchmark W6, against 0.3 ms by primary key; a test checks the plan).
+
+A worker's own connections plan each statement once for any parameters (runtime/locks.py), so
+every plan here must be good without their values: rows that a subquery with a LIMIT chose are
+found by primary key, ``j.id = ANY (ARRAY(SELECT ...))``, never joined to it, since a plan that
+cannot know the LIMIT expects a tenth of the table and hash-joins all of it (a test checks each
+statement's plan made that way).
 """
 
 from __future__ import annotations
@@ -260,8 +266,7 @@ SETTLE_AND_CLAIM = """
             worker = %(worker)s, scheduled = false, progress = NULL,
             started_at = statement_timestamp(),
             leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
-        FROM turns
-        WHERE j.id = turns.id
+        WHERE j.id = ANY (ARRAY(SELECT id FROM turns))
         RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
                   j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
                   j.created_at, j.finished_at, j.unique_key, j.started_at,
@@ -389,13 +394,13 @@ REAP = """
 # every worker may do it at once.
 PROMOTE = """
     UPDATE pgjobs_job AS j SET scheduled = false
-    WHERE j.id IN (
+    WHERE j.id = ANY (ARRAY(
         SELECT id FROM pgjobs_job
         WHERE status = 'ready' AND scheduled AND run_at <= statement_timestamp()
         ORDER BY run_at
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
-    )
+    ))
 """
 
 # Take back every running job of one worker known to be dead (its supervisor saw the process
@@ -446,7 +451,7 @@ def errors_kept(count: int) -> str:
 # the second publish of a message id within its duplicate window).
 RELAY = """
     DELETE FROM pgjobs_job AS j
-    USING (
+    WHERE j.id = ANY (ARRAY(
         SELECT d.id
         FROM unnest(%(queues)s::text[]) AS q(name)
         CROSS JOIN LATERAL (
@@ -468,8 +473,7 @@ RELAY = """
             LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED
         ) AS s
-    ) AS taken
-    WHERE j.id = taken.id AND j.status = 'ready'
+    )) AND j.status = 'ready'
     RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
               j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
               j.created_at, j.finished_at, j.unique_key, j.started_at,

@@ -79,11 +79,18 @@ def test_an_application_name_the_project_configured_is_kept():
         connection.close()
 
 
-def _prepared() -> list[str]:
-    """The statements this session has prepared (its own; another session's are not visible)."""
+def _prepared() -> list[tuple[str, int, int]]:
+    """The statements this session has prepared (its own; another session's are not visible),
+    with how many times each was run with its generic plan and with a custom one."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT statement FROM pg_prepared_statements")
-        return [statement for (statement,) in cursor.fetchall()]
+        cursor.execute("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements")
+        return cursor.fetchall()
+
+
+def _planning() -> tuple[str, str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('plan_cache_mode'), current_setting('jit')")
+        return cursor.fetchone()
 
 
 def _claim_six_times() -> None:
@@ -93,12 +100,15 @@ def _claim_six_times() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_workers_connections_prepare_the_statements_they_run_again_and_again():
+def test_the_workers_connections_prepare_what_they_run_again_and_again_and_plan_it_once():
     sessions = LockWaits("default", application_name("host:1:ab"))
     try:
         sessions.limit_this_thread()
+        assert _planning() == ("force_generic_plan", "off")
         _claim_six_times()
-        assert any(s.lstrip().startswith("WITH succeeded AS") for s in _prepared())
+        (turn,) = [p for p in _prepared() if p[0].lstrip().startswith("WITH succeeded AS")]
+        generic, custom = turn[1:]
+        assert generic >= 1 and custom == 0  # prepared after five claims, planned for any values
     finally:
         sessions.stop()
         connection.close()
@@ -127,6 +137,7 @@ def test_a_project_that_turned_preparing_off_or_uses_a_pooler_gets_no_prepared_s
         sessions.limit_this_thread()
         _claim_six_times()
         assert _prepared() == []
+        assert _planning()[0] == "auto"
     finally:
         sessions.stop()
         connection.settings_dict.clear()
