@@ -4,6 +4,8 @@ Job loading."""
 from __future__ import annotations
 
 import json
+import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import lru_cache
@@ -22,6 +24,34 @@ if TYPE_CHECKING:
     from django_pgjobs.models import Job
 
 
+#: How long a statement's plan serves on a connection that plans once (see plan_once).
+REPLAN_AFTER = 1.0
+
+_PLANNED_ONCE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def plan_once(connection: psycopg.Connection[Any]) -> None:
+    """Mark `connection`, which prepares its statements and has them planned once for any
+    parameters (a worker's own: runtime/locks.py), so that each plan is made again a second
+    later: the statements `cursor` runs on it carry the second they were first planned in.
+
+    A plan is made for the table as it is then, and PostgreSQL makes a cached one again only
+    when the table's statistics change (autovacuum's ANALYZE: a minute or more). One made while
+    the table was nearly empty reads it whole by the time it holds a backlog, and a queue's
+    table grows a thousandfold within seconds (a worker started on an empty table fell to a
+    third of the rate in benchmark W8 until the next ANALYZE). A plan a second costs nothing.
+    """
+    _PLANNED_ONCE.add(connection)
+
+
+class _Replanned(psycopg.Cursor[Any]):
+    """A cursor whose statements are new to the plan cache every REPLAN_AFTER seconds."""
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        second = int(time.monotonic() / REPLAN_AFTER)
+        return super().execute(f"{query}/* plan {second} */", params, **kwargs)
+
+
 @contextmanager
 def cursor(db: str, binary: bool = False) -> Iterator[Any]:
     """A Django cursor on `db` that binds parameters on the server, for the hot path.
@@ -38,7 +68,8 @@ def cursor(db: str, binary: bool = False) -> Iterator[Any]:
     wrapper.close_if_health_check_failed()
     wrapper.ensure_connection()
     wrapper.validate_thread_sharing()
-    raw: Any = psycopg.Cursor(wrapper.connection)
+    factory = _Replanned if wrapper.connection in _PLANNED_ONCE else psycopg.Cursor
+    raw: Any = factory(wrapper.connection)
     if binary:
         raw.format = psycopg.pq.Format.BINARY
         if raw.adapters.get_loader(JSONB_OID, BINARY) is JsonbBinaryLoader:  # not customised

@@ -13,6 +13,7 @@ from django.db import DatabaseError, connections
 from django.db.backends.signals import connection_created
 
 from django_pgjobs.conf import get_settings
+from django_pgjobs.data import rows
 
 #: The longest one of the worker's statements waits for a lock; past it the statement fails and
 #: the worker tries again later, instead of stalling behind, say, an operator's open transaction.
@@ -22,13 +23,18 @@ LOCK_TIMEOUT = "5s"
 #: own default), and PostgreSQL plans it once for any parameters (plan_cache_mode
 #: force_generic_plan): the turn's statement is no longer parsed, analysed and planned every
 #: turn. An idle worker's turn that claims one job took 1.56 ms unprepared, 1.21 ms prepared
-#: (planned each time, PostgreSQL's own choice for it) and 0.54 ms planned once. Every
+#: (planned each time, PostgreSQL's own choice for it) and 0.54 ms planned once (a plan
+#: serves for a second, then is made again for the table as it is: data/rows.py). Every
 #: statement these connections run with parameters is one of data/sql.py's, written so that
 #: such a plan reads the job table by its indexes (a test checks each). JIT is off there too:
 #: a plan made without the parameters may cost enough to start it, and it is never worth it
 #: for statements this short. Django leaves preparing off because a transaction-mode pooler
 #: cannot keep prepared statements: see LockWaits for where these are not set.
 PREPARE_THRESHOLD = 5
+
+#: The most prepared statements psycopg keeps on such a connection: each is made again every
+#: second (data/rows.py, plan_once), and those of earlier seconds are let go.
+PREPARED_MAX = 16
 
 
 def application_name(worker: str) -> str:
@@ -100,3 +106,5 @@ class LockWaits:
             )
         if self.prepare:
             connection.connection.prepare_threshold = PREPARE_THRESHOLD
+            connection.connection.prepared_max = PREPARED_MAX
+            rows.plan_once(connection.connection)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from typing import Any
 
 import pytest
 from django.db import connection
 
+from django_pgjobs.data import rows
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.locks import LOCK_TIMEOUT, LockWaits, application_name
 from django_pgjobs.runtime.options import Options
@@ -100,7 +102,10 @@ def _claim_six_times() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_workers_connections_prepare_what_they_run_again_and_again_and_plan_it_once():
+def test_the_workers_connections_prepare_what_they_run_again_and_again_and_plan_it_once(
+    monkeypatch,
+):
+    monkeypatch.setattr(rows, "REPLAN_AFTER", 3600.0)  # the same plan throughout
     sessions = LockWaits("default", application_name("host:1:ab"))
     try:
         sessions.limit_this_thread()
@@ -172,3 +177,49 @@ def test_a_worker_keeps_working_when_a_migration_changes_a_column_its_prepared_t
     assert ended and len(first + later) == 40
     said = [r.getMessage() for r in caplog.records if r.name.endswith("outages")]
     assert any("a migration changed the job table" in line for line in said), said
+
+
+def _sequential_scans(other: Any) -> int:
+    """How many times the job table was read whole so far, this session's reads included
+    (it writes its counters when it goes idle, once asked to)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+    (count,) = other.execute(
+        "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'pgjobs_job'"
+    ).fetchone()
+    return int(count)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_plan_made_while_the_table_was_empty_is_made_again_once_it_holds_a_backlog(
+    monkeypatch, other_connection
+):
+    """A worker started on an empty table plans its turn for an empty table: read it whole,
+    which is what costs least then. PostgreSQL keeps a cached plan until the table's
+    statistics change, and a backlog of thousands arrives within a second: the plan is made
+    again every REPLAN_AFTER seconds, for the table as it is by then."""
+    monkeypatch.setattr(rows, "REPLAN_AFTER", 0.5)
+    other_connection.execute("ALTER TABLE pgjobs_job SET (autovacuum_enabled = false)")
+    other_connection.execute("VACUUM ANALYZE pgjobs_job")
+    sessions = LockWaits("default", application_name("host:1:ab"))
+    try:
+        sessions.limit_this_thread()
+
+        def turns() -> None:
+            for _ in range(8):  # past the threshold: prepared, its plan cached
+                Job.objects.claim(["default"], worker="w", limit=1)
+
+        turns()  # planned for the empty table
+        other_connection.execute(
+            "INSERT INTO pgjobs_job (id, queue, task, payload, max_attempts) "
+            "SELECT gen_random_uuid(), 'default', 'tests.tasks.noop', '{}', 3 "
+            "FROM generate_series(1, 20000)"
+        )
+        time.sleep(0.6)  # a plan's time is up
+        before = _sequential_scans(other_connection)
+        turns()
+        assert _sequential_scans(other_connection) == before
+    finally:
+        sessions.stop()
+        other_connection.execute("ALTER TABLE pgjobs_job RESET (autovacuum_enabled)")
+        connection.close()
