@@ -4,6 +4,7 @@ Job loading."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import psycopg
-from django.db import connections, models
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, models
 from django.db.backends.utils import CursorDebugWrapper
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
@@ -22,6 +23,8 @@ from psycopg.types.json import JsonbBinaryLoader, set_json_dumps
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
+
+logger = logging.getLogger(__name__)
 
 
 #: How long a statement's plan serves on a connection that plans once (see plan_once).
@@ -41,7 +44,35 @@ def plan_once(connection: psycopg.Connection[Any]) -> None:
     table grows a thousandfold within seconds (a worker started on an empty table fell to a
     third of the rate in benchmark W8 until the next ANALYZE). A plan a second costs nothing.
     """
-    _PLANNED_ONCE.add(connection)
+    if not _POOLED:
+        _PLANNED_ONCE.add(connection)
+
+
+def plans_once() -> bool:
+    """False once a worker's prepared statements went missing (see _give_up_plans)."""
+    return not _POOLED
+
+
+_POOLED = False
+
+
+def _give_up_plans(connection: psycopg.Connection[Any], error: Exception) -> None:
+    """A statement prepared on `connection` went missing, or another of the same name was
+    there: the server behind it changes from one transaction to the next, a transaction-mode
+    pooler that `DISABLE_SERVER_SIDE_CURSORS` did not announce. This process prepares nothing
+    more (runtime/locks.py asks plans_once() on every connect) and says what to set."""
+    global _POOLED
+    if not _POOLED:
+        _POOLED = True
+        logger.warning(
+            "a prepared statement of this worker's went missing (%s): the database is reached "
+            "through a transaction-mode pooler. The worker prepares no more statements; set "
+            "DISABLE_SERVER_SIDE_CURSORS = True in DATABASES, as Django asks for such a pooler "
+            "(see docs/howto/pgbouncer.md)",
+            str(error).strip().splitlines()[0],
+        )
+    connection.prepare_threshold = None
+    _PLANNED_ONCE.discard(connection)
 
 
 class _Replanned(psycopg.Cursor[Any]):
@@ -76,7 +107,24 @@ def cursor(db: str, binary: bool = False) -> Iterator[Any]:
             raw.adapters.register_loader(JSONB_OID, _JsonbLoader)
     wrapped = wrapper.make_debug_cursor(raw) if wrapper.queries_logged else wrapper.make_cursor(raw)
     with wrapped:
-        yield wrapped
+        try:
+            yield wrapped
+        except DatabaseError as error:
+            if isinstance(error.__cause__, _PREPARED_GONE) and factory is _Replanned:
+                _give_up_plans(wrapper.connection, error)
+            raise
+
+
+_PREPARED_GONE = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
+
+
+def connection_lost(error: DatabaseError) -> bool:
+    """Whether `error` says the connection, not the statement, is at fault: it is gone or
+    broken, or a statement prepared on it went missing (see _give_up_plans). What the
+    statement was to do is then tried again, unchanged, once the connection is back."""
+    return isinstance(error, OperationalError | InterfaceError) or isinstance(
+        error.__cause__, _PREPARED_GONE
+    )
 
 
 def execute(db: str, sql: str, params: dict[str, Any], binary: bool = False) -> list[Any]:

@@ -88,23 +88,25 @@ class LockWaits:
 
     def _set(self, connection: Any) -> None:
         durable = get_settings().WORKER_SYNCHRONOUS_COMMIT
+        prepare = self.prepare and rows.plans_once()
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %(lock_timeout)s, false), "
                 "set_config('application_name', %(name)s, false), "
                 "set_config('synchronous_commit', %(synchronous_commit)s, false), "
                 "set_config('plan_cache_mode', CASE WHEN %(prepare)s THEN 'force_generic_plan' "
-                "ELSE current_setting('plan_cache_mode') END, false), "
+                "ELSE (SELECT reset_val FROM pg_settings WHERE name = 'plan_cache_mode') END, "
+                "false), "
                 "set_config('jit', CASE WHEN %(prepare)s THEN 'off' "
-                "ELSE current_setting('jit') END, false)",
+                "ELSE (SELECT reset_val FROM pg_settings WHERE name = 'jit') END, false)",
                 {
                     "lock_timeout": LOCK_TIMEOUT,
                     "name": self.name,
                     "synchronous_commit": "on" if durable else "off",
-                    "prepare": self.prepare,
+                    "prepare": prepare,
                 },
             )
-        if self.prepare:
+        if prepare:
             connection.connection.prepare_threshold = PREPARE_THRESHOLD
             connection.connection.prepared_max = PREPARED_MAX
             rows.plan_once(connection.connection)

@@ -9,8 +9,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError
 
+from django_pgjobs.data import rows
 from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
@@ -124,9 +125,9 @@ class Settler:
             if limit > 0:
                 worker.positions.turned(settled.claimed, time.monotonic() - started)
             return settled
-        except (OperationalError, InterfaceError):
-            raise  # the connection: tried again after the reconnect
         except DatabaseError as error:
+            if rows.connection_lost(error):
+                raise  # the connection: tried again after the reconnect
             if not (succeeded or failed):
                 raise  # only a claim: nothing of a job's to blame (e.g. a missing table)
             logger.error(
@@ -150,9 +151,9 @@ class Settler:
                 settled = jobs.settle_and_claim(
                     one, attempt, [], worker=worker, limit=0, results=_results([(job, handled)])
                 )
-            except (OperationalError, InterfaceError):
-                raise
             except DatabaseError as error:
+                if rows.connection_lost(error):
+                    raise
                 refused = Failure(
                     "django_pgjobs.OutcomeRefused",
                     f"the database refused to record this attempt's outcome "
