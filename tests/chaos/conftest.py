@@ -15,8 +15,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.db import connection
 
 from tests.chaos.checker import Checker, Report
+from tests.chaos.servers import Bouncer
 from tests.conftest import connection_kwargs, wait_until
 from tests.crash.conftest import WorkerProcess
 
@@ -160,3 +162,13 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     path = os.environ.get("CHAOS_REPORT")
     if path:
         Path(path).write_text(json.dumps([r.as_dict() for r in REPORTS], indent=2) + "\n")
+
+
+@pytest.fixture
+def bouncer() -> Iterator[Bouncer]:
+    """PgBouncer in transaction pooling mode in front of the test database's server."""
+    server = connection.settings_dict
+    instance = Bouncer(server["HOST"] or "127.0.0.1", int(server["PORT"] or 5432))
+    instance.start()
+    yield instance
+    instance.stop()

@@ -4,8 +4,6 @@ say what to set, and lose no job."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from django.db import connection
 
@@ -16,15 +14,6 @@ from tests.conftest import wait_until
 from tests.crash.conftest import start_worker  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def bouncer() -> Iterator[Bouncer]:
-    server = connection.settings_dict
-    instance = Bouncer(server["HOST"] or "127.0.0.1", int(server["PORT"] or 5432))
-    instance.start()
-    yield instance
-    instance.stop()
 
 
 def test_workers_behind_an_unannounced_transaction_pooler_stop_preparing_and_lose_nothing(

@@ -3,7 +3,7 @@ PostgreSQL and through PgBouncer in transaction pooling mode (poll only)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from django.db import connection
@@ -52,15 +52,6 @@ def test_sigkill_every_two_seconds_loses_no_job_and_duplicates_only_interrupted_
         timeout=size(120, 600),
     )
     publish(report)
-
-
-@pytest.fixture
-def bouncer() -> Iterator[Bouncer]:
-    server = connection.settings_dict
-    instance = Bouncer(server["HOST"] or "127.0.0.1", int(server["PORT"] or 5432))
-    instance.start()
-    yield instance
-    instance.stop()
 
 
 def test_the_sigkill_soak_passes_through_pgbouncer_in_transaction_pooling_mode(
