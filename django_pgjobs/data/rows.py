@@ -27,25 +27,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-#: How long a statement's plan serves on a connection that plans once (see plan_once).
+#: The youngest plans that `replan` makes again.
 REPLAN_AFTER = 1.0
 
-_PLANNED_ONCE: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Connections that plan once (see plan_once): each one's plans' generation and its start.
+_PLANNED_ONCE: weakref.WeakKeyDictionary[Any, tuple[int, float]] = weakref.WeakKeyDictionary()
 
 
 def plan_once(connection: psycopg.Connection[Any]) -> None:
     """Mark `connection`, which prepares its statements and has them planned once for any
-    parameters (a worker's own: runtime/locks.py), so that each plan is made again a second
-    later: the statements `cursor` runs on it carry the second they were first planned in.
-
-    A plan is made for the table as it is then, and PostgreSQL makes a cached one again only
-    when the table's statistics change (autovacuum's ANALYZE: a minute or more). One made while
-    the table was nearly empty reads it whole by the time it holds a backlog, and a queue's
-    table grows a thousandfold within seconds (a worker started on an empty table fell to a
-    third of the rate in benchmark W8 until the next ANALYZE). A plan a second costs nothing.
-    """
+    parameters (a worker's main loop: runtime/locks.py): the statements `cursor` runs on it
+    carry their plans' generation, which `replan` moves on."""
     if not _POOLED:
-        _PLANNED_ONCE.add(connection)
+        _PLANNED_ONCE[connection] = (0, time.monotonic())
+
+
+def replan(db: str) -> None:
+    """Have the statements of `db`'s connection (in this thread) planned again, unless that
+    connection does not plan once or its plans are younger than REPLAN_AFTER.
+
+    A plan is made for the table as it is then. PostgreSQL makes a cached one again when
+    autovacuum analyzes the table, which keeps up with a table that grows by the hour, not with
+    a backlog that arrives within a second: a plan made while the table was nearly empty reads
+    it whole once it holds thousands of jobs (a worker started on an empty table fell to a
+    third of benchmark W8's rate until the next ANALYZE). The worker asks for new plans when a
+    turn comes back full, that is, when there is a backlog.
+    """
+    connection = connections[db].connection
+    if connection is None:
+        return
+    generation, since = _PLANNED_ONCE.get(connection, (-1, 0.0))
+    if generation >= 0 and time.monotonic() - since >= REPLAN_AFTER:
+        _PLANNED_ONCE[connection] = (generation + 1, time.monotonic())
 
 
 def plans_once() -> bool:
@@ -72,15 +85,15 @@ def _give_up_plans(connection: psycopg.Connection[Any], error: Exception) -> Non
             str(error).strip().splitlines()[0],
         )
     connection.prepare_threshold = None
-    _PLANNED_ONCE.discard(connection)
+    _PLANNED_ONCE.pop(connection, None)
 
 
 class _Replanned(psycopg.Cursor[Any]):
-    """A cursor whose statements are new to the plan cache every REPLAN_AFTER seconds."""
+    """A cursor whose statements are new to the plan cache in each generation of plans."""
 
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        second = int(time.monotonic() / REPLAN_AFTER)
-        return super().execute(f"{query}/* plan {second} */", params, **kwargs)
+        generation, _ = _PLANNED_ONCE.get(self.connection, (0, 0.0))
+        return super().execute(f"{query}/* plans {generation} */", params, **kwargs)
 
 
 @contextmanager

@@ -19,21 +19,21 @@ from django_pgjobs.data import rows
 #: the worker tries again later, instead of stalling behind, say, an operator's open transaction.
 LOCK_TIMEOUT = "5s"
 
-#: After this many executions psycopg prepares a statement on a worker's own connection (its
-#: own default), and PostgreSQL plans it once for any parameters (plan_cache_mode
+#: After this many executions psycopg prepares a statement on a worker's main loop connection
+#: (its own default), and PostgreSQL plans it once for any parameters (plan_cache_mode
 #: force_generic_plan): the turn's statement is no longer parsed, analysed and planned every
 #: turn. An idle worker's turn that claims one job took 1.56 ms unprepared, 1.21 ms prepared
-#: (planned each time, PostgreSQL's own choice for it) and 0.54 ms planned once (a plan
-#: serves for a second, then is made again for the table as it is: data/rows.py). Every
-#: statement these connections run with parameters is one of data/sql.py's, written so that
+#: (planned each time, PostgreSQL's own choice for it) and 0.54 ms planned once (made again
+#: when a backlog arrives: data/rows.py, replan). Every
+#: statement that connection runs with parameters is one of data/sql.py's, written so that
 #: such a plan reads the job table by its indexes (a test checks each). JIT is off there too:
 #: a plan made without the parameters may cost enough to start it, and it is never worth it
 #: for statements this short. Django leaves preparing off because a transaction-mode pooler
 #: cannot keep prepared statements: see LockWaits for where these are not set.
 PREPARE_THRESHOLD = 5
 
-#: The most prepared statements psycopg keeps on such a connection: each is made again every
-#: second (data/rows.py, plan_once), and those of earlier seconds are let go.
+#: The most prepared statements psycopg keeps on such a connection: each is made again when a
+#: backlog arrives (data/rows.py, replan), and those made before are let go.
 PREPARED_MAX = 16
 
 
@@ -45,9 +45,11 @@ def application_name(worker: str) -> str:
 class LockWaits:
     """Gives the worker's own threads' connections to `db` a lock_timeout, the worker's
     application_name (unless the database's OPTIONS set one), its synchronous_commit and
-    prepared statements planned once, on every (re)connect. The last only where the OPTIONS
-    set neither a prepare_threshold (`None` included: the project's choice) nor
-    server_side_binding (the ORM's statements would be planned once too, unvetted).
+    on every (re)connect; the main loop's (`plans=True`) also prepared statements planned once
+    (data/rows.py, plan_once). Those only where the OPTIONS set neither a prepare_threshold
+    (`None` included: the project's choice) nor server_side_binding (the ORM's statements
+    would be planned once too, unvetted); the lease keeper's statements run every few seconds,
+    where preparing saves nothing.
 
     Not behind a transaction-mode pooler (DISABLE_SERVER_SIDE_CURSORS): a session setting would
     leak to other clients of the pooled server connection. There, set it for the worker's role
@@ -62,19 +64,19 @@ class LockWaits:
         options = connections[db].settings_dict.get("OPTIONS", {})
         self.name = options.get("application_name") or name
         self.prepare = "prepare_threshold" not in options and not options.get("server_side_binding")
-        self._threads: set[int] = set()
+        self._threads: dict[int, bool] = {}  # thread → whether it plans once
         self.enabled = not connections[db].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
 
-    def limit_this_thread(self) -> None:
+    def limit_this_thread(self, plans: bool = False) -> None:
         if not self.enabled:
             return
         if not self._threads:
             connection_created.connect(self._on_connect, weak=False)
-        self._threads.add(threading.get_ident())
+        self._threads[threading.get_ident()] = plans
         connection = connections[self.db]
         if connection.connection is not None:
             try:
-                self._set(connection)
+                self._set(connection, plans)
             except DatabaseError:
                 connection.close()  # gone already: set again when the worker reconnects
 
@@ -83,12 +85,13 @@ class LockWaits:
         self._threads.clear()
 
     def _on_connect(self, sender: Any, connection: Any, **kwargs: Any) -> None:
-        if connection.alias == self.db and threading.get_ident() in self._threads:
-            self._set(connection)
+        plans = self._threads.get(threading.get_ident())
+        if connection.alias == self.db and plans is not None:
+            self._set(connection, plans)
 
-    def _set(self, connection: Any) -> None:
+    def _set(self, connection: Any, plans: bool) -> None:
         durable = get_settings().WORKER_SYNCHRONOUS_COMMIT
-        prepare = self.prepare and rows.plans_once()
+        prepare = plans and self.prepare and rows.plans_once()
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %(lock_timeout)s, false), "

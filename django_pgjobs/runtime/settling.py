@@ -124,6 +124,8 @@ class Settler:
             )
             if limit > 0:
                 worker.positions.turned(settled.claimed, time.monotonic() - started)
+                if len(settled.claimed) == limit:  # a backlog: plans for the table as it is now
+                    rows.replan(worker.db)
             return settled
         except DatabaseError as error:
             if rows.connection_lost(error):

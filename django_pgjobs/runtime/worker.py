@@ -112,7 +112,7 @@ class Worker:
         )  # fmt: skip
         if options.parent_pid is None:  # a supervisor's children: it said so once for all
             served.warn(self.db, options.queues, f"worker {self.id}")
-        self._lock_waits.limit_this_thread()
+        self._lock_waits.limit_this_thread(plans=True)
         self._start_threads()
         # The loop makes and drops objects by the thousand a second, and each of the collector's
         # full passes would walk everything imported at start-up too (tens of milliseconds in a

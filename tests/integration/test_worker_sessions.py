@@ -108,7 +108,7 @@ def test_the_workers_connections_prepare_what_they_run_again_and_again_and_plan_
     monkeypatch.setattr(rows, "REPLAN_AFTER", 3600.0)  # the same plan throughout
     sessions = LockWaits("default", application_name("host:1:ab"))
     try:
-        sessions.limit_this_thread()
+        sessions.limit_this_thread(plans=True)
         assert _planning() == ("force_generic_plan", "off")
         _claim_six_times()
         (turn,) = [p for p in _prepared() if p[0].lstrip().startswith("WITH succeeded AS")]
@@ -139,7 +139,7 @@ def test_a_project_that_turned_preparing_off_or_uses_a_pooler_gets_no_prepared_s
     connection.close()
     sessions = LockWaits("default", application_name("host:1:ab"))
     try:
-        sessions.limit_this_thread()
+        sessions.limit_this_thread(plans=True)
         _claim_six_times()
         assert _prepared() == []
         assert _planning()[0] == "auto"
@@ -191,19 +191,19 @@ def _sequential_scans(other: Any) -> int:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_plan_made_while_the_table_was_empty_is_made_again_once_it_holds_a_backlog(
+def test_plans_made_while_the_table_was_empty_are_made_again_once_it_holds_a_backlog(
     monkeypatch, other_connection
 ):
     """A worker started on an empty table plans its turn for an empty table: read it whole,
-    which is what costs least then. PostgreSQL keeps a cached plan until the table's
-    statistics change, and a backlog of thousands arrives within a second: the plan is made
-    again every REPLAN_AFTER seconds, for the table as it is by then."""
+    which costs least then. PostgreSQL keeps a cached plan until autovacuum analyzes the table
+    (off here, as it is for the seconds a backlog takes to arrive); `replan` has the next
+    statements planned for the table as it is by then."""
     monkeypatch.setattr(rows, "REPLAN_AFTER", 0.5)
     other_connection.execute("ALTER TABLE pgjobs_job SET (autovacuum_enabled = false)")
     other_connection.execute("VACUUM ANALYZE pgjobs_job")
     sessions = LockWaits("default", application_name("host:1:ab"))
     try:
-        sessions.limit_this_thread()
+        sessions.limit_this_thread(plans=True)
 
         def turns() -> None:
             for _ in range(8):  # past the threshold: prepared, its plan cached
@@ -215,11 +215,37 @@ def test_a_plan_made_while_the_table_was_empty_is_made_again_once_it_holds_a_bac
             "SELECT gen_random_uuid(), 'default', 'tests.tasks.noop', '{}', 3 "
             "FROM generate_series(1, 20000)"
         )
-        time.sleep(0.6)  # a plan's time is up
         before = _sequential_scans(other_connection)
+        rows.replan("default")  # too soon: the plans are younger than REPLAN_AFTER
         turns()
-        assert _sequential_scans(other_connection) == before
+        stale = _sequential_scans(other_connection) - before
+        time.sleep(0.5)
+        before = _sequential_scans(other_connection)
+        rows.replan("default")
+        turns()
+        assert (stale, _sequential_scans(other_connection) - before) == (stale, 0)
+        assert stale >= 8  # the empty table's plan read the backlog whole at every turn
     finally:
         sessions.stop()
         other_connection.execute("ALTER TABLE pgjobs_job RESET (autovacuum_enabled)")
         connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_asks_for_new_plans_when_a_turn_comes_back_full(
+    monkeypatch, signal_handlers_restored
+):
+    asked: list[str] = []
+    monkeypatch.setattr(rows, "replan", asked.append)
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False, poll_interval=0.05))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        time.sleep(0.3)  # idle: its turns come back empty
+        assert asked == []
+        Job.objects.bulk_enqueue("tests.tasks.noop", [None] * 500)
+        wait_until(lambda: worker._recorded == 500, 30)
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert asked and set(asked) == {"default"}
