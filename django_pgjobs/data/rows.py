@@ -133,10 +133,18 @@ _PREPARED_GONE = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.Duplica
 
 def connection_lost(error: DatabaseError) -> bool:
     """Whether `error` says the connection, not the statement, is at fault: it is gone or
-    broken, or a statement prepared on it went missing (see _give_up_plans). What the
-    statement was to do is then tried again, unchanged, once the connection is back."""
-    return isinstance(error, OperationalError | InterfaceError) or isinstance(
-        error.__cause__, _PREPARED_GONE
+    broken, a statement prepared on it went missing (see _give_up_plans), or one prepared on
+    it no longer fits the table (a migration changed a column it returns: PostgreSQL refuses
+    it from then on). What the statement was to do is then tried again, unchanged, on a new
+    connection."""
+    cause = error.__cause__
+    return (
+        isinstance(error, OperationalError | InterfaceError)
+        or isinstance(cause, _PREPARED_GONE)
+        or (
+            isinstance(cause, psycopg.errors.FeatureNotSupported)
+            and "cached plan must not change result type" in str(cause)
+        )
     )
 
 

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
 
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job
@@ -155,28 +155,49 @@ def test_a_worker_keeps_working_when_a_migration_changes_a_column_its_prepared_t
     other_connection, signal_handlers_restored, caplog
 ):
     """A migration run while workers run may change a column's type: PostgreSQL then refuses
-    the prepared statement ("cached plan must not change result type"). The worker treats it
-    like a lost connection: it reconnects (which prepares afresh) and goes on."""
-    worker = Worker(Options(queues=["default"], concurrency=2, listen=False, poll_interval=0.05))
-    ended: list[object] = []
-    thread = threading.Thread(target=lambda: ended.append(worker.run()))
+    the prepared statement ("cached plan must not change result type") from then on. The worker
+    treats it like a lost connection: it reconnects (which prepares afresh) and goes on."""
+    worker = Worker(Options(queues=["default"], concurrency=4, listen=False, poll_interval=0.05))
+    thread = threading.Thread(target=worker.run)
     thread.start()
     try:
-        first = [Job.objects.enqueue("tests.tasks.noop") for _ in range(20)]
-        wait_until(lambda: Job.objects.filter(status="succeeded").count() == 20, 20)
+        Job.objects.bulk_enqueue("tests.tasks.noop", [None] * 200)
+        wait_until(lambda: worker._recorded == 200, 20)
         time.sleep(1.0)  # idle turns, every poll_interval: the idle turn's statement is prepared
-        other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN priority TYPE int4")
+        other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN task TYPE text")
         try:
-            later = [Job.objects.enqueue("tests.tasks.noop") for _ in range(20)]
-            wait_until(lambda: Job.objects.filter(status="succeeded").count() == 40, 20)
+            Job.objects.bulk_enqueue("tests.tasks.noop", [None] * 20)
+            wait_until(lambda: Job.objects.filter(status="succeeded").count() == 220, 20)
         finally:
-            other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN priority TYPE int2")
+            other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN task TYPE varchar(200)")
     finally:
         worker.stop()
         thread.join(20)
-    assert ended and len(first + later) == 40
-    said = [r.getMessage() for r in caplog.records if r.name.endswith("outages")]
+    said = [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     assert any("a migration changed the job table" in line for line in said), said
+    assert not any("refused" in line for line in said), said
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_prepared_statement_that_no_longer_fits_the_table_is_the_connections_fault(
+    other_connection,
+):
+    """So outcomes that a turn was recording when it met a migration are tried again on a new
+    connection (runtime/settling.py), never taken for a refusal of the batch, which records
+    them one by one and dead-letters those refused again."""
+    sessions = LockWaits("default", application_name("host:1:ab"))
+    try:
+        sessions.limit_this_thread(plans=True)
+        _claim_six_times()  # prepared
+        other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN task TYPE text")
+        with pytest.raises(DatabaseError) as refused:
+            Job.objects.claim(["default"], worker="w", limit=1)
+        assert "cached plan must not change result type" in str(refused.value)
+        assert rows.connection_lost(refused.value)
+    finally:
+        sessions.stop()
+        connection.close()
+        other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN task TYPE varchar(200)")
 
 
 def _sequential_scans(other: Any) -> int:
