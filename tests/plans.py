@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from django.db import connection, transaction
@@ -49,3 +50,32 @@ def index_scans(plan: Plan, index: str) -> list[Plan]:
 def shown(plan: Plan) -> str:
     """The plan as text for an assertion's message."""
     return json.dumps(plan, indent=1)
+
+
+def sequential_scans(other: Any) -> int:
+    """How many times the job table was read whole so far, the reads of the test's own
+    connection included (it writes its counters when it goes idle, once asked to); `other`:
+    another session, which reads them."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+    query = "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'pgjobs_job'"
+    return int(other.execute(query).fetchone()[0])
+
+
+@contextmanager
+def planned_once_on_an_empty_table(other: Any) -> Iterator[None]:
+    """The test's connection set up as a worker's main loop's (prepared, planned once) on an
+    emptied, analysed job table, with autovacuum off there (as it is, in effect, for the minute
+    before it next looks): what a worker started on an empty table plans; undone after."""
+    from django_pgjobs.runtime.locks import LockWaits, application_name
+
+    other.execute("ALTER TABLE pgjobs_job SET (autovacuum_enabled = false)")
+    other.execute("VACUUM ANALYZE pgjobs_job")
+    sessions = LockWaits("default", application_name("host:1:ab"))
+    try:
+        sessions.limit_this_thread(plans=True)
+        yield
+    finally:
+        sessions.stop()
+        other.execute("ALTER TABLE pgjobs_job RESET (autovacuum_enabled)")
+        connection.close()

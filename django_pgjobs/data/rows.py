@@ -27,8 +27,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-#: The youngest plans that `replan` makes again.
+#: How old plans must be before a backlog has them made again (see replan).
 REPLAN_AFTER = 1.0
+
+#: How old plans may grow while there is no backlog (see replan).
+REPLAN_IDLE = 30.0
 
 #: Connections that plan once (see plan_once): each one's plans' generation and its start.
 _PLANNED_ONCE: weakref.WeakKeyDictionary[Any, tuple[int, float]] = weakref.WeakKeyDictionary()
@@ -42,22 +45,26 @@ def plan_once(connection: psycopg.Connection[Any]) -> None:
         _PLANNED_ONCE[connection] = (0, time.monotonic())
 
 
-def replan(db: str) -> None:
-    """Have the statements of `db`'s connection (in this thread) planned again, unless that
-    connection does not plan once or its plans are younger than REPLAN_AFTER.
+def replan(db: str, backlog: bool) -> None:
+    """Have the statements of `db`'s connection (in this thread) planned again if it plans
+    once and its plans are older than REPLAN_AFTER with a `backlog` (the worker's turn came
+    back full), or older than REPLAN_IDLE without one.
 
     A plan is made for the table as it is then. PostgreSQL makes a cached one again when
     autovacuum analyzes the table, which keeps up with a table that grows by the hour, not with
     a backlog that arrives within a second: a plan made while the table was nearly empty reads
     it whole once it holds thousands of jobs (a worker started on an empty table fell to a
-    third of benchmark W8's rate until the next ANALYZE). The worker asks for new plans when a
-    turn comes back full, that is, when there is a backlog.
+    third of benchmark W8's rate until the next ANALYZE). A backlog that is not due yet (jobs
+    scheduled for tomorrow) fills no turn: the idle turns, promotions and reaps read the table
+    whole for at most REPLAN_IDLE. Idle plans are not made again sooner because each new
+    generation is planned on the way, and an idle worker's wake-ups would pay for it.
     """
     connection = connections[db].connection
     if connection is None:
         return
     generation, since = _PLANNED_ONCE.get(connection, (-1, 0.0))
-    if generation >= 0 and time.monotonic() - since >= REPLAN_AFTER:
+    age = time.monotonic() - since
+    if generation >= 0 and age >= (REPLAN_AFTER if backlog else REPLAN_IDLE):
         _PLANNED_ONCE[connection] = (generation + 1, time.monotonic())
 
 

@@ -124,8 +124,7 @@ class Settler:
             )
             if limit > 0:
                 worker.positions.turned(settled.claimed, time.monotonic() - started)
-                if len(settled.claimed) == limit:  # a backlog: plans for the table as it is now
-                    rows.replan(worker.db)
+                rows.replan(worker.db, backlog=len(settled.claimed) == limit)
             return settled
         except DatabaseError as error:
             if rows.connection_lost(error):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from typing import Any
 
 import pytest
 from django.db import DatabaseError, connection
@@ -16,6 +15,7 @@ from django_pgjobs.runtime.locks import LOCK_TIMEOUT, LockWaits, application_nam
 from django_pgjobs.runtime.options import Options
 from django_pgjobs.runtime.worker import Worker
 from tests.conftest import wait_until
+from tests.plans import planned_once_on_an_empty_table, sequential_scans
 
 
 def _settings() -> tuple[str, str, str]:
@@ -200,17 +200,6 @@ def test_a_prepared_statement_that_no_longer_fits_the_table_is_the_connections_f
         other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN task TYPE varchar(200)")
 
 
-def _sequential_scans(other: Any) -> int:
-    """How many times the job table was read whole so far, this session's reads included
-    (it writes its counters when it goes idle, once asked to)."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_stat_force_next_flush()")
-    (count,) = other.execute(
-        "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'pgjobs_job'"
-    ).fetchone()
-    return int(count)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_plans_made_while_the_table_was_empty_are_made_again_once_it_holds_a_backlog(
     monkeypatch, other_connection
@@ -220,11 +209,7 @@ def test_plans_made_while_the_table_was_empty_are_made_again_once_it_holds_a_bac
     (off here, as it is for the seconds a backlog takes to arrive); `replan` has the next
     statements planned for the table as it is by then."""
     monkeypatch.setattr(rows, "REPLAN_AFTER", 0.5)
-    other_connection.execute("ALTER TABLE pgjobs_job SET (autovacuum_enabled = false)")
-    other_connection.execute("VACUUM ANALYZE pgjobs_job")
-    sessions = LockWaits("default", application_name("host:1:ab"))
-    try:
-        sessions.limit_this_thread(plans=True)
+    with planned_once_on_an_empty_table(other_connection):
 
         def turns() -> None:
             for _ in range(8):  # past the threshold: prepared, its plan cached
@@ -236,20 +221,16 @@ def test_plans_made_while_the_table_was_empty_are_made_again_once_it_holds_a_bac
             "SELECT gen_random_uuid(), 'default', 'tests.tasks.noop', '{}', 3 "
             "FROM generate_series(1, 20000)"
         )
-        before = _sequential_scans(other_connection)
-        rows.replan("default")  # too soon: the plans are younger than REPLAN_AFTER
+        before = sequential_scans(other_connection)
+        rows.replan("default", backlog=True)  # too soon: the plans are younger than REPLAN_AFTER
         turns()
-        stale = _sequential_scans(other_connection) - before
+        stale = sequential_scans(other_connection) - before
         time.sleep(0.5)
-        before = _sequential_scans(other_connection)
-        rows.replan("default")
+        before = sequential_scans(other_connection)
+        rows.replan("default", backlog=True)
         turns()
-        assert (stale, _sequential_scans(other_connection) - before) == (stale, 0)
+        assert (stale, sequential_scans(other_connection) - before) == (stale, 0)
         assert stale >= 8  # the empty table's plan read the backlog whole at every turn
-    finally:
-        sessions.stop()
-        other_connection.execute("ALTER TABLE pgjobs_job RESET (autovacuum_enabled)")
-        connection.close()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -257,7 +238,12 @@ def test_a_worker_asks_for_new_plans_when_a_turn_comes_back_full(
     monkeypatch, signal_handlers_restored
 ):
     asked: list[str] = []
-    monkeypatch.setattr(rows, "replan", asked.append)
+
+    def replan(db: str, backlog: bool) -> None:
+        if backlog:
+            asked.append(db)
+
+    monkeypatch.setattr(rows, "replan", replan)
     worker = Worker(Options(queues=["default"], concurrency=2, listen=False, poll_interval=0.05))
     thread = threading.Thread(target=worker.run)
     thread.start()
