@@ -110,7 +110,7 @@ def cursor(db: str, binary: bool = False) -> Iterator[Any]:
     Arrays of ids travel as binary parameters instead of being quoted into the SQL by Python,
     and psycopg prepares statements it sees often when the connection allows it (Django's
     OPTIONS["prepare_threshold"]; off by default, which PgBouncer in transaction mode needs;
-    a worker's own connections allow it where there is no such pooler: runtime/locks.py).
+    a worker's main loop's connection allows it where there is no such pooler: runtime/locks.py).
     With `binary`, results load in C (uuids, timestamps, jsonb) rather than by parsing text.
     It is Django's cursor wrapper all the same: error translation, execute wrappers and query
     logging (assertNumQueries, the debug toolbar) see these statements like any other.

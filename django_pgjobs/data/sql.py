@@ -20,10 +20,10 @@ stays there: under a snapshot held for minutes, each turn read all of them (4 ms
 rising in benchmark W6, against 0.3 ms by primary key; a test checks the plan).
 
 A worker's main loop plans each statement once for any parameters (runtime/locks.py,
-data/rows.py), so every plan here must be good without their values: rows
-that a subquery with a LIMIT chose are found by primary key, ``j.id = ANY (ARRAY(SELECT
-...))``, never joined to it, since a plan that cannot know the LIMIT expects a tenth of the
-table and hash-joins all of it (a test checks each statement's plan made that way).
+data/rows.py), so every plan here must be good without their values: rows that a subquery
+with a LIMIT chose are found by primary key, ``j.id = ANY (ARRAY(SELECT ...))``, never joined
+to it, since a plan that cannot know the LIMIT expects a tenth of the table and hash-joins
+all of it (a test checks each statement's plan made that way).
 """
 
 from __future__ import annotations

@@ -23,17 +23,17 @@ LOCK_TIMEOUT = "5s"
 #: (its own default), and PostgreSQL plans it once for any parameters (plan_cache_mode
 #: force_generic_plan): the turn's statement is no longer parsed, analysed and planned every
 #: turn. An idle worker's turn that claims one job took 1.56 ms unprepared, 1.21 ms prepared
-#: (planned each time, PostgreSQL's own choice for it) and 0.54 ms planned once (made again
-#: when a backlog arrives: data/rows.py, replan). Every
-#: statement that connection runs with parameters is one of data/sql.py's, written so that
-#: such a plan reads the job table by its indexes (a test checks each). JIT is off there too:
-#: a plan made without the parameters may cost enough to start it, and it is never worth it
-#: for statements this short. Django leaves preparing off because a transaction-mode pooler
+#: (planned each time, PostgreSQL's own choice for it) and 0.54 ms planned once (plans are
+#: made again when a backlog arrives, and every 30 s: data/rows.py, replan). Every statement
+#: that connection runs with parameters is one of data/sql.py's, written so that such a plan
+#: reads the job table by its indexes (a test checks each). JIT is off there too: a plan made
+#: without the parameters may cost enough to start it, and it is never worth it for
+#: statements this short. Django leaves preparing off because a transaction-mode pooler
 #: cannot keep prepared statements: see LockWaits for where these are not set.
 PREPARE_THRESHOLD = 5
 
-#: The most prepared statements psycopg keeps on such a connection: each is made again when a
-#: backlog arrives (data/rows.py, replan), and those made before are let go.
+#: The most prepared statements psycopg keeps on such a connection: each is prepared again
+#: in every generation of plans (data/rows.py, replan), and those of earlier ones are let go.
 PREPARED_MAX = 16
 
 
@@ -44,8 +44,8 @@ def application_name(worker: str) -> str:
 
 class LockWaits:
     """Gives the worker's own threads' connections to `db` a lock_timeout, the worker's
-    application_name (unless the database's OPTIONS set one), its synchronous_commit and
-    on every (re)connect; the main loop's (`plans=True`) also prepared statements planned once
+    application_name (unless the database's OPTIONS set one) and its synchronous_commit, on
+    every (re)connect; the main loop's (`plans=True`) also prepared statements planned once
     (data/rows.py, plan_once). Those only where the OPTIONS set neither a prepare_threshold
     (`None` included: the project's choice) nor server_side_binding (the ORM's statements
     would be planned once too, unvetted); the lease keeper's statements run every few seconds,
