@@ -40,9 +40,9 @@ _PLANNED_ONCE: weakref.WeakKeyDictionary[Any, tuple[int, float]] = weakref.WeakK
 def plan_once(connection: psycopg.Connection[Any]) -> None:
     """Mark `connection`, which prepares its statements and has them planned once for any
     parameters (a worker's main loop: runtime/locks.py): the statements `cursor` runs on it
-    carry their plans' generation, which `replan` moves on."""
-    if not _POOLED:
-        _PLANNED_ONCE[connection] = (0, time.monotonic())
+    carry their plans' generation, which `replan` moves on (runtime/locks.py asks
+    plans_once() first)."""
+    _PLANNED_ONCE[connection] = (0, time.monotonic())
 
 
 def replan(db: str, backlog: bool) -> None:
@@ -144,14 +144,19 @@ def connection_lost(error: DatabaseError) -> bool:
     it no longer fits the table (a migration changed a column it returns: PostgreSQL refuses
     it from then on). What the statement was to do is then tried again, unchanged, on a new
     connection."""
-    cause = error.__cause__
     return (
         isinstance(error, OperationalError | InterfaceError)
-        or isinstance(cause, _PREPARED_GONE)
-        or (
-            isinstance(cause, psycopg.errors.FeatureNotSupported)
-            and "cached plan must not change result type" in str(cause)
-        )
+        or isinstance(error.__cause__, _PREPARED_GONE)
+        or plan_unfit(error)
+    )
+
+
+def plan_unfit(error: DatabaseError) -> bool:
+    """Whether `error` is PostgreSQL refusing a prepared statement whose result a migration
+    changed (the type of a column it returns)."""
+    cause = error.__cause__
+    return isinstance(cause, psycopg.errors.FeatureNotSupported) and (
+        "cached plan must not change result type" in str(cause)
     )
 
 

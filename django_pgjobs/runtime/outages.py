@@ -8,6 +8,7 @@ import logging
 from django.db import DatabaseError, InterfaceError, OperationalError
 
 from django_pgjobs import schema
+from django_pgjobs.data import rows
 from django_pgjobs.runtime import policy
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class Outage:
         # An undefined table or column: the schema is older than the code.
         if schema.is_not_migrated(error):
             return schema.explained(error)
-        if "cached plan must not change result type" in first:  # prepared: runtime/locks.py
+        if rows.plan_unfit(error):  # prepared: runtime/locks.py
             return (
                 "a migration changed the job table under the worker's prepared statements; "
                 "it reconnects, which prepares them again"
