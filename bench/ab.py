@@ -5,7 +5,8 @@ what a change is judged by. `python bench/ab.py [--quick] [--pairs N] COMPARISON
 Comparisons: `sync` (the default drain against WORKER_SYNCHRONOUS_COMMIT = True), `latency`
 (W5's 50/s LISTEN p50 and p99, the same two), `w7` (a drain beside 200,000 scheduled jobs
 against a clean one), `w4` (a drain where 10% fail once against a clean one), `prepare` (the
-drain and W5's latency by default against prepare_threshold None on every connection).
+drain and W5's latency by default against prepare_threshold None on every connection), `insert`
+(W2, one thread: the enqueue's statement for its case against one text for every case).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest.mock import patch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -22,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    comparisons = ["sync", "latency", "w7", "w4", "prepare"]
+    comparisons = ["sync", "latency", "w7", "w4", "prepare", "insert"]
     parser.add_argument("comparisons", nargs="+", choices=comparisons)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="20,000-job drains (else 100,000)")
@@ -50,6 +52,23 @@ def main() -> None:
 
 Measure = Callable[[], float]
 
+#: The enqueue's statement before sql.INSERT_JOBS: one text for every case (no unique_key).
+ONE_TEXT = """
+    INSERT INTO pgjobs_job AS j
+        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
+         headers)
+    VALUES (
+        %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
+        COALESCE(%(run_at)s::timestamptz,
+                 statement_timestamp() + %(delay)s::float8 * interval '1 second'),
+        COALESCE(%(run_at)s::timestamptz > statement_timestamp(),
+                 %(delay)s::float8 * interval '1 second' > interval '0'),
+        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
+    )
+    RETURNING j.id, j.run_at, j.created_at, j.scheduled,
+              (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
+"""
+
 
 def comparison(
     name: str, cluster: object, count: int, logs: Path
@@ -73,6 +92,28 @@ def comparison(
     if name == "w4":
         return [("drain jobs/s: 10% failing once / the same task, none failing",
                  drain(fail_share=0.1), drain(fail_share=0.0))]  # fmt: skip
+
+    def enqueue(texts: dict[tuple[str, bool, bool], str], key: str) -> Measure:
+        """W2, one thread, wake-ups on, with sql.INSERT_JOBS' `texts` in place: its rate
+        ("rate") or the time an enqueue adds in atomic() ("p50")."""
+        from django_pgjobs.data import sql
+
+        def measure() -> float:
+            with patch.dict(sql.INSERT_JOBS, texts):
+                if key == "rate":
+                    return workloads.single_enqueue(cluster, 1, 3, True)[0]
+                return workloads.enqueue_added_time(cluster, 1000)["p50"]
+
+        return measure
+
+    if name == "insert":
+        one_text = dict.fromkeys([("now", False, False), ("now", False, True)], ONE_TEXT)
+        return [
+            ("W2 1 thread jobs/s: statement per case / one text", enqueue({}, "rate"),
+             enqueue(one_text, "rate")),
+            ("W2 time enqueue adds, p50 ms: statement per case / one text", enqueue({}, "p50"),
+             enqueue(one_text, "p50")),
+        ]  # fmt: skip
 
     def latency(key: str, **env: str) -> Measure:
         return lambda: workloads.latency(cluster, 50, 4, True, logs, **env)[key]

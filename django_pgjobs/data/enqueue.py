@@ -98,8 +98,8 @@ def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list
 def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> Job | None:
     """Insert one job (one statement); `payload` is the checked payload its JSON was made from
     (the returned Job holds it). None when its unique_key is held by a live job."""
-    wake_up = wakeups.to_send(db, [job.queue])
-    statement = sql.INSERT_JOB if job.unique_key is None else sql.INSERT_UNIQUE_JOB
+    wake_up = bool(wakeups.to_send(db, [job.queue]))
+    statement = sql.INSERT_JOBS[_due(job), job.unique_key is not None, wake_up]
     params = {
         "id": job.id, "queue": job.queue, "task": job.task, "payload": job.payload_json,
         "priority": job.priority, "run_at": job.run_at, "delay": job.delay or 0.0,
@@ -110,7 +110,7 @@ def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> J
         found = rows.execute(db, statement, params | {"headers": _text(headers)}, binary=True)
     if not found:
         return None  # its unique_key is held by a live job
-    ((_, run_at, created_at, scheduled, _),) = found
+    ((_, run_at, created_at, scheduled, *_),) = found
     columns = _columns(job, run_at, created_at, scheduled, headers)
     return next(rows.new_jobs(model, db, columns, [job.id], [payload]))
 
@@ -157,6 +157,13 @@ def insert_many(
                 )
                 rows.copy(db, sql.COPY_JOBS, sql.COPY_JOBS_TYPES, records)
     return made
+
+
+def _due(job: NewJob) -> str:
+    """When `job` is due, as sql.INSERT_JOBS names it."""
+    if job.run_at is not None:
+        return "run_at"
+    return "delay" if job.delay else "now"
 
 
 def _kept(jobs: Iterator[Job], into: list[Job]) -> Iterator[Job]:

@@ -42,50 +42,50 @@ CLAIM_ORDER = ("-priority", "run_at", "id")
 
 # ---- enqueue -------------------------------------------------------------------------------------
 
-# One job. run_at is given, or now + %(delay)s seconds (0 when not given) on the database's
-# clock; a job not yet due is `scheduled` (it waits in the scheduled index, out of the claims'
-# way). Each is written out once, with plain operators: half the planning time of the same
-# values through make_interval() and a repeated COALESCE, on every enqueue (statements are not
-# prepared unless the connection's prepare_threshold asks for it). The wake-up (a NOTIFY
-# delivered at commit: data/wakeups.py sends, runtime/listener.py listens) rides in the same
-# statement and is evaluated only for an inserted row; %(channel)s is NULL when none is due.
+# One job: INSERT_JOBS[due, unique, wake_up] is the statement for the case at hand, so that
+# each text says only what that case needs. The enqueue's statement is not prepared unless the
+# connection's prepare_threshold asks for it (Django's default, for transaction poolers), so
+# PostgreSQL parses and plans it at every enqueue: one text for every case (a COALESCE of run_at
+# and now + delay, the wake-up behind a NULL test) took twice the parse and planning time of the
+# plain "now" below, and a quarter more of the whole enqueue (bench/ab.py insert).
+#
+# - due: "now" (most jobs), "run_at" (given) or "delay" (seconds from now), always on the
+#   database's clock; a job not yet due is `scheduled` (it waits in the scheduled index, out of
+#   the claims' way).
+# - unique: nothing is inserted (no row comes back) while a ready or running job holds the
+#   unique_key. Apart, because a speculative insertion costs more CPU and WAL than a plain one,
+#   and most jobs have no key.
+# - wake_up: a NOTIFY delivered at commit (data/wakeups.py sends, runtime/listener.py listens)
+#   rides in the same statement, evaluated only for an inserted row.
 # %(headers)s is NULL unless PGJOBS["TRACING"] gives the job a trace context (tracing.py).
-INSERT_JOB = """
-    INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
-         headers)
-    VALUES (
-        %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
-        COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + %(delay)s::float8 * interval '1 second'),
-        COALESCE(%(run_at)s::timestamptz > statement_timestamp(),
-                 %(delay)s::float8 * interval '1 second' > interval '0'),
-        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
-    )
-    RETURNING j.id, j.run_at, j.created_at, j.scheduled,
-              (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
-"""
-
-# The same with a unique_key: nothing is inserted (no row comes back) while a ready or running
-# job holds the key. A separate statement because a speculative insertion costs more CPU and
-# WAL than a plain one, and most jobs have no key.
-INSERT_UNIQUE_JOB = """
-    INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
-         headers)
-    VALUES (
-        %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
-        COALESCE(%(run_at)s::timestamptz,
-                 statement_timestamp() + %(delay)s::float8 * interval '1 second'),
-        COALESCE(%(run_at)s::timestamptz > statement_timestamp(),
-                 %(delay)s::float8 * interval '1 second' > interval '0'),
-        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
-    )
+_DUE = {
+    "now": "statement_timestamp(), false",
+    "run_at": "%(run_at)s::timestamptz, %(run_at)s::timestamptz > statement_timestamp()",
+    "delay": "statement_timestamp() + %(delay)s::float8 * interval '1 second', "
+    "%(delay)s::float8 * interval '1 second' > interval '0'",
+}
+_UNIQUE = """
     ON CONFLICT (unique_key) WHERE status IN ('ready', 'running') AND unique_key IS NOT NULL
-    DO NOTHING
-    RETURNING j.id, j.run_at, j.created_at, j.scheduled,
-              (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
+    DO NOTHING"""
+_WAKE_UP = ", pg_notify(%(channel)s, %(queue)s)"
+_INSERT_JOB = """
+    INSERT INTO pgjobs_job AS j
+        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
+         headers)
+    VALUES (
+        %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s, {due},
+        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
+    ){unique}
+    RETURNING j.id, j.run_at, j.created_at, j.scheduled{wake_up}
 """
+INSERT_JOBS = {
+    (due, unique, wake_up): _INSERT_JOB.format(
+        due=values, unique=_UNIQUE if unique else "", wake_up=_WAKE_UP if wake_up else ""
+    )
+    for due, values in _DUE.items()
+    for unique in (False, True)
+    for wake_up in (False, True)
+}
 
 # Many jobs of one task with the same options (never a unique_key) are written by COPY, in the
 # binary format (data/rows.py copy): no statement to parse or plan per batch, rows formatted in
@@ -103,7 +103,7 @@ NEW_JOBS_TIMES = """
          AS t(run_at)
 """
 
-# Every other column takes its default, as for INSERT_JOB. The binary format sends each value
+# Every other column takes its default, as for INSERT_JOBS. The binary format sends each value
 # as its column's type: COPY_JOBS_TYPES, in the order of COPY_JOBS's columns.
 COPY_JOBS = """
     COPY pgjobs_job (id, queue, task, payload, priority, run_at, scheduled, max_attempts,

@@ -41,8 +41,12 @@ CLIENT_BOUND = {"LOCK_QUEUE", "COUNT_RUNNING"}
 STATEMENTS = {
     name: text
     for name, text in vars(sql).items()
-    if name.isupper() and isinstance(text, str) and "%(" in text and name not in CLIENT_BOUND
-}
+    if name.isupper()
+    and not name.startswith("_")  # a template
+    and isinstance(text, str)
+    and "%(" in text
+    and name not in CLIENT_BOUND
+} | {f"INSERT_JOBS{case}": text for case, text in sql.INSERT_JOBS.items()}
 
 
 def generic_plan(statement: str, samples: dict[str, Any]) -> Plan:
