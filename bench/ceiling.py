@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import time
 from pathlib import Path
 
 from bench.cluster import Cluster
@@ -72,3 +73,19 @@ def insert(
                                   "-D", f"rows={rows}", "-f", str(HERE / script)])  # fmt: skip
         results.append(tps(output) * rows)
     return statistics.median(results)
+
+
+def idle_round_trip(cluster: Cluster, pause: float, count: int = 200) -> float:
+    """The median round trip of a prepared `SELECT 1`, in milliseconds, each after `pause`
+    seconds of idling (0: back to back). W5's floor: at 50 jobs/s every wake-up comes after
+    20 ms asleep, and on a virtual machine a process (the backend, the worker's threads) that
+    slept that long takes far longer to run again than one that just ran."""
+    times = []
+    with cluster.connect() as conn:
+        conn.prepare_threshold = 0
+        for _ in range(count):
+            time.sleep(pause)
+            started = time.perf_counter()
+            conn.execute("SELECT 1").fetchall()
+            times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)

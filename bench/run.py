@@ -342,6 +342,12 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
                         f"({same:,.0f} jobs/s)"))  # fmt: skip
 
     if "w5" in sections:
+        say("W5's floor: a round trip after 20 ms idle")
+        idle = {pause: ceiling.idle_round_trip(cluster, pause) for pause in (0.0, 0.02)}
+        rows.append(Row("floor: SELECT 1 round trip after 20 ms idle (W5's 50/s pace), p50",
+                        idle[0.02], "ms",
+                        note=f"{idle[0.02] / idle[0.0]:.1f} × back to back "
+                        f"({idle[0.0]:.3f} ms)"))  # fmt: skip
         for listen in (True, False):
             for rate in (50, 1000):
                 say(f"W5 latency {rate}/s {'LISTEN' if listen else 'poll-only'}")
