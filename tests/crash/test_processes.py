@@ -419,7 +419,8 @@ def test_reload_restarts_the_worker_when_a_module_changes_and_runs_the_new_code(
     [second] = children_of(worker.pid)
     assert second != first and not alive(first)
     assert Execution.objects.get(n=2002).pid == second
-    assert statuses() == {Status.SUCCEEDED: 2}
+    # The handler's row is written before its outcome is recorded (at the worker's next turn).
+    wait_until(lambda: statuses() == {Status.SUCCEEDED: 2}, timeout=30)
     # (Stopping it is left to the teardown: see the two tests below.)
 
 
