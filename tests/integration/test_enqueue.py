@@ -191,6 +191,42 @@ def test_a_live_unique_key_is_not_enqueued_twice_and_the_existing_job_is_returne
     assert third.pk != first.pk  # only live jobs hold the key
 
 
+WHEN = {
+    "now": {},
+    "run_at": {"run_at": dt.datetime(2100, 1, 1, tzinfo=dt.UTC)},
+    "delay": {"delay": 30},
+}
+
+
+@pytest.mark.parametrize("wake_up", [True, False])
+@pytest.mark.parametrize("unique", [True, False])
+@pytest.mark.parametrize("due", list(WHEN))
+def test_every_case_of_the_enqueue_statement_writes_its_job_and_no_more(
+    settings, other_connection, due, unique, wake_up
+):
+    # Each case has a statement of its own (sql.INSERT_JOBS): each must write the job as asked,
+    # keep its key unique, and announce the queue exactly when a wake-up is due.
+    settings.PGJOBS = {**settings.PGJOBS, "NOTIFY": wake_up}
+    other_connection.execute("LISTEN pgjobs")
+    options = WHEN[due] | ({"unique_key": f"{due}:{wake_up}"} if unique else {})
+    time.sleep(notify.COALESCE_SECONDS)  # a wake-up is due again when NOTIFY is on
+    with transaction.atomic():
+        job = Job.objects.enqueue(tasks.noop, **options)
+        again = Job.objects.enqueue(tasks.noop, **options)
+    row = Job.objects.get(pk=job.pk)
+    assert (row.run_at, row.scheduled, row.unique_key) == (job.run_at, due != "now", job.unique_key)
+    if due == "delay":
+        assert row.run_at - row.created_at == dt.timedelta(seconds=30)
+    elif due == "run_at":
+        assert row.run_at == WHEN["run_at"]["run_at"]
+    else:
+        assert row.run_at == row.created_at
+    assert (again.pk == job.pk) is unique
+    assert Job.objects.count() == (1 if unique else 2)
+    received = [n.payload for n in other_connection.notifies(timeout=0.3)]
+    assert received == (["default"] if wake_up else [])
+
+
 BAD_INPUTS = [
     ({"task": "no.such.task"}, UnknownTask, "No task is registered as 'no.such.task'"),
     ({"payload": [1]}, EnqueueError, "must be a JSON object"),
