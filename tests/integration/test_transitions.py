@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 
 import pytest
 from django.db import connection, connections
 
-from django_pgjobs.data.records import Failure
+from django_pgjobs.data.records import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Verdict
 from django_pgjobs.runtime import execute
@@ -395,3 +396,41 @@ def test_a_worker_prunes_again_within_a_quarter_of_the_shortest_retention(settin
     settings.PGJOBS = {**settings.PGJOBS, "PRUNE_BATCH": 2}
     JobFactory.create_batch(3, succeeded=True, enqueued_ago=3 * 3600)
     assert pruner.run() == 0.0  # a full batch: again at the next turn
+
+
+#: Text that a turn's arrays carry exactly, whatever their encoding must quote or escape.
+AWKWARD = [
+    'a "quoted", {braced} \\ back\\slash',
+    "NULL",
+    "",
+    " spaced ",
+    "tab\there\nline",
+    "ünï ☃",
+]
+
+
+def test_a_turn_records_awkward_results_and_errors_exactly():
+    JobFactory.create_batch(2 * len(AWKWARD))
+    claimed = Job.objects.claim(["default"], worker="w1", limit=2 * len(AWKWARD))
+    succeeded, failing = claimed[: len(AWKWARD)], claimed[len(AWKWARD) :]
+    results = {
+        job.pk: json.dumps({"text": text}) for job, text in zip(succeeded, AWKWARD, strict=True)
+    }
+    failed = [
+        FailedAttempt(job, Failure("ValueError", text, f"Traceback:\n  {text}\n"), True, 0.0)
+        for job, text in zip(failing, AWKWARD, strict=True)
+    ]
+    done, statuses, _, _ = Job.objects.settle_and_claim(
+        succeeded, failed, [], worker="w1", limit=0, results=results
+    )
+    assert done == {job.pk for job in succeeded}
+    assert set(statuses.values()) == {Status.FAILED}
+    for job, text in zip(succeeded, AWKWARD, strict=True):
+        assert Job.objects.get(pk=job.pk).result == {"text": text}
+    for job, text in zip(failing, AWKWARD, strict=True):
+        row = Job.objects.get(pk=job.pk)
+        assert row.last_error == (f"ValueError: {text}" if text else "ValueError")
+        assert (row.errors[-1]["message"], row.errors[-1]["traceback"]) == (
+            text,
+            f"Traceback:\n  {text}\n",
+        )
