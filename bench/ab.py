@@ -6,7 +6,8 @@ Comparisons: `sync` (the default drain against WORKER_SYNCHRONOUS_COMMIT = True)
 (W5's 50/s LISTEN p50 and p99, the same two), `w7` (a drain beside 200,000 scheduled jobs
 against a clean one), `w4` (a drain where 10% fail once against a clean one), `prepare` (the
 drain and W5's latency by default against prepare_threshold None on every connection), `insert`
-(W2, one thread: the enqueue's statement for its case against one text for every case).
+(W2, one thread: the enqueue's statement for its case against one text for every case), `bulk`
+(W1 with the garbage collector paused, the default, against left running).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    comparisons = ["sync", "latency", "w7", "w4", "prepare", "insert"]
+    comparisons = ["sync", "latency", "w7", "w4", "prepare", "insert", "bulk"]
     parser.add_argument("comparisons", nargs="+", choices=comparisons)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="20,000-job drains (else 100,000)")
@@ -105,6 +106,19 @@ def comparison(
                 return workloads.enqueue_added_time(cluster, 1000)["p50"]
 
         return measure
+
+    def bulk(pause_from: int) -> Measure:
+        """W1's rate with enqueue.PAUSE_COLLECTOR_FROM at `pause_from`."""
+        from django_pgjobs.data import enqueue as module
+
+        def measure() -> float:
+            with patch.object(module, "PAUSE_COLLECTOR_FROM", pause_from):
+                return workloads.bulk_enqueue(cluster, count)[0]
+
+        return measure
+
+    if name == "bulk":
+        return [("W1 jobs/s: collector paused / running", bulk(1000), bulk(10**12))]
 
     if name == "insert":
         one_text = dict.fromkeys([("now", False, False), ("now", False, True)], ONE_TEXT)

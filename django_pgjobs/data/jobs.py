@@ -110,9 +110,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             max_attempts=max_attempts, unique_key=None,
         )  # fmt: skip
         checked = [{} if payload is None else payload for payload in payloads]
-        texts = enqueue.payload_texts(registered, checked)
-        db = self._write_db()
-        jobs = enqueue.insert_many(self.model, db, options, checked, texts, batch_size)
+        with enqueue.collector_paused(len(checked)):
+            texts = enqueue.payload_texts(registered, checked)
+            db = self._write_db()
+            jobs = enqueue.insert_many(self.model, db, options, checked, texts, batch_size)
         signals.send(signals.job_enqueued, self.model, jobs=jobs)
         return jobs
 

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import time
+from collections.abc import Iterator
 
 import pytest
 from django.db import connection, transaction
@@ -9,6 +11,7 @@ from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from django_pgjobs.data import enqueue
 from django_pgjobs.data import wakeups as notify
 from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.models import Job
@@ -179,6 +182,42 @@ def test_enqueued_jobs_are_built_like_loaded_ones_for_post_init_receivers():
     finally:
         post_init.disconnect(receiver, sender=Job)
     assert seen == [{"to": "a@x"}, {"to": "b@x"}, {"to": "c@x"}]
+
+
+@pytest.fixture
+def collector_seen() -> Iterator[list[bool]]:
+    """Whether the garbage collector was on as each enqueued Job was made (a post_init
+    receiver sees them made); the collector as it was before, afterwards."""
+    seen: list[bool] = []
+
+    def receiver(sender, instance, **kwargs):
+        seen.append(gc.isenabled())
+
+    was = gc.isenabled()
+    post_init.connect(receiver, sender=Job)
+    try:
+        yield seen
+    finally:
+        post_init.disconnect(receiver, sender=Job)
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_large_bulk_enqueue_pauses_the_collector_and_switches_it_back_on(collector_seen):
+    many = [{}] * enqueue.PAUSE_COLLECTOR_FROM
+    Job.objects.bulk_enqueue(tasks.noop, many)
+    assert set(collector_seen) == {False} and gc.isenabled()
+    collector_seen.clear()
+    Job.objects.bulk_enqueue(tasks.noop, many[:-1])  # below the threshold: left alone
+    assert set(collector_seen) == {True}
+    with pytest.raises(EnqueueError, match=r"payloads\[999\]"):
+        Job.objects.bulk_enqueue(tasks.noop, [*many[:-1], {"a": float("nan")}])
+    assert gc.isenabled()  # on again after a refusal too
+
+
+def test_a_bulk_enqueue_leaves_a_collector_switched_off_by_someone_else_off(collector_seen):
+    gc.disable()
+    Job.objects.bulk_enqueue(tasks.noop, [{}] * enqueue.PAUSE_COLLECTOR_FROM)
+    assert set(collector_seen) == {False} and not gc.isenabled()
 
 
 def test_a_live_unique_key_is_not_enqueued_twice_and_the_existing_job_is_returned():
