@@ -103,7 +103,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         batch_size: int = 5000,
     ) -> list[Job]:
         """Write many jobs of one task, `batch_size` per COPY, all in one transaction (the
-        caller's, else its own). Every payload is checked before anything is written."""
+        caller's, else its own). Every payload is checked before anything is written. For
+        1,000 jobs or more, Python's cyclic garbage collector is paused meanwhile (see
+        data.enqueue.collector_paused)."""
         # The options are the same for every job: check them once, then each payload.
         registered, options = enqueue.options_of(
             task, queue=queue, priority=priority, run_at=run_at, delay=delay,
