@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import threading
 import time
 from collections.abc import Iterator
 
@@ -218,6 +219,28 @@ def test_a_bulk_enqueue_leaves_a_collector_switched_off_by_someone_else_off(coll
     gc.disable()
     Job.objects.bulk_enqueue(tasks.noop, [{}] * enqueue.PAUSE_COLLECTOR_FROM)
     assert set(collector_seen) == {False} and not gc.isenabled()
+
+
+@pytest.mark.django_db(transaction=True)  # each thread commits on its own connection
+def test_bulk_enqueues_in_threads_at_once_leave_the_collector_on():
+    many = [{}] * enqueue.PAUSE_COLLECTOR_FROM
+    start = threading.Barrier(4)
+
+    def enqueue_many() -> None:
+        start.wait()
+        try:
+            for _ in range(3):
+                Job.objects.bulk_enqueue(tasks.noop, many)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=enqueue_many) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert gc.isenabled()
+    assert Job.objects.count() == 12 * len(many)
 
 
 def test_a_live_unique_key_is_not_enqueued_twice_and_the_existing_job_is_returned():
