@@ -117,6 +117,9 @@ class Worker:
         # The loop makes and drops objects by the thousand a second, and each of the collector's
         # full passes would walk everything imported at start-up too (tens of milliseconds in a
         # Django process): what exists now is left out of its passes while the worker runs.
+        # gc.unfreeze() at the end gives back everything frozen, what the interpreter or the
+        # application froze before included (Python 3.12 starts with a few hundred objects
+        # frozen): collectable again, as they would be without a freeze.
         gc.freeze()
         try:
             return self._loop()
