@@ -33,7 +33,7 @@ def test_a_migration_under_a_busy_worker_costs_no_job_its_outcome(
     # Under a backlog the worker plans its statements again every second, and a new plan's
     # statement runs unprepared for its first few executions: a migration landing then meets
     # nothing prepared. So the column changes type, back and forth, until one lands on a
-    # prepared statement (each change makes every statement prepared since the last unfit).
+    # prepared statement (each change makes every statement prepared before it unfit).
     try:
         for column_type in ["int4", "int2"] * 10:
             if "a migration changed the job table" in worker.log():
