@@ -77,6 +77,10 @@ def plans_once() -> bool:
 _POOLED = False
 
 
+#: What psycopg raises when a prepared statement went missing, or another of its name is there.
+_PREPARED_GONE = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
+
+
 def _give_up_plans(connection: psycopg.Connection[Any], error: Exception) -> None:
     """A statement prepared on `connection` went missing, or another of the same name was
     there: the server behind it changes from one transaction to the next, a transaction-mode
@@ -134,9 +138,6 @@ def cursor(db: str, binary: bool = False) -> Iterator[Any]:
             if isinstance(error.__cause__, _PREPARED_GONE) and factory is _Replanned:
                 _give_up_plans(wrapper.connection, error)
             raise
-
-
-_PREPARED_GONE = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
 
 
 def connection_lost(error: DatabaseError) -> bool:
