@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.db import OperationalError
 
+from django_pgjobs.delays import as_seconds
 from django_pgjobs.errors import PayloadMismatch, PermanentError
 
 #: Errors that another attempt cannot fix, whatever the task says.
@@ -48,3 +50,9 @@ def is_permanent(
     if isinstance(error, OperationalError):
         return False
     return isinstance(error, PERMANENT + task_permanent)
+
+
+def backoff_seconds(backoff: Callable[[int], object], attempts: int, task: str) -> float:
+    """What a task's `backoff` says to wait after `attempts` attempts, in seconds; ValueError
+    (or whatever the backoff raised) naming the task when it does not say a usable delay."""
+    return as_seconds(backoff(attempts), f"the backoff of {task}")

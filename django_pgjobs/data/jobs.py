@@ -12,6 +12,7 @@ statement's named parameters.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -19,17 +20,19 @@ from uuid import UUID
 
 from django.db import connections, models, router, transaction
 
-from django_pgjobs import signals
+from django_pgjobs import registry, retry, signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.data.records import FailedAttempt, Failure, Position, Settled, claim_of
-from django_pgjobs.errors import EnqueueError
+from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.status import LIVE, Status
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
     from django_pgjobs.registry import Task
+
+logger = logging.getLogger(__name__)
 
 #: How often enqueue looks for the job holding its unique_key before giving up.
 ENQUEUE_TRIES = 5
@@ -274,11 +277,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         return statuses.count(Status.READY), statuses.count(Status.FAILED)
 
     def reap(self, *, limit: int = 1000, sparing: Sequence[Job] = ()) -> tuple[int, int]:
-        """Take back running jobs whose lease expired: to ready (after a backoff), or to failed
-        when no attempts remain, recording "lease expired" as the attempt's error. Safe to run
-        from every worker at once (SKIP LOCKED). `sparing`: the calling worker's claims whose
-        handlers are running (never its to take). Returns (returned to ready, failed)."""
+        """Take back running jobs whose lease expired: to ready (after the task's backoff, as
+        for a failed attempt), or to failed when no attempts remain, recording "lease expired"
+        as the attempt's error. Safe to run from every worker at once (SKIP LOCKED).
+        `sparing`: the calling worker's claims whose handlers are running (never its to take).
+        Returns (returned to ready, failed)."""
         settings = get_settings()
+        db = self._write_db()
         params = {
             "limit": limit,
             "spared_ids": [job.pk for job in sparing],
@@ -288,7 +293,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             "error": LEASE_EXPIRED.as_json(),
             "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
         }
-        statuses = [status for (status,) in rows.execute(self._write_db(), sql.REAP, params)]
+        reaped = rows.execute(db, sql.REAP, params)
+        own = [
+            (job_id, claims, delay)
+            for job_id, claims, status, task, attempts in reaped
+            if status == Status.READY and (delay := _own_backoff(task, attempts)) is not None
+        ]
+        if own:
+            ids, claims, delays = (list(column) for column in zip(*own, strict=True))
+            rows.execute(db, sql.REAP_BACKOFF, {"ids": ids, "claims": claims, "delays": delays})
+        statuses = [status for _, _, status, *_ in reaped]
         return statuses.count(Status.READY), statuses.count(Status.FAILED)
 
     # ---- the outbox of NATS queues (transports.py) -----------------------------------------
@@ -420,3 +434,24 @@ def _one_worker(workers: Iterable[str | None]) -> str:
     if len(distinct) != 1 or None in distinct:
         raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, distinct))}")
     return str(distinct.pop())
+
+
+def _own_backoff(task_name: str, attempts: int) -> float | None:
+    """Seconds the backoff of `task_name` (when registered here with one of its own) says to
+    wait after `attempts`; None for the default backoff, which REAP applied. A backoff that
+    fails keeps that default (the next failed attempt dead-letters the job, saying why)."""
+    try:
+        backoff = registry.get_task(task_name).backoff
+    except UnknownTask:
+        return None
+    if backoff is None:
+        return None
+    try:
+        return retry.backoff_seconds(backoff, attempts, task_name)
+    except (Exception, SystemExit) as error:  # the task's code: it must not stop the reaper
+        try:
+            why = str(error)
+        except Exception:
+            why = type(error).__qualname__
+        logger.warning("a reaped job of %s keeps the default backoff: %s", task_name, why)
+        return None

@@ -352,11 +352,12 @@ RELEASE = """
 # ---- every worker's housekeeping --------------------------------------------------------------
 
 # Take back running jobs whose lease expired: to ready after a backoff (full jitter, as
-# retry.ExponentialBackoff), or failed when no attempts remain, or cancelled when that was
-# asked; "lease expired" joins the error history. SKIP LOCKED: every worker may reap at once.
-# A worker spares its own claims whose handlers it knows are running (%(spared_*)s): a lease
-# that ran out while the row was locked (the handler locked its own job) is renewed by the
-# lease keeper once the lock is gone, and must not be taken by the same worker meanwhile.
+# retry.ExponentialBackoff; REAP_BACKOFF then applies a task's own), or failed when no attempts
+# remain, or cancelled when that was asked; "lease expired" joins the error history. SKIP
+# LOCKED: every worker may reap at once. A worker spares its own claims whose handlers it knows
+# are running (%(spared_*)s): a lease that ran out while the row was locked (the handler locked
+# its own job) is renewed by the lease keeper once the lock is gone, and must not be taken by
+# the same worker meanwhile.
 REAP = """
     WITH expired AS (
         SELECT id FROM pgjobs_job
@@ -387,7 +388,19 @@ REAP = """
     FROM expired
     WHERE j.id = expired.id AND j.status = 'running'
       AND j.leased_until < statement_timestamp()
-    RETURNING j.status
+    RETURNING j.id, j.claims, j.status, j.task, j.attempts
+"""
+
+# Reaped jobs of tasks with a backoff of their own (`@task(backoff=...)`, computed in Python):
+# due after that backoff instead of REAP's default. Only while nobody claimed them since.
+REAP_BACKOFF = """
+    UPDATE pgjobs_job AS j SET
+        run_at = statement_timestamp() + make_interval(secs => mine.delay),
+        scheduled = mine.delay > 0
+    FROM unnest(%(ids)s::uuid[], %(claims)s::int4[], %(delays)s::float8[])
+         AS mine(id, claims, delay)
+    WHERE j.id = mine.id AND j.claims = mine.claims AND j.status = 'ready'
+    RETURNING j.id
 """
 
 # Scheduled jobs that have come due join the claim index, oldest first, in bounded batches, so

@@ -15,10 +15,9 @@ from django_pgjobs import registry
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
-from django_pgjobs.delays import as_seconds
 from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.retry import ExponentialBackoff, is_permanent
+from django_pgjobs.retry import ExponentialBackoff, backoff_seconds, is_permanent
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
@@ -104,7 +103,7 @@ def raised(
     settings = get_settings()
     backoff = backoff or ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX)
     try:
-        delay = as_seconds(backoff(job.attempts), f"the backoff of {job.task}")
+        delay = backoff_seconds(backoff, job.attempts, job.task)
     except Exception as broken:
         # Another attempt would meet the same backoff: the job is dead-lettered, saying why.
         failure = failure_of(error)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 from django.db import connection, connections
 
+from django_pgjobs.data import sql
 from django_pgjobs.data.records import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Verdict
@@ -136,6 +138,57 @@ def test_reap_fails_expired_jobs_that_have_no_attempts_left():
     row = Job.objects.get(pk=job.pk)
     assert row.status == Status.FAILED and row.finished_at is not None
     assert "WorkerLost" in row.last_error
+
+
+def due_in() -> dict[object, tuple[float, bool]]:
+    """Each job's seconds until due on the database's clock, and whether it is scheduled."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT id, extract(epoch FROM run_at - statement_timestamp())::float8, scheduled "
+            "FROM pgjobs_job"
+        )
+        return {job_id: (seconds, scheduled) for job_id, seconds, scheduled in cursor.fetchall()}
+
+
+def test_a_reaped_job_waits_out_its_tasks_own_backoff_as_a_failed_attempt_would():
+    waits = JobFactory(expired=True, task="tests.tasks.fails_and_waits")  # backoff: 600 s
+    at_once = JobFactory(expired=True, task="tests.tasks.overruns_then_retries_quietly")  # 0 s
+    default = JobFactory(expired=True)  # no backoff of its own: PGJOBS' (at most 0.05 s here)
+    assert Job.objects.reap() == (3, 0)
+    due = due_in()
+    assert 590 < due[waits.pk][0] <= 600 and due[waits.pk][1] is True
+    assert due[at_once.pk][0] <= 0 and due[at_once.pk][1] is False  # in the claim index
+    assert due[default.pk][0] <= 0.05 and due[default.pk][1] is True
+    time.sleep(0.06)
+    claimed = {job.pk for job in Job.objects.claim(["default"], worker="w2", limit=5)}
+    assert claimed == {at_once.pk, default.pk}
+
+
+def test_a_reaped_job_whose_tasks_backoff_fails_keeps_the_default_and_says_why(caplog):
+    from tests import hostile  # noqa: F401  (registers its tasks)
+
+    job = JobFactory(expired=True, task="tests.hostile.fails_with_infinite_backoff")
+    assert Job.objects.reap() == (1, 0)
+    seconds, scheduled = due_in()[job.pk]
+    assert seconds <= 0.05 and scheduled is True
+    assert "a reaped job of tests.hostile.fails_with_infinite_backoff keeps the default" in (
+        caplog.text
+    )
+    assert "got inf" in caplog.text
+
+
+def test_a_reaped_jobs_own_backoff_leaves_it_alone_once_claimed_again():
+    """Between the reap and its task's backoff another worker may claim the job (the default
+    backoff had it due): that claim is not moved."""
+    job = JobFactory(expired=True, task="tests.tasks.fails_and_waits")
+    Job.objects.reap()
+    Job.objects.filter(pk=job.pk).update(run_at=job.run_at, scheduled=False)  # due at once
+    claimed = claim_one("w2")
+    rows_params = {"ids": [job.pk], "claims": [claimed.claims - 1], "delays": [600.0]}
+    with connection.cursor() as cursor:
+        cursor.execute(sql.REAP_BACKOFF, rows_params)
+        assert cursor.rowcount == 0
+    assert Job.objects.get(pk=job.pk).status == Status.RUNNING
 
 
 def test_reap_is_bounded_and_safe_to_repeat():
