@@ -326,10 +326,13 @@ class NatsWorker:
         waits = [chore.due_in() for chore in self._chores]
         return max(0.0, min([*waits, self._handlers.deadlines.next_in()]))
 
-    def _report(self, seconds: float) -> None:
+    def _report(self, seconds: float, stopping: bool = False) -> None:
+        """As Worker._report: `stopping`, the last report, also says the worker stopped."""
         activity, self.activity = self.activity, ActivityTally()
         queues = [q.queue for q in self.queues]
-        QueueStat.objects.using(self.db).bulk_create(activity.rows(self.id, seconds, queues))
+        QueueStat.objects.using(self.db).bulk_create(
+            activity.rows(self.id, seconds, queues, stopping)
+        )
         log_activity(activity, seconds, len(self._in_flight))
 
     # ---- shutdown ------------------------------------------------------------------------------
@@ -353,7 +356,7 @@ class NatsWorker:
             )  # fmt: skip
         reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
         with contextlib.suppress(DatabaseError):  # the statistics of a last few seconds
-            self._report(max(1e-3, time.monotonic() - reporter.since))
+            self._report(max(1e-3, time.monotonic() - reporter.since), stopping=True)
         self.bridge.close()
         connections.close_all()
         logger.info("worker %s stopped", self.id)

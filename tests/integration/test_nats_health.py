@@ -12,6 +12,7 @@ from django.urls import reverse
 
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import report as reports
+from django_pgjobs.observability import stats
 from tests import tasks
 from tests.chaos.nats_server import free_port
 from tests.conftest import wait_until
@@ -107,3 +108,10 @@ def test_prometheus_shows_the_stream_figures(queue: str) -> None:
     (family,) = [f for f in metrics.families(reports.collect()) if f.name == "pgjobs_nats_messages"]
     values = {tuple(s.labels.values()): s.value for s in family.samples}
     assert values[(queue, "stream")] == 4
+
+
+def test_a_nats_worker_that_stopped_is_reported_stopped_not_silent(queue: str) -> None:
+    with WorkerThread(queue, concurrency=1) as worker:
+        wait_until(lambda: QueueStat.objects.filter(worker=worker.id).exists(), timeout=30)
+    (seen,) = [w for w in stats.worker_stats() if w.worker == worker.id]
+    assert (seen.alive, seen.stopped, seen.queues) == (False, True, [queue])
