@@ -8,12 +8,13 @@ Everything shown from job data goes through format_html or the template engine: 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from django.contrib import admin
 from django.template.loader import render_to_string
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString, mark_safe
 from django.utils.text import Truncator
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
@@ -26,6 +27,9 @@ from django_pgjobs.status import Status
 
 #: How much of the last error's first line a list shows; the job page shows all of it.
 ERROR_WIDTH = 80
+
+#: The module path before an error's class name at the start of its line.
+_ERROR_MODULE = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))")
 
 
 def status_text(job: Job) -> str:
@@ -52,6 +56,14 @@ def status(job: Job) -> SafeString:
     )
 
 
+@admin.display(description=gettext_lazy("task"), ordering="task")
+def task(job: Job) -> SafeString:
+    """The lists' task column (a function, so that its cells keep the class field-task): the
+    name may break after each dot, so a long dotted path leaves room for the error column."""
+    parts = re.split(r"(?<=\.)", job.task)
+    return format_html_join(mark_safe("<wbr>"), "{}", ((part,) for part in parts))
+
+
 class JobColumns:
     """The display methods of the Jobs and Dead letters admins."""
 
@@ -67,14 +79,15 @@ class JobColumns:
 
     @admin.display(description=gettext_lazy("last error"))
     def error_line(self, job: Job) -> SafeString | str:
-        """The first line of the last error, cut to ERROR_WIDTH characters; all of the line
-        (as far as the list read it) on hover."""
+        """The first line of the last error, its error's class without its module path and cut
+        to ERROR_WIDTH characters; all of the line (as far as the list read it) on hover."""
         # The list annotates the head of last_error and defers the column itself.
         head: str = job.error_head if hasattr(job, "error_head") else job.last_error
         line = head.split("\n", 1)[0]
         if not line:
             return ""
-        short = Truncator(line).chars(ERROR_WIDTH)
+        # "myapp.errors.Declined: ..." as "Declined: ...": the list has little room.
+        short = Truncator(_ERROR_MODULE.sub("", line, count=1)).chars(ERROR_WIDTH)
         return format_html('<span class="pgjobs-error" title="{}">{}</span>', line, short)
 
     @admin.display(description=gettext_lazy("final error"))

@@ -32,7 +32,7 @@ from django_pgjobs.admin.actions import (
     changelist_url,
     perform,
 )
-from django_pgjobs.admin.columns import JobColumns, status
+from django_pgjobs.admin.columns import JobColumns, status, task
 from django_pgjobs.admin.lists import (
     ERROR_TYPE,
     ErrorTypeFilter,
@@ -243,14 +243,14 @@ class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
 
 class JobAdmin(BaseJobAdmin):
     list_display = [
-        "short_id", "task", "queue", status, "priority", "attempts_display", "due", "created",
+        "short_id", task, "queue", status, "priority", "attempts_display", "due", "created",
         "finished", "error_line",
     ]  # fmt: skip
 
 
 class DeadLetterAdmin(BaseJobAdmin):
     list_display = [
-        "short_id", "task", "queue", "attempts_display", "finished", "final_error",
+        "short_id", task, "queue", "attempts_display", "finished", "final_error",
     ]  # fmt: skip
     actions = [REPLAY.admin_action(), DELETE.admin_action()]
 

@@ -90,6 +90,35 @@ def dead_letters() -> Job:
     )  # fmt: skip
 
 
+def test_the_dead_letters_list_shows_each_final_error_on_a_1280_pixel_screen(
+    page: Any, live_server: Any, django_user_model: Any
+) -> None:
+    """With Django's navigation sidebar open, a long dotted task name breaks after its dots
+    and the error's class is shown without its module path, so the error column is on the
+    screen and says something."""
+    from playwright.sync_api import expect
+
+    django_user_model.objects.create_superuser("operator", "ops@example.com", "correct-horse")
+    JobFactory.create_batch(
+        3, dead=True, task="example_project.shop.tasks.issue_invoice",
+        last_error="django_pgjobs.errors.PermanentError: order 200: no VAT rate for 'UK'",
+    )  # fmt: skip
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/pgjobs/deadletter/")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", "correct-horse")
+    page.click("input[type=submit]")
+    error = page.locator("#result_list td.field-final_error").first
+    expect(error).to_contain_text("PermanentError: order 200")
+    box = error.bounding_box()
+    results = page.locator("#changelist .results").bounding_box()
+    assert box is not None and results is not None
+    assert box["x"] + box["width"] <= results["x"] + results["width"] + 1  # not scrolled away
+    assert box["width"] >= 120
+    title = error.locator(".pgjobs-error").get_attribute("title")
+    assert title == "django_pgjobs.errors.PermanentError: order 200: no VAT rate for 'UK'"
+
+
 def test_an_operator_inspects_a_dead_letter_replays_it_and_sees_it_succeed(
     page: Any, live_server: Any, django_user_model: Any, tmp_path: Path
 ) -> None:
