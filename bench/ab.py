@@ -7,7 +7,8 @@ Comparisons: `sync` (the default drain against WORKER_SYNCHRONOUS_COMMIT = True)
 against a clean one), `w4` (a drain where 10% fail once against a clean one), `prepare` (the
 drain and W5's latency by default against prepare_threshold None on every connection), `insert`
 (W2, one thread: the enqueue's statement for its case against one text for every case), `bulk`
-(W1 with the garbage collector paused, the default, against left running).
+(W1 with the garbage collector paused, the default, against left running), `fillfactor` (the
+job table at fillfactor 55 against 70: heartbeats' HOT share, the drain, W1).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    comparisons = ["sync", "latency", "w7", "w4", "prepare", "insert", "bulk"]
+    comparisons = ["sync", "latency", "w7", "w4", "prepare", "insert", "bulk", "fillfactor"]
     parser.add_argument("comparisons", nargs="+", choices=comparisons)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="20,000-job drains (else 100,000)")
@@ -119,6 +120,33 @@ def comparison(
 
     if name == "bulk":
         return [("W1 jobs/s: collector paused / running", bulk(1000), bulk(10**12))]
+
+    def at_fillfactor(value: int, measure: Measure) -> Measure:
+        def run() -> float:
+            with cluster.connect() as conn:  # type: ignore[attr-defined]
+                conn.execute(f"ALTER TABLE pgjobs_job SET (fillfactor = {value})")
+            try:
+                return measure()
+            finally:
+                with cluster.connect() as conn:  # type: ignore[attr-defined]
+                    conn.execute("ALTER TABLE pgjobs_job RESET (fillfactor)")
+                    conn.execute("ALTER TABLE pgjobs_job SET (fillfactor = 70)")
+
+        return run
+
+    if name == "fillfactor":
+        figures: list[tuple[str, Measure]] = [
+            *((f"heartbeats HOT, {beats} per job",
+               lambda beats=beats: workloads.heartbeat_hot_share(cluster, 1000, beats))
+              for beats in (1, 3)),
+            ("drain jobs/s", drain()),
+            ("W1 jobs/s", lambda: workloads.bulk_enqueue(cluster, count)[0]),
+        ]  # fmt: skip
+        return [
+            (f"{label}: fillfactor 55 / 70", at_fillfactor(55, measure),
+             at_fillfactor(70, measure))
+            for label, measure in figures
+        ]  # fmt: skip
 
     if name == "insert":
         one_text = dict.fromkeys([("now", False, False), ("now", False, True)], ONE_TEXT)
