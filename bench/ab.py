@@ -8,7 +8,8 @@ against a clean one), `w4` (a drain where 10% fail once against a clean one), `p
 drain and W5's latency by default against prepare_threshold None on every connection), `insert`
 (W2, one thread: the enqueue's statement for its case against one text for every case), `bulk`
 (W1 with the garbage collector paused, the default, against left running), `fillfactor` (the
-job table at fillfactor 55 against 70: heartbeats' HOT share, the drain, W1).
+job table at fillfactor 55 against 70: heartbeats' HOT share, the drain, W1), `claim` (W5 with
+sql.CLAIM for turns without outcomes, the default, against SETTLE_AND_CLAIM for every turn).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    comparisons = ["sync", "latency", "w7", "w4", "prepare", "insert", "bulk", "fillfactor"]
+    comparisons = [
+        "sync", "latency", "w7", "w4", "prepare", "insert", "bulk", "fillfactor", "claim",
+    ]  # fmt: skip
     parser.add_argument("comparisons", nargs="+", choices=comparisons)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="20,000-job drains (else 100,000)")
@@ -166,6 +169,14 @@ def comparison(
             ("drain jobs/s: default / prepare_threshold None", drain(), drain(env=unprepared)),
             *((f"W5 50/s LISTEN {key} ms: default / prepare_threshold None", latency(key),
                latency(key, **unprepared)) for key in ("p50", "p99")),
+        ]  # fmt: skip
+
+    if name == "claim":
+        one_text = {"BENCH_TURN_TEXT": "one"}
+        return [
+            (f"W5 50/s LISTEN {key} ms: the claim alone / the turn's one text", latency(key),
+             latency(key, **one_text))
+            for key in ("p50", "p99")
         ]  # fmt: skip
 
     return [

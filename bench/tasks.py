@@ -8,6 +8,11 @@ import time
 
 from django_pgjobs import current_job, task
 
+if os.environ.get("BENCH_TURN_TEXT") == "one":  # bench/ab.py claim: one text for every turn
+    from django_pgjobs.data import sql
+
+    sql.CLAIM = sql.SETTLE_AND_CLAIM
+
 
 @task
 def noop() -> None:

@@ -150,8 +150,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         after: Mapping[str, Position] | None = None,
     ) -> Settled:
         """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs
-        from `queues`, in one statement (sql.SETTLE_AND_CLAIM): one round trip and one commit
-        per turn of a worker's loop.
+        from `queues`, in one statement (sql.SETTLE_AND_CLAIM; sql.CLAIM without outcomes):
+        one round trip and one commit per turn of a worker's loop.
 
         `succeeded` are completed, keeping the return values in `results` (job id → JSON text)
         as their `result`; each of `failed` is recorded as by `fail`. A queue's claim starts
@@ -170,7 +170,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             after=after,
         )  # fmt: skip
         db = self._write_db()
-        found = rows.execute(db, sql.SETTLE_AND_CLAIM, params, binary=True)
+        statement = sql.SETTLE_AND_CLAIM if succeeded or failed else sql.CLAIM
+        found = rows.execute(db, statement, params, binary=True)
         recorded = {(row[1], row[_CLAIMS]): row[_STATUS] for row in found if row[0] == "settled"}
         claimed = rows.load_jobs(self.model, db, (row[1:] for row in found if row[0] != "settled"))
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))

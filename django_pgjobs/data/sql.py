@@ -119,7 +119,8 @@ COPY_JOBS_TYPES = (
 
 # A worker's turn in one statement (one round trip, one commit): record the outcomes of its
 # finished jobs and claim due jobs into the slots they free. An array left empty (or a
-# %(limit)s of 0) makes its part a no-op, so one text serves every turn.
+# %(limit)s of 0) makes its part a no-op, so one text serves every turn that records outcomes;
+# CLAIM, below, is the same claim for a turn that has none (_SETTLE and _CLAIM are its parts).
 #
 # - succeeded: completions, guarded on the claim, keeping each handler's return value (JSON
 #   text, or NULL to keep nothing).
@@ -152,8 +153,8 @@ COPY_JOBS_TYPES = (
 #
 # Rows come back tagged by kind in one shape: claimed jobs with every column (JOB_COLUMNS
 # order), settled jobs with their id, claim and new status, the other columns NULL.
-SETTLE_AND_CLAIM = """
-    WITH succeeded AS (
+_SETTLE = """
+    succeeded AS (
         UPDATE pgjobs_job AS j
         SET status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL,
             result = mine.result,
@@ -207,6 +208,9 @@ SETTLE_AND_CLAIM = """
           AND (j.status = 'running') IS TRUE AND j.worker = %(worker)s
         RETURNING j.id, j.claims, j.status
     ),
+"""
+
+_CLAIM = """
     due AS (
         SELECT d.id, d.priority, d.run_at, q.turn_of
         FROM unnest(%(queues)s::text[], %(after_priority)s::int2[],
@@ -273,11 +277,25 @@ SETTLE_AND_CLAIM = """
                   j.created_at, j.finished_at, j.unique_key, j.started_at,
                   j.cancel_requested, j.result, j.claims, j.scheduled, j.progress, j.headers
     )
+"""
+
+SETTLE_AND_CLAIM = f"""
+    WITH {_SETTLE.strip()}
+    {_CLAIM.strip()}
     SELECT 'claimed' AS kind, * FROM claimed
     UNION ALL
     SELECT 'settled', id, NULL, NULL, NULL, status, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
            NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims, NULL, NULL, NULL
     FROM (SELECT * FROM succeeded UNION ALL SELECT * FROM failed) AS settled
+"""
+
+# A turn with no outcome to record: the claim alone. Its plan has none of the settling
+# statements' parts to start, which an idle worker's wake-up pays for on a cold backend:
+# 1.7–1.9 ms against 2.2 ms for SETTLE_AND_CLAIM after 20 ms idle, 0.7–0.8 against
+# 1.2–1.6 ms back to back (a realistic table, planned once, on the development server).
+CLAIM = f"""
+    WITH {_CLAIM.strip()}
+    SELECT 'claimed' AS kind, * FROM claimed
 """
 
 # ---- a worker's own running jobs ----------------------------------------------------------

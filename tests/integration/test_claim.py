@@ -181,7 +181,7 @@ def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared
             )
             (name,) = cursor.fetchone()
         arguments = _claim_params(["default"], limit=10)
-        order = dict.fromkeys(re.findall(r"%\((\w+)\)s", sql.SETTLE_AND_CLAIM))
+        order = dict.fromkeys(re.findall(r"%\((\w+)\)s", sql.CLAIM))
         values = psql.SQL(", ").join(psql.Literal(arguments[key]) for key in order)
         execute = psql.SQL("EXECUTE {}({})").format(psql.Identifier(name), values)
         plan = plans.explain(execute.as_string(connection.connection))
@@ -190,6 +190,19 @@ def test_the_claim_binds_on_the_server_and_keeps_its_index_as_a_generic_prepared
     finally:
         connection.close()
     assert plans.index_scans(plan, "pgjobs_job_claim_idx"), plans.shown(plan)
+
+
+def test_a_turn_with_no_outcome_to_record_runs_the_claim_alone():
+    """Its plan starts none of the settling statements' parts: an idle worker's wake-up pays
+    for every part its plan starts, on a backend that slept."""
+    JobFactory.create_batch(3)
+    with CaptureQueriesContext(connection) as queries:
+        (first,) = Job.objects.settle_and_claim([], [], ["default"], worker="w1", limit=1)[2]
+        Job.objects.settle_and_claim([first], [], ["default"], worker="w1", limit=1)
+    claim_only, with_outcome = (query["sql"] for query in queries.captured_queries)
+    assert "UPDATE" in claim_only and "succeeded AS" not in claim_only
+    assert "succeeded AS" in with_outcome
+    assert Job.objects.get(pk=first.pk).status == Status.SUCCEEDED
 
 
 def test_settle_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_statement():

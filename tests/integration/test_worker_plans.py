@@ -96,7 +96,7 @@ def test_a_connection_terminated_under_the_worker_is_prepared_and_planned_once_a
             for _ in range(6):  # past psycopg's threshold
                 Job.objects.claim(["default"], worker="w", limit=1)
             assert _plan_cache_mode() == "force_generic_plan"
-            assert any(s.lstrip().startswith("WITH succeeded AS") for s in _prepared())
+            assert any(s.lstrip().startswith("WITH due AS") for s in _prepared())
             pid = _backend_pid()
             other_connection.execute("SELECT pg_terminate_backend(%s)", [pid])
             wait_until(lambda pid=pid: _gone(other_connection, pid), 10)

@@ -111,7 +111,7 @@ def test_the_workers_connections_prepare_what_they_run_again_and_again_and_plan_
         sessions.limit_this_thread(plans=True)
         assert _planning() == ("force_generic_plan", "off")
         _claim_six_times()
-        (turn,) = [p for p in _prepared() if p[0].lstrip().startswith("WITH succeeded AS")]
+        (turn,) = [p for p in _prepared() if p[0].lstrip().startswith("WITH due AS")]
         generic, custom = turn[1:]
         assert generic >= 1 and custom == 0  # prepared after five claims, planned for any values
     finally:
