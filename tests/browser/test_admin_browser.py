@@ -99,7 +99,11 @@ def test_the_dead_letters_list_shows_each_final_error_on_a_1280_pixel_screen(
     from playwright.sync_api import expect
 
     django_user_model.objects.create_superuser("operator", "ops@example.com", "correct-horse")
-    JobFactory.create_batch(
+    JobFactory(
+        dead=True, last_error="RuntimeError: 503",
+        task="send_the_quarterly_vat_report_to_every_customer_in_the_european_union_now",
+    )  # fmt: skip
+    JobFactory.create_batch(  # newer: listed first
         3, dead=True, task="example_project.shop.tasks.issue_invoice",
         last_error="django_pgjobs.errors.PermanentError: order 200: no VAT rate for 'UK'",
     )  # fmt: skip
@@ -117,6 +121,17 @@ def test_the_dead_letters_list_shows_each_final_error_on_a_1280_pixel_screen(
     assert box["width"] >= 120
     title = error.locator(".pgjobs-error").get_attribute("title")
     assert title == "django_pgjobs.errors.PermanentError: order 200: no VAT rate for 'UK'"
+    # A long task name without dots wraps too, in the list and in the summary above it, which
+    # stays within the page, below the object tools' buttons.
+    summary = page.locator(".pgjobs-summary").bounding_box()
+    tools = page.locator("ul.object-tools").bounding_box()
+    content = page.locator("#content").bounding_box()
+    assert summary is not None and tools is not None and content is not None
+    assert summary["x"] + summary["width"] <= content["x"] + content["width"] + 1
+    assert tools["y"] + tools["height"] <= summary["y"]
+    for cell in page.locator("#result_list td.field-final_error").all():
+        box = cell.bounding_box()
+        assert box is not None and box["x"] + box["width"] <= results["x"] + results["width"] + 1
 
 
 def test_an_operator_inspects_a_dead_letter_replays_it_and_sees_it_succeed(

@@ -51,7 +51,11 @@ def test_a_running_jobs_progress_bar_moves_in_the_jobs_list(
         assert 0 < first < later <= 100
         expect()(row.locator(".field-status .pgjobs-status")).to_have_text("running")
         expect()(row.locator(".pgjobs-progress-note")).to_contain_text(" of 80")
-        assert row.locator(".field-status").bounding_box()["height"] < 40  # still one line
+        # The bar and its note beside the status, on its line.
+        status = row.locator(".field-status .pgjobs-status").bounding_box()
+        beside = row.locator(".field-status .pgjobs-progress").bounding_box()
+        assert abs((status["y"] + status["height"] / 2) - (beside["y"] + beside["height"] / 2)) < 8
+        assert beside["x"] > status["x"] + status["width"] - 1
         page.screenshot(path=shots_dir(tmp_path) / "admin-job-progress.png")
 
         row.get_by_role("link", name=job.short_id).click()
