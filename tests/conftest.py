@@ -36,6 +36,19 @@ TIERS = {
 }
 
 
+#: The crash tests that go through Django's own machinery with a process of ours: its
+#: autoreloader and management commands (runjobs --reload, the supervisor), its Tasks framework,
+#: migrations, system checks and a first run, the admin and jobstats beside a running worker.
+#: They are marked every_django: the Django 6 leg runs these of the crash tier (dev.py, LEGS);
+#: the rest, and the chaos tier, test our processes and the database's faults, which Django's
+#: version does not change.
+EVERY_DJANGO = {
+    "test_processes.py", "test_django_tasks_processes.py", "test_upgrade.py",
+    "test_migration_under_workers.py", "test_other_backends.py", "test_first_run.py",
+    "test_queue_share.py", "test_metrics_port.py",
+}  # fmt: skip
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test with its tier, so that no test file has to remember to."""
     for item in items:
@@ -47,6 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 "or give its folder a tier in TIERS (tests/conftest.py)"
             )
         item.add_marker(tier)
+        if tier == "crash" and Path(item.path).name in EVERY_DJANGO:
+            item.add_marker("every_django")
 
 
 def connection_kwargs() -> dict[str, Any]:
