@@ -36,16 +36,15 @@ TIERS = {
 }
 
 
-#: The crash tests that go through Django's own machinery with a process of ours: its
-#: autoreloader and management commands (runjobs --reload, the supervisor), its Tasks framework,
-#: migrations, system checks and a first run, the admin and jobstats beside a running worker.
-#: They are marked every_django: the Django 6 leg runs these of the crash tier (dev.py, LEGS);
-#: the rest, and the chaos tier, test our processes and the database's faults, which Django's
-#: version does not change.
+#: The crash tests that go through Django's own machinery with a process of ours: its Tasks
+#: framework, migrate on an older schema, its system checks, a first run; and (by name, below)
+#: its autoreloader (runjobs --reload). They are marked every_django: the Django 6 leg runs
+#: these of the crash tier (dev.py, LEGS); the rest, and the chaos tier, test our processes and
+#: the database's faults, which Django's version does not change (the admin and jobstats are
+#: tested on every leg by the integration and browser tiers).
 EVERY_DJANGO = {
-    "test_processes.py", "test_django_tasks_processes.py", "test_upgrade.py",
-    "test_migration_under_workers.py", "test_other_backends.py", "test_first_run.py",
-    "test_queue_share.py", "test_metrics_port.py",
+    "test_django_tasks_processes.py", "test_upgrade.py", "test_other_backends.py",
+    "test_first_run.py",
 }  # fmt: skip
 
 
@@ -60,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 "or give its folder a tier in TIERS (tests/conftest.py)"
             )
         item.add_marker(tier)
-        if tier == "crash" and Path(item.path).name in EVERY_DJANGO:
+        if tier == "crash" and (Path(item.path).name in EVERY_DJANGO or "reload" in item.name):
             item.add_marker("every_django")
 
 
