@@ -69,18 +69,17 @@ def hot_updates() -> tuple[int, int]:
 @pytest.mark.django_db(transaction=True)  # the statistics count committed work
 def test_the_heartbeats_of_a_batch_claimed_at_once_are_hot_updates():
     """The claim's new row versions fill new pages up to the fillfactor; what is left on each
-    page is all the room their heartbeats have (70 left it for 63% of first heartbeats)."""
+    page is all the room their first heartbeats have (70 left it for 63% of them). Later
+    heartbeats also need the page pruned of the versions before them, which any snapshot open
+    in the database (an autovacuum's ANALYZE, another test's connection) puts off: measured by
+    the benchmark on its quiet cluster (97% over three), not here (CI once saw 66%)."""
     Job.objects.bulk_enqueue("tests.tasks.noop", [None] * 1000)
     claimed = Job.objects.claim(["default"], worker="w1", limit=1000, lease=300)
     before = hot_updates()
     Job.objects.heartbeat(claimed, 300)
-    first = hot_updates()
-    Job.objects.heartbeat(claimed, 300)
-    Job.objects.heartbeat(claimed, 300)
     after = hot_updates()
-    assert first[0] - before[0] == 1000
-    assert (first[1] - before[1]) / 1000 >= 0.85
-    assert (after[1] - before[1]) / 3000 >= 0.90
+    assert after[0] - before[0] == 1000
+    assert (after[1] - before[1]) / 1000 >= 0.85
 
 
 def test_jobs_without_a_unique_key_take_no_entry_in_the_unique_key_index():
