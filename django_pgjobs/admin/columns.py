@@ -86,8 +86,10 @@ class JobColumns:
         line = head.split("\n", 1)[0]
         if not line:
             return ""
-        # "myapp.errors.Declined: ..." as "Declined: ...": the list has little room.
-        short = Truncator(_ERROR_MODULE.sub("", line, count=1)).chars(ERROR_WIDTH)
+        # "myapp.errors.Declined: ..." as "Declined: ...": the list has little room. Only the
+        # line's start is looked at: a line can be as long as an error message.
+        short = _ERROR_MODULE.sub("", line[: 4 * ERROR_WIDTH], count=1)
+        short = Truncator(short).chars(ERROR_WIDTH)
         return format_html('<span class="pgjobs-error" title="{}">{}</span>', line, short)
 
     @admin.display(description=gettext_lazy("final error"))
