@@ -132,8 +132,7 @@ def comparison(
                 return measure()
             finally:
                 with cluster.connect() as conn:  # type: ignore[attr-defined]
-                    conn.execute("ALTER TABLE pgjobs_job RESET (fillfactor)")
-                    conn.execute("ALTER TABLE pgjobs_job SET (fillfactor = 70)")
+                    conn.execute("ALTER TABLE pgjobs_job SET (fillfactor = 55)")  # migration 0011
 
         return run
 
