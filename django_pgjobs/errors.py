@@ -9,6 +9,15 @@ from django.db import ProgrammingError
 from django_pgjobs.delays import as_seconds
 
 
+def text_of(error: BaseException) -> str:
+    """str(error), or a line naming its type when that raises (any exception from a handler or
+    a task's backoff must be describable without raising again)."""
+    try:
+        return str(error)
+    except BaseException as broken:
+        return f"<{type(error).__qualname__} that could not be shown: {type(broken).__qualname__}>"
+
+
 class PermanentError(Exception):
     """Raise from a handler to fail the job at once, with no further attempts."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.db import OperationalError
 
 from django_pgjobs.delays import as_seconds
-from django_pgjobs.errors import PayloadMismatch, PermanentError
+from django_pgjobs.errors import PayloadMismatch, PermanentError, text_of
 
 #: Errors that another attempt cannot fix, whatever the task says.
 PERMANENT: tuple[type[BaseException], ...] = (
@@ -52,7 +53,59 @@ def is_permanent(
     return isinstance(error, PERMANENT + task_permanent)
 
 
-def backoff_seconds(backoff: Callable[[int], object], attempts: int, task: str) -> float:
-    """What a task's `backoff` says to wait after `attempts` attempts, in seconds; ValueError
-    (or whatever the backoff raised) naming the task when it does not say a usable delay."""
-    return as_seconds(backoff(attempts), f"the backoff of {task}")
+#: How long a worker's main thread waits for a task's backoff (after a time-out, when reaping)
+#: before it gives up on it: that thread heartbeats every job, so it must not hang on a task's
+#: code. A handler's own thread calls the backoff without a limit (its job's time limit covers it).
+BACKOFF_PATIENCE = 1.0
+
+_lock = threading.Lock()
+#: Tasks whose backoff was called with a limit and has not returned yet.
+_unreturned: set[str] = set()
+
+
+def backoff_seconds(
+    backoff: Callable[[int], object], attempts: int, task: str, *, within: float | None = None
+) -> float:
+    """What a task's `backoff` says to wait after `attempts` attempts, in seconds. When it does
+    not say a usable delay: ValueError for what it returned, RuntimeError for what it raised
+    (SystemExit included: it is the task's code), each naming the task.
+
+    With `within`, the backoff runs on a thread of its own and TimeoutError is raised when it
+    has not returned in that many seconds (at once while an earlier call has not returned, so
+    a backoff that hangs holds at most one thread)."""
+    what = f"the backoff of {task}"
+    if within is None:
+        try:
+            delay = backoff(attempts)
+        except BaseException as error:
+            raise _raised(what, error) from error
+        return as_seconds(delay, what)
+    with _lock:
+        if task in _unreturned:
+            raise TimeoutError(f"{what} has not returned from an earlier call")
+        _unreturned.add(task)
+    ended = threading.Event()
+    result: list[object] = []
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            result.append(backoff(attempts))
+        except BaseException as error:  # handed to the caller, SystemExit included
+            raised.append(error)
+        finally:
+            with _lock:
+                _unreturned.discard(task)
+            ended.set()
+
+    threading.Thread(target=call, name=f"pgjobs backoff of {task}", daemon=True).start()
+    if not ended.wait(within):
+        raise TimeoutError(f"{what} did not return within {within:g}s")
+    if raised:
+        raise _raised(what, raised[0]) from raised[0]
+    return as_seconds(result[0], what)
+
+
+def _raised(what: str, error: BaseException) -> RuntimeError:
+    text = text_of(error)
+    return RuntimeError(f"{what} raised {type(error).__qualname__}" + (f": {text}" if text else ""))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -63,6 +64,32 @@ def fails_with_1e17_backoff() -> None:
 @task(max_attempts=3, backoff=lambda attempts: float("inf"))
 def fails_with_infinite_backoff() -> None:
     raise RuntimeError("failed; its backoff is infinite")
+
+
+#: Set to let every call of hanging_backoff return (tests in one process release theirs).
+BACKOFF_RELEASED = threading.Event()
+
+
+def hanging_backoff(attempts: int) -> float:
+    """A backoff that does not return (until BACKOFF_RELEASED is set, or ten minutes pass)."""
+    BACKOFF_RELEASED.wait(600)
+    return 1.0
+
+
+@task(max_attempts=3, timeout=1, backoff=hanging_backoff)
+def times_out_and_its_backoff_hangs() -> None:
+    """Runs past its one-second time limit: the worker's main thread then asks its backoff."""
+    time.sleep(60)
+
+
+def exiting_backoff(attempts: int) -> float:
+    raise SystemExit(4)
+
+
+@task(max_attempts=3, timeout=1, backoff=exiting_backoff)
+def times_out_and_its_backoff_exits() -> None:
+    """Runs past its time limit; its backoff, asked on the worker's main thread, exits."""
+    time.sleep(60)
 
 
 @task(max_attempts=1)

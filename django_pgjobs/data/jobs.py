@@ -440,7 +440,8 @@ def _one_worker(workers: Iterable[str | None]) -> str:
 def _own_backoff(task_name: str, attempts: int) -> float | None:
     """Seconds the backoff of `task_name` (when registered here with one of its own) says to
     wait after `attempts`; None for the default backoff, which REAP applied. A backoff that
-    fails keeps that default (the next failed attempt dead-letters the job, saying why)."""
+    fails, or does not return within retry.BACKOFF_PATIENCE, keeps that default (the next
+    failed attempt dead-letters the job, saying why)."""
     try:
         backoff = registry.get_task(task_name).backoff
     except UnknownTask:
@@ -448,11 +449,7 @@ def _own_backoff(task_name: str, attempts: int) -> float | None:
     if backoff is None:
         return None
     try:
-        return retry.backoff_seconds(backoff, attempts, task_name)
-    except (Exception, SystemExit) as error:  # the task's code: it must not stop the reaper
-        try:
-            why = str(error)
-        except Exception:
-            why = type(error).__qualname__
-        logger.warning("a reaped job of %s keeps the default backoff: %s", task_name, why)
+        return retry.backoff_seconds(backoff, attempts, task_name, within=retry.BACKOFF_PATIENCE)
+    except Exception as error:  # ValueError, RuntimeError or TimeoutError, naming the task
+        logger.warning("a reaped job of %s keeps the default backoff: %s", task_name, error)
         return None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
 from contextvars import ContextVar
 from types import CodeType
 from typing import TYPE_CHECKING
@@ -15,9 +14,9 @@ from django_pgjobs import registry
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
-from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask
+from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask, text_of
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.retry import ExponentialBackoff, backoff_seconds, is_permanent
+from django_pgjobs.retry import BACKOFF_PATIENCE, ExponentialBackoff, backoff_seconds, is_permanent
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
@@ -94,20 +93,24 @@ def raised(
     backoff: registry.Backoff | None,
     permanent_errors: tuple[type[BaseException], ...],
     started: float,
+    *,
+    within: float | None = None,
 ) -> Handled:
     """How a handler that raised ended: Retry asks to run again later; anything else is an
-    error, permanent or retried after a backoff."""
+    error, permanent or retried after a backoff. `within`: how long to wait for the task's own
+    backoff (retry.backoff_seconds), when not on the handler's thread."""
     duration = time.perf_counter() - started
     if isinstance(error, Retry):
         return Handled(Verdict.RETRY, delay=error.delay, duration=duration)
-    settings = get_settings()
-    backoff = backoff or ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX)
+    if backoff is None:
+        settings = get_settings()
+        backoff, within = ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX), None
     try:
-        delay = backoff_seconds(backoff, job.attempts, job.task)
+        delay = backoff_seconds(backoff, job.attempts, job.task, within=within)
     except Exception as broken:
         # Another attempt would meet the same backoff: the job is dead-lettered, saying why.
         failure = failure_of(error)
-        note = f"; and {_safely(str, broken)}"
+        note = f"; and {text_of(broken)}"
         return Handled(
             Verdict.ERROR,
             failure=Failure(failure.type, failure.message + note, failure.traceback),
@@ -125,14 +128,16 @@ def raised(
 
 def timed_out(job: Job, timeout: float) -> Handled:
     """How an attempt that ran past its time limit ends: a failed attempt (JobTimeout), retried
-    after the task's backoff or dead-lettered, like any error."""
+    after the task's backoff or dead-lettered, like any error. Called on the worker's main
+    thread: a backoff that does not return within BACKOFF_PATIENCE is a broken one."""
     try:
         task = registry.get_task(job.task)
         backoff, permanent_errors = task.backoff, task.permanent_errors
     except UnknownTask:
         backoff, permanent_errors = None, ()
     error = JobTimeout(f"the attempt ran longer than its time limit of {timeout:g}s")
-    return raised(job, error, backoff, permanent_errors, time.perf_counter() - timeout)
+    started = time.perf_counter() - timeout
+    return raised(job, error, backoff, permanent_errors, started, within=BACKOFF_PATIENCE)
 
 
 def settle(job: Job, handled: Handled) -> Outcome:
@@ -165,7 +170,7 @@ def failure_of(error: BaseException, *, with_traceback: bool = True) -> Failure:
     """The error history's entry for `error`, however broken the exception is: one whose
     __str__ or __repr__ raises still gives a record (the handler's bug must not become ours)."""
     tail = _traceback(error) if with_traceback else ""
-    return Failure(type=exception_path(type(error)), message=_safely(str, error), traceback=tail)
+    return Failure(type=exception_path(type(error)), message=text_of(error), traceback=tail)
 
 
 def exception_path(kind: type[BaseException]) -> str:
@@ -173,13 +178,6 @@ def exception_path(kind: type[BaseException]) -> str:
     if kind.__module__ == "builtins":
         return kind.__qualname__
     return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _safely(show: Callable[[BaseException], str], error: BaseException) -> str:
-    try:
-        return str(show(error))
-    except BaseException as broken:
-        return f"<{type(error).__qualname__} that could not be shown: {type(broken).__qualname__}>"
 
 
 #: Formatted stacks by the code positions they pass through, so that a handler failing the same
@@ -208,4 +206,4 @@ def _traceback(error: BaseException) -> str:
         return header + stack + "".join(traceback.format_exception_only(error))
     except BaseException:
         frames = "".join(traceback.format_tb(error.__traceback__))
-        return f"{frames}{exception_path(type(error))}: {_safely(str, error)}"
+        return f"{frames}{exception_path(type(error))}: {text_of(error)}"

@@ -155,6 +155,16 @@ CASES = [
         id="an infinite backoff is put off or a dead letter",
     ),
     pytest.param(
+        # The time limit is enforced on the worker's main thread, which heartbeats every job:
+        # it waits a second for the backoff, then records the attempt as a dead letter.
+        Case("times_out_and_its_backoff_hangs", dead_letter("did not return within 1s")),
+        id="a time-out whose backoff hangs is a dead letter",
+    ),
+    pytest.param(
+        Case("times_out_and_its_backoff_exits", dead_letter("JobTimeout")),
+        id="a time-out whose backoff raises SystemExit is a dead letter",
+    ),
+    pytest.param(
         # Plain @task handlers' return values are not kept, so nothing needs to be JSON.
         Case("returns_an_object", succeeded_state),
         id="a return value that is not JSON is ignored",

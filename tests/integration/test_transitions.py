@@ -177,6 +177,30 @@ def test_a_reaped_job_whose_tasks_backoff_fails_keeps_the_default_and_says_why(c
     assert "got inf" in caplog.text
 
 
+def test_a_reaped_job_whose_tasks_backoff_hangs_keeps_the_default_without_stalling_the_reaper(
+    caplog,
+):
+    from tests import hostile
+
+    first, second = JobFactory.create_batch(
+        2, expired=True, task="tests.hostile.times_out_and_its_backoff_hangs"
+    )
+    hostile.BACKOFF_RELEASED.clear()
+    try:
+        started = time.monotonic()
+        assert Job.objects.reap(limit=1) == (1, 0)  # waits BACKOFF_PATIENCE (1 s), no more
+        assert time.monotonic() - started < 5
+        started = time.monotonic()
+        assert Job.objects.reap(limit=1) == (1, 0)  # the first call still hangs: not asked again
+        assert time.monotonic() - started < 0.5
+    finally:
+        hostile.BACKOFF_RELEASED.set()
+    due = due_in()
+    assert due[first.pk][0] <= 0.05 and due[second.pk][0] <= 0.05  # the default backoff
+    assert "did not return within 1s" in caplog.text
+    assert "has not returned from an earlier call" in caplog.text
+
+
 def test_a_reaped_jobs_own_backoff_leaves_it_alone_once_claimed_again():
     """Between the reap and its task's backoff another worker may claim the job (the default
     backoff had it due): that claim is not moved."""

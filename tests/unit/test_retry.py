@@ -1,13 +1,15 @@
 from __future__ import annotations
 
 import statistics
+import threading
+import time
 
 import pytest
 from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.db import OperationalError
 
 from django_pgjobs.errors import PayloadMismatch, PermanentError, Retry
-from django_pgjobs.retry import ExponentialBackoff, is_permanent
+from django_pgjobs.retry import ExponentialBackoff, backoff_seconds, is_permanent
 
 
 def test_backoff_delays_stay_within_the_full_jitter_window():
@@ -58,3 +60,42 @@ def test_retry_takes_seconds_or_a_timedelta_and_refuses_negative_delays():
     assert Retry(1.5).delay == 1.5
     with pytest.raises(ValueError, match="zero or more seconds"):
         Retry(-1)
+
+
+def test_a_backoff_called_within_a_limit_that_hangs_is_given_up_once_and_not_called_again():
+    release = threading.Event()
+    calls: list[int] = []
+
+    def hangs(attempts: int) -> float:
+        calls.append(attempts)
+        release.wait(30)
+        return 5.0
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"the backoff of app.hangs did not return within 0.2s"):
+        backoff_seconds(hangs, 1, "app.hangs", within=0.2)
+    assert 0.2 <= time.monotonic() - started < 2
+    with pytest.raises(TimeoutError, match="has not returned from an earlier call"):
+        backoff_seconds(hangs, 2, "app.hangs", within=0.2)
+    assert calls == [1]  # at most one thread held by a backoff that hangs
+    assert backoff_seconds(lambda n: 3, 1, "app.other", within=0.2) == 3.0
+    release.set()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # once it returns, it is asked again
+        try:
+            assert backoff_seconds(hangs, 3, "app.hangs", within=0.2) == 5.0
+            break
+        except TimeoutError:
+            time.sleep(0.01)
+    assert calls == [1, 3]
+
+
+@pytest.mark.parametrize("within", [None, 1.0])
+def test_what_a_backoff_raises_or_returns_is_an_error_naming_the_task(within):
+    def exits(attempts: int) -> float:
+        raise SystemExit(3)
+
+    with pytest.raises(RuntimeError, match=r"^the backoff of app.exits raised SystemExit: 3$"):
+        backoff_seconds(exits, 1, "app.exits", within=within)
+    with pytest.raises(ValueError, match=r"the backoff of app.inf must be zero or more seconds"):
+        backoff_seconds(lambda n: float("inf"), 1, "app.inf", within=within)
