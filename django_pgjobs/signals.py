@@ -1,5 +1,6 @@
 """Job lifecycle signals. Receivers run in the worker process, so keep them quick and never let
-them raise: an exception in a receiver is logged, never propagated (``send_robust``).
+them raise: an exception in a receiver is logged, never propagated (``send_robust``). A
+worker sends the outcome signals on a thread of their own (runtime/announcer.py).
 
 Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, except
 ``job_enqueued``, which is sent once per enqueue call with ``jobs=[...]``.

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 from django.db import DatabaseError, connection, transaction
 
-from django_pgjobs import Retry, current_job, task
+from django_pgjobs import Retry, current_job, signals, task
 
 logger = logging.getLogger(__name__)
 
@@ -190,3 +190,25 @@ async def checks_for_cancellation_asynchronously() -> None:
 
     if cancel_requested():
         raise JobCancelled("asked to stop")
+
+
+@task(max_attempts=1)
+def announced_to_a_hanging_receiver() -> None:
+    """Succeeds; a job_succeeded receiver (below) then never returns."""
+
+
+@task(max_attempts=1)
+def announced_to_an_exiting_receiver() -> None:
+    """Succeeds; a job_succeeded receiver (below) then raises SystemExit."""
+
+
+def hostile_receiver(sender: object, job: object, **kwargs: object) -> None:
+    """What an application's receiver may do: wait on something that never answers, exit."""
+    task_name = getattr(job, "task", "")
+    if task_name == "tests.hostile.announced_to_a_hanging_receiver":
+        threading.Event().wait(600)
+    elif task_name == "tests.hostile.announced_to_an_exiting_receiver":
+        raise SystemExit(5)
+
+
+signals.job_succeeded.connect(hostile_receiver, weak=False)

@@ -33,7 +33,6 @@ from django.db import DatabaseError, connections, router
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages, streams
@@ -43,6 +42,7 @@ from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import execute, policy
+from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
@@ -72,6 +72,7 @@ class NatsWorker:
         self.activity = ActivityTally()
         self.controls = QueueControls([q.queue for q in self.queues], options.controls_interval)
         self._handlers = HandlerPool(options.concurrency, self._handed_in, self._timeout_of)
+        self._announcer = Announcer()  # outcome signals, off the main thread
         self._lock = threading.Lock()  # guards _in_flight and _done
         self._in_flight: dict[int, tuple[Job, Msg]] = {}  # by claim (the Job object)
         self._done: list[tuple[Job, Handled]] = []
@@ -278,7 +279,7 @@ class NatsWorker:
         if self.options.max_jobs and self._recorded >= self.options.max_jobs:
             self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
         self.activity.finished(job, outcome)
-        signals.announce(
+        self._announcer.announce(
             job, outcome, duration=handled.duration, error=handled.failure, delay=handled.delay
         )
         log_outcome(job, handled, outcome)
@@ -358,6 +359,7 @@ class NatsWorker:
         with contextlib.suppress(DatabaseError):  # the statistics of a last few seconds
             self._report(max(1e-3, time.monotonic() - reporter.since), stopping=True)
         self.bridge.close()
+        self._announcer.stop(within=policy.grace_left(self.options.grace, self._deadline))
         connections.close_all()
         logger.info("worker %s stopped", self.id)
         return self._exit

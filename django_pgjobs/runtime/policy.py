@@ -1,10 +1,11 @@
 """The worker's timing decisions as plain functions: how much to prefetch, when to poll next,
-and when finished outcomes are worth a statement."""
+when finished outcomes are worth a statement, and how long a stop waits."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 #: Longest a finished job's outcome waits for others to share its statement (see settle_due).
 SETTLE_DELAY = 0.002
@@ -16,6 +17,13 @@ PREFETCH_HORIZON = 0.05
 
 #: The longest pause between tries while the database is unreachable.
 OUTAGE_BACKOFF_MAX = 30.0
+
+
+def grace_left(grace: float, deadline: float) -> float:
+    """What is left of a stop's grace period ending at `deadline` (monotonic; all of it when
+    the worker ended by itself, `deadline` infinite), a second at least: what the worker gives
+    the last of its outcome signals."""
+    return max(1.0, min(grace, deadline - time.monotonic()))
 
 
 def prefetch(concurrency: int, batch_size: int, mean_duration: float | None) -> int:

@@ -16,12 +16,12 @@ from collections.abc import Sequence
 
 from django.db import DatabaseError, connections, router
 
-from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime import execute, listener, policy, served
+from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
@@ -54,6 +54,7 @@ class Worker:
         self.jobs = Job.objects.db_manager(self.db)
         self.activity = ActivityTally()
         self._handlers = HandlerPool(options.concurrency, self._handed_in, self.timeout_of)
+        self._announcer = Announcer()  # outcome signals, off the main thread
         self._wake = Wake()  # set by signal handlers too: see wake.py
         # Claimed and not yet settled, keyed by the claim (its Job object), never by job id: a
         # stale claim's outcome must not unregister a newer claim of the same job.
@@ -232,7 +233,7 @@ class Worker:
             self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
         if job.queue in self.controls.limited:
             self._poll_now = True  # a slot under the queue's limit is free again
-        signals.announce(
+        self._announcer.announce(
             job, outcome, duration=handled.duration, error=handled.failure, delay=handled.delay
         )
         log_outcome(job, handled, outcome)
@@ -351,6 +352,7 @@ class Worker:
             self._report(seconds, stopping=True)
         except DatabaseError:
             log_activity(self.activity, seconds, len(self._in_flight))
+        self._announcer.stop(within=policy.grace_left(self.options.grace, self._deadline))
         connections.close_all()
         self._lock_waits.stop()
         logger.info("worker %s stopped", self.id)

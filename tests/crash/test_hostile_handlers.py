@@ -165,6 +165,16 @@ CASES = [
         id="a time-out whose backoff raises SystemExit is a dead letter",
     ),
     pytest.param(
+        # Outcome signals are sent on a thread of their own: the worker's main thread, which
+        # keeps every lease, never waits for a receiver, nor dies of one.
+        Case("announced_to_a_hanging_receiver", succeeded_state),
+        id="a signal receiver that hangs stalls nothing",
+    ),
+    pytest.param(
+        Case("announced_to_an_exiting_receiver", succeeded_state),
+        id="a signal receiver raising SystemExit stops nothing",
+    ),
+    pytest.param(
         # Plain @task handlers' return values are not kept, so nothing needs to be JSON.
         Case("returns_an_object", succeeded_state),
         id="a return value that is not JSON is ignored",

@@ -1,0 +1,96 @@
+"""Outcome signals are sent on a thread of their own, in order, and never hold up the worker."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from django_pgjobs import signals
+from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Outcome
+from django_pgjobs.runtime import announcer
+from django_pgjobs.runtime.announcer import Announcer
+
+
+@pytest.fixture
+def heard() -> Iterator[list[tuple[str, str, str]]]:
+    """(signal, job's task, thread) of each job_succeeded and job_failed received."""
+    log: list[tuple[str, str, str]] = []
+
+    def receiver(sender: Any, signal: Any, job: Job, **kwargs: Any) -> None:
+        name = "succeeded" if signal is signals.job_succeeded else "failed"
+        log.append((name, job.task, threading.current_thread().name))
+
+    signals.job_succeeded.connect(receiver, weak=False)
+    signals.job_failed.connect(receiver, weak=False)
+    yield log
+    signals.job_succeeded.disconnect(receiver)
+    signals.job_failed.disconnect(receiver)
+
+
+def test_outcome_signals_are_sent_in_order_on_a_thread_of_their_own(heard):
+    sender = Announcer()
+    for n in range(5):
+        outcome = Outcome.SUCCEEDED if n % 2 == 0 else Outcome.FAILED
+        sender.announce(Job(task=f"app.t{n}"), outcome, duration=0.1)
+    sender.announce(Job(task="app.lost"), Outcome.LOST, duration=0.1)  # no signal
+    sender.stop(within=5)
+    assert heard == [
+        ("succeeded", "app.t0", "pgjobs-signals"),
+        ("failed", "app.t1", "pgjobs-signals"),
+        ("succeeded", "app.t2", "pgjobs-signals"),
+        ("failed", "app.t3", "pgjobs-signals"),
+        ("succeeded", "app.t4", "pgjobs-signals"),
+    ]
+
+
+def test_no_thread_is_started_while_no_signal_has_a_receiver(monkeypatch):
+    monkeypatch.setattr(signals.job_succeeded, "receivers", [])  # the tests connect some
+    sender = Announcer()
+    sender.announce(Job(task="app.t"), Outcome.SUCCEEDED, duration=0.1)
+    assert sender._thread is None
+
+
+def test_a_receiver_that_hangs_delays_only_the_signals_after_it(monkeypatch, caplog):
+    monkeypatch.setattr(announcer, "BACKLOG", 3)
+    release = threading.Event()
+
+    def hangs(sender: Any, **kwargs: Any) -> None:
+        release.wait(30)
+
+    signals.job_succeeded.connect(hangs, weak=False)
+    try:
+        sender = Announcer()
+        started = time.monotonic()
+        for n in range(10):  # one being sent, three waiting, six dropped
+            sender.announce(Job(task=f"app.t{n}"), Outcome.SUCCEEDED, duration=0.1)
+        with caplog.at_level(logging.WARNING):
+            sender.stop(within=0.2)
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        signals.job_succeeded.disconnect(hangs)
+    assert "outcome signals dropped" in caplog.text
+    assert "a receiver did not return within 0.2s" in caplog.text
+
+
+def test_a_receiver_raising_system_exit_is_logged_and_the_next_signals_are_sent(heard, caplog):
+    def exits(sender: Any, job: Job, **kwargs: Any) -> None:
+        if job.task == "app.exits":
+            raise SystemExit(5)
+
+    signals.job_succeeded.connect(exits, weak=False)
+    try:
+        sender = Announcer()
+        sender.announce(Job(task="app.exits"), Outcome.SUCCEEDED, duration=0.1)
+        sender.announce(Job(task="app.next"), Outcome.SUCCEEDED, duration=0.1)
+        sender.stop(within=5)
+    finally:
+        signals.job_succeeded.disconnect(exits)
+    assert ("succeeded", "app.next", "pgjobs-signals") in heard
+    assert "a receiver of succeeded raised" in caplog.text
