@@ -9,7 +9,9 @@ drain and W5's latency by default against prepare_threshold None on every connec
 (W2, one thread: the enqueue's statement for its case against one text for every case), `bulk`
 (W1 with the garbage collector paused, the default, against left running), `fillfactor` (the
 job table at fillfactor 55 against 70: heartbeats' HOT share, the drain, W1), `claim` (W5 with
-sql.CLAIM for turns without outcomes, the default, against SETTLE_AND_CLAIM for every turn).
+sql.CLAIM for turns without outcomes, the default, against SETTLE_AND_CLAIM for every turn),
+`signals` (the drain with Prometheus metrics counting every outcome: its receivers on the
+signals thread, the default, against on the main thread; and against no receivers).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     comparisons = [
         "sync", "latency", "w7", "w4", "prepare", "insert", "bulk", "fillfactor", "claim",
+        "signals",
     ]  # fmt: skip
     parser.add_argument("comparisons", nargs="+", choices=comparisons)
     parser.add_argument("--pairs", type=int, default=5)
@@ -168,6 +171,14 @@ def comparison(
             ("drain jobs/s: default / prepare_threshold None", drain(), drain(env=unprepared)),
             *((f"W5 50/s LISTEN {key} ms: default / prepare_threshold None", latency(key),
                latency(key, **unprepared)) for key in ("p50", "p99")),
+        ]  # fmt: skip
+
+    if name == "signals":
+        metrics = {"BENCH_METRICS": "1"}
+        return [
+            ("drain jobs/s, metrics on: the signals thread / the main thread", drain(env=metrics),
+             drain(env=metrics | {"BENCH_ANNOUNCE": "inline"})),
+            ("drain jobs/s: metrics on (the signals thread) / none", drain(env=metrics), drain()),
         ]  # fmt: skip
 
     if name == "claim":

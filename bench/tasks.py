@@ -13,6 +13,17 @@ if os.environ.get("BENCH_TURN_TEXT") == "one":  # bench/ab.py claim: one text fo
 
     sql.CLAIM = sql.SETTLE_AND_CLAIM
 
+if os.environ.get("BENCH_METRICS") == "1":  # bench/ab.py signals: receivers on every outcome
+    from django_pgjobs import metrics
+
+    metrics.connect()
+
+if os.environ.get("BENCH_ANNOUNCE") == "inline":  # bench/ab.py signals: on the main thread
+    from django_pgjobs import signals
+    from django_pgjobs.runtime.announcer import Announcer
+
+    Announcer.announce = lambda self, *args, **kwargs: signals.announce(*args, **kwargs)  # type: ignore[method-assign]
+
 
 @task
 def noop() -> None:

@@ -145,7 +145,10 @@ class NatsWorker:
             timeout = self._timeout_of(job) or 0.0
             logger.error("job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
             self._finished(job, execute.timed_out(job, timeout))
-        self._settle()
+        try:
+            self._settle()
+        finally:
+            self._announcer.flush()
         if self._stopping:
             return
         for chore in self._chores:

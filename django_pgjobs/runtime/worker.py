@@ -169,7 +169,10 @@ class Worker:
             timeout = self.timeout_of(job) or 0.0
             logger.error("job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
             self._settler.finished(job, execute.timed_out(job, timeout))
-        self._settler.settle_and_fetch()
+        try:
+            self._settler.settle_and_fetch()
+        finally:
+            self._announcer.flush()
         if self._handlers.deadlines.abandoned_alive() >= self.options.concurrency:
             self._recycle("as many handler threads as it has were abandoned past their limit")
         if self._stopping:

@@ -53,6 +53,7 @@ def test_no_thread_is_started_while_no_signal_has_a_receiver(monkeypatch):
     monkeypatch.setattr(signals.job_succeeded, "receivers", [])  # the tests connect some
     sender = Announcer()
     sender.announce(Job(task="app.t"), Outcome.SUCCEEDED, duration=0.1)
+    sender.flush()
     assert sender._thread is None
 
 
@@ -67,11 +68,13 @@ def test_a_receiver_that_hangs_delays_only_the_signals_after_it(monkeypatch, cap
     try:
         sender = Announcer()
         started = time.monotonic()
-        for n in range(10):  # one being sent, three waiting, six dropped
+        for n in range(10):  # one being sent, two waiting, seven dropped
             sender.announce(Job(task=f"app.t{n}"), Outcome.SUCCEEDED, duration=0.1)
+            sender.flush()  # a turn each
         with caplog.at_level(logging.WARNING):
             sender.stop(within=0.2)
         assert time.monotonic() - started < 5
+        assert sender._dropped == 7
     finally:
         release.set()
         signals.job_succeeded.disconnect(hangs)
@@ -88,6 +91,7 @@ def test_a_receiver_raising_system_exit_is_logged_and_the_next_signals_are_sent(
     try:
         sender = Announcer()
         sender.announce(Job(task="app.exits"), Outcome.SUCCEEDED, duration=0.1)
+        sender.flush()
         sender.announce(Job(task="app.next"), Outcome.SUCCEEDED, duration=0.1)
         sender.stop(within=5)
     finally:
