@@ -23,6 +23,7 @@ Outcomes a worker could not record because it had lost the job's lease send noth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,9 @@ def send(signal: Signal, sender: type[Model], **kwargs: Any) -> None:
         return
     for receiver, response in signal.send_robust(sender=sender, **kwargs):
         if isinstance(response, Exception):
-            logger.error("signal receiver %r raised", receiver, exc_info=response)
+            # The application's logging may raise too (see runtime/logs.py quietly).
+            with contextlib.suppress(Exception):
+                logger.error("signal receiver %r raised", receiver, exc_info=response)
 
 
 #: The signal of each recorded outcome (LOST has none).

@@ -82,6 +82,17 @@ def times_out_and_its_backoff_hangs() -> None:
     time.sleep(60)
 
 
+def slow_backoff(attempts: int) -> float:
+    """A backoff that answers, slowly (a lookup elsewhere): 600 s after 0.3 s."""
+    time.sleep(0.3)
+    return 600.0
+
+
+@task(max_attempts=3, backoff=slow_backoff)
+def has_a_slow_backoff() -> None:
+    raise RuntimeError("failed; its backoff takes 0.3 s to answer")
+
+
 def exiting_backoff(attempts: int) -> float:
     raise SystemExit(4)
 

@@ -102,3 +102,11 @@ LOGGING = {
         }
     },
 }
+# A crash test's worker with an application's filter that raises on the records it was not
+# written for (tests/logfilters.py), on a handler of ERROR records.
+if os.environ.get("PGJOBS_TEST_RAISING_FILTER"):
+    LOGGING["filters"] = {"user": {"()": "tests.logfilters.RequestUser"}}
+    LOGGING["handlers"]["errors"] = {  # type: ignore[index]
+        "class": "logging.StreamHandler", "level": "ERROR", "filters": ["user"],
+    }  # fmt: skip
+    LOGGING["loggers"]["django_pgjobs"]["handlers"].append("errors")  # type: ignore[index]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -295,10 +296,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
         }
         reaped = rows.execute(db, sql.REAP, params)
+        # The tasks' own backoffs, asked within BACKOFF_PATIENCE in all: a slow one, called for
+        # every job a dead worker held, must not hold up the caller (a worker's main thread)
+        # for minutes. The jobs it leaves keep REAP's default.
+        until = time.monotonic() + retry.BACKOFF_PATIENCE
         own = [
             (job_id, claims, delay)
             for job_id, claims, status, task, attempts in reaped
-            if status == Status.READY and (delay := _own_backoff(task, attempts)) is not None
+            if status == Status.READY
+            and time.monotonic() < until
+            and (delay := _own_backoff(task, attempts, until - time.monotonic())) is not None
         ]
         if own:
             ids, claims, delays = (list(column) for column in zip(*own, strict=True))
@@ -437,11 +444,11 @@ def _one_worker(workers: Iterable[str | None]) -> str:
     return str(distinct.pop())
 
 
-def _own_backoff(task_name: str, attempts: int) -> float | None:
+def _own_backoff(task_name: str, attempts: int, within: float) -> float | None:
     """Seconds the backoff of `task_name` (when registered here with one of its own) says to
     wait after `attempts`; None for the default backoff, which REAP applied. A backoff that
-    fails, or does not return within retry.BACKOFF_PATIENCE, keeps that default (the next
-    failed attempt dead-letters the job, saying why)."""
+    fails, or does not return `within` seconds, keeps that default (the next failed attempt
+    dead-letters a job whose backoff fails, saying why)."""
     try:
         backoff = registry.get_task(task_name).backoff
     except UnknownTask:

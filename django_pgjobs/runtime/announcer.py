@@ -20,6 +20,7 @@ from django.db import close_old_connections, connections
 
 from django_pgjobs import signals
 from django_pgjobs.outcomes import Outcome
+from django_pgjobs.runtime.logs import quietly
 
 if TYPE_CHECKING:
     from django_pgjobs.data.records import Failure
@@ -96,14 +97,16 @@ class Announcer:
         self._todo.put(None)
         self._thread.join(within)
         if self._thread.is_alive():
-            logger.warning(
-                "not every outcome signal was sent: a receiver did not return within %gs", within
-            )
+            quietly(
+                logger.warning,
+                "not every outcome signal was sent: a receiver did not return within %gs", within,
+            )  # fmt: skip
 
     def _drop(self, count: int) -> None:
         before, self._dropped = self._dropped, self._dropped + count
         if before == 0 or before // 1000 != self._dropped // 1000:
-            logger.warning(
+            quietly(
+                logger.warning,
                 "%d outcome signals dropped: %d wait for a receiver that does not return",
                 self._dropped, BACKLOG,
             )  # fmt: skip

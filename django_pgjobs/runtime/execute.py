@@ -102,34 +102,31 @@ def raised(
     duration = time.perf_counter() - started
     if isinstance(error, Retry):
         return Handled(Verdict.RETRY, delay=error.delay, duration=duration)
-    if backoff is None:
-        settings = get_settings()
-        backoff, within = ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX), None
+    settings = get_settings()
+    default = ExponentialBackoff(settings.BACKOFF_BASE, settings.BACKOFF_MAX)
+    failure, note, permanent = failure_of(error), "", is_permanent(error, permanent_errors)
     try:
-        delay = backoff_seconds(backoff, job.attempts, job.task, within=within)
+        if backoff is None:
+            delay = default(job.attempts)
+        else:
+            delay = backoff_seconds(backoff, job.attempts, job.task, within=within)
+    except TimeoutError as slow:
+        # Slow, perhaps only this once: the default backoff, as the reaper does.
+        delay, note = default(job.attempts), f"; {text_of(slow)}: the default backoff applies"
     except Exception as broken:
         # Another attempt would meet the same backoff: the job is dead-lettered, saying why.
-        failure = failure_of(error)
-        note = f"; and {text_of(broken)}"
-        return Handled(
-            Verdict.ERROR,
-            failure=Failure(failure.type, failure.message + note, failure.traceback),
-            permanent=True,
-            duration=duration,
-        )
+        delay, note, permanent = 0.0, f"; and {text_of(broken)}", True
+    if note:
+        failure = Failure(failure.type, failure.message + note, failure.traceback)
     return Handled(
-        Verdict.ERROR,
-        delay=delay,
-        failure=failure_of(error),
-        permanent=is_permanent(error, permanent_errors),
-        duration=duration,
+        Verdict.ERROR, delay=delay, failure=failure, permanent=permanent, duration=duration
     )
 
 
 def timed_out(job: Job, timeout: float) -> Handled:
     """How an attempt that ran past its time limit ends: a failed attempt (JobTimeout), retried
     after the task's backoff or dead-lettered, like any error. Called on the worker's main
-    thread: a backoff that does not return within BACKOFF_PATIENCE is a broken one."""
+    thread: a backoff that does not return within BACKOFF_PATIENCE gives way to the default."""
     try:
         task = registry.get_task(job.task)
         backoff, permanent_errors = task.backoff, task.permanent_errors

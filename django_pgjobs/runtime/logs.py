@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from django_pgjobs.models import Job
 from django_pgjobs.observability.activity import ActivityTally
@@ -11,24 +14,36 @@ from django_pgjobs.outcomes import Handled, Outcome, Verdict
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 
 
+def quietly(log: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+    """`log(*args, **kwargs)` (a logger's method), whatever the application's logging does with
+    it. Python's logging calls filters outside its own guard, so a filter that raises (one that
+    reads `record.request`, say, on a record that has none) raises in the thread that logs: a
+    line about a job, or about an error being handled, must not stop a worker's loop or end one
+    of its threads. The line is lost; the application's filter is what drops it."""
+    with contextlib.suppress(Exception):
+        log(*args, **kwargs)
+
+
 def log_outcome(job: Job, handled: Handled, outcome: Outcome) -> None:
     """A line for a failed, dead-lettered or cancelled attempt (successes at DEBUG), with the
-    job's fields as extras for structured log handlers."""
+    job's fields as extras for structured log handlers; never raises (see `quietly`)."""
     # Nothing is built for an outcome that logs no line (a success above DEBUG, the common
     # case): the extras alone cost more than the rest of settling a no-op job.
     if outcome is Outcome.SUCCEEDED:
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("job %s (%s) succeeded", job.pk, job.task, extra=_extra(job, handled))
+            extra = _extra(job, handled)
+            quietly(logger.debug, "job %s (%s) succeeded", job.pk, job.task, extra=extra)
         return
     if handled.verdict is not Verdict.ERROR or outcome is Outcome.LOST:
         return
     assert handled.failure is not None
     extra = _extra(job, handled) | {"error": handled.failure.summary, "status": outcome.value}
     if outcome is Outcome.CANCELLED:
-        logger.info("job %s (%s) cancelled", job.pk, job.task, extra=extra)
+        quietly(logger.info, "job %s (%s) cancelled", job.pk, job.task, extra=extra)
         return
     dead = outcome is Outcome.FAILED
-    (logger.error if dead else logger.info)(
+    quietly(
+        logger.error if dead else logger.info,
         "job %s (%s) attempt %d failed: %s%s", job.pk, job.task, job.attempts,
         handled.failure.summary, "; dead-lettered" if dead else "", extra=extra,
     )  # fmt: skip

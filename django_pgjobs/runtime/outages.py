@@ -1,5 +1,7 @@
-"""What a worker says and does when the database cannot be used: retry with backoff, one line
-per attempt and the traceback once; with --once, one clear line and a non-zero exit."""
+"""What a worker says and does when the database cannot be used, or a turn of its loop fails for
+another reason (a bug, ours or in the application's code it runs on that thread: a logging
+filter, a model signal's receiver): retry with backoff, one line per attempt and the traceback
+once; with --once, one clear line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from django.db import DatabaseError, InterfaceError, OperationalError
 
 from django_pgjobs import schema
 from django_pgjobs.data import rows
+from django_pgjobs.errors import text_of
 from django_pgjobs.runtime import policy
+from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
 
@@ -23,28 +27,36 @@ class Outage:
 
     def __init__(self) -> None:
         self.failures = 0
+        self.database = True  # whether the last failure was the database's
 
-    def failed(self, error: DatabaseError) -> float:
+    def failed(self, error: Exception) -> float:
         """Log this failure; returns how long to wait before trying again."""
         self.failures += 1
+        self.database = isinstance(error, DatabaseError)
         pause = policy.outage_pause(self.failures)
         if self.failures == 1:
-            logger.error("%s; retrying in %.2fs", self.describe(error), pause, exc_info=error)
-        else:
-            logger.warning(
-                "%s (attempt %d); retrying in %.1fs", self.describe(error), self.failures, pause
+            quietly(
+                logger.error, "%s; retrying in %.2fs", self.describe(error), pause, exc_info=error
             )
+        else:
+            quietly(
+                logger.warning, "%s (attempt %d); retrying in %.1fs",
+                self.describe(error), self.failures, pause,
+            )  # fmt: skip
         return pause
 
     def over(self) -> None:
         if self.failures:
-            logger.info("the database is back after %d failed attempts", self.failures)
+            what = "the database is back" if self.database else "the worker's loop runs again"
+            quietly(logger.info, "%s after %d failed attempts", what, self.failures)
             self.failures = 0
 
     @staticmethod
-    def describe(error: DatabaseError) -> str:
+    def describe(error: Exception) -> str:
         """One line saying what is wrong and, where we know, what to do."""
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        first = (text_of(error).strip().splitlines() or [type(error).__name__])[0]
+        if not isinstance(error, DatabaseError):
+            return f"error in the worker loop: {type(error).__qualname__}: {first}"
         # An undefined table or column: the schema is older than the code.
         if schema.is_not_migrated(error):
             return schema.explained(error)

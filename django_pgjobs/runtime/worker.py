@@ -27,7 +27,7 @@ from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.leases import LeaseKeeper
 from django_pgjobs.runtime.locks import LockWaits, application_name
-from django_pgjobs.runtime.logs import log_activity, log_outcome
+from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
 from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.positions import Positions
@@ -134,9 +134,11 @@ class Worker:
             try:
                 self._turn()
                 outage.over()
-            except DatabaseError as error:
+            except Exception as error:  # the database, or a bug (outages.py): pause, try again
                 if options.once:
                     self._shutdown()
+                    if not isinstance(error, DatabaseError):
+                        raise
                     raise WorkerError(outage.describe(error)) from error
                 pause = outage.failed(error)
                 if self._stopping:  # never past the stop's deadline
@@ -167,7 +169,9 @@ class Worker:
             self._check_limits()
         for job in self._handlers.time_out():
             timeout = self.timeout_of(job) or 0.0
-            logger.error("job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
+            quietly(
+                logger.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout
+            )
             self._settler.finished(job, execute.timed_out(job, timeout))
         try:
             self._settler.settle_and_fetch()

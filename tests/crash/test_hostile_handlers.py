@@ -156,8 +156,9 @@ CASES = [
     ),
     pytest.param(
         # The time limit is enforced on the worker's main thread, which heartbeats every job:
-        # it waits a second for the backoff, then records the attempt as a dead letter.
-        Case("times_out_and_its_backoff_hangs", dead_letter("did not return within 1s")),
+        # it waits a second for the backoff, then retries after the default backoff (the
+        # next time-outs at once: the first call still hangs), until the attempts run out.
+        Case("times_out_and_its_backoff_hangs", dead_letter("the default backoff applies")),
         id="a time-out whose backoff hangs is a dead letter",
     ),
     pytest.param(
@@ -250,6 +251,20 @@ def test_a_handler_that_exits_its_process_is_a_dead_letter_after_its_lease(start
     wait_while_alive(second, lambda: succeeded(after), timeout=SETTLE)
     wait_while_alive(second, lambda: not running(), timeout=SETTLE)
     assert second.alive()
+
+
+def test_a_logging_filter_that_raises_stops_neither_the_worker_nor_its_jobs(start_worker):
+    # Python's logging calls filters outside its guard: the worker's lines (a dead letter's, at
+    # ERROR) raise in the thread that logs them, the worker's main thread among them.
+    doomed = Job.objects.enqueue("tests.hostile.raises_unprintable", priority=10)
+    beside = record(range(1, 9))
+    worker = start_worker(*WORKER, env={"PGJOBS_TEST_RAISING_FILTER": "1"})
+    wait_while_alive(worker, lambda: state(doomed.pk).status == Status.FAILED, timeout=SETTLE)
+    wait_while_alive(worker, lambda: succeeded(beside), timeout=SETTLE)
+    after = record(range(9, 13))
+    wait_while_alive(worker, lambda: succeeded(after), timeout=SETTLE)
+    wait_while_alive(worker, lambda: not running(), timeout=SETTLE)
+    assert worker.alive()
 
 
 def expired_leases(but: UUID | None = None) -> int:

@@ -201,6 +201,17 @@ def test_a_reaped_job_whose_tasks_backoff_hangs_keeps_the_default_without_stalli
     assert "has not returned from an earlier call" in caplog.text
 
 
+def test_a_reap_asks_slow_backoffs_for_a_second_in_all_and_gives_the_rest_the_default():
+    jobs = JobFactory.create_batch(10, expired=True, task="tests.hostile.has_a_slow_backoff")
+    started = time.monotonic()
+    assert Job.objects.reap() == (10, 0)
+    assert time.monotonic() - started < 2.5  # not 10 x 0.3 s
+    due = due_in()
+    own = [job for job in jobs if due[job.pk][0] > 590]  # its backoff: 600 s
+    assert 1 <= len(own) <= 4
+    assert all(due[job.pk][0] <= 0.05 for job in jobs if job not in own)  # the default
+
+
 def test_a_reaped_jobs_own_backoff_leaves_it_alone_once_claimed_again():
     """Between the reap and its task's backoff another worker may claim the job (the default
     backoff had it due): that claim is not moved."""

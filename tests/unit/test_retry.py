@@ -99,3 +99,23 @@ def test_what_a_backoff_raises_or_returns_is_an_error_naming_the_task(within):
         backoff_seconds(exits, 1, "app.exits", within=within)
     with pytest.raises(ValueError, match=r"the backoff of app.inf must be zero or more seconds"):
         backoff_seconds(lambda n: float("inf"), 1, "app.inf", within=within)
+
+
+def test_a_backoff_too_slow_after_a_time_out_gives_way_to_the_default_and_says_so():
+    from django_pgjobs.errors import JobTimeout
+    from django_pgjobs.models import Job
+    from django_pgjobs.runtime import execute
+
+    release = threading.Event()
+    job = Job(task="app.slow", attempts=1, max_attempts=5)
+    try:
+        handled = execute.raised(
+            job, JobTimeout("too long"), lambda n: release.wait(30) and 600.0, (), 0.0, within=0.1
+        )
+    finally:
+        release.set()
+    assert not handled.permanent and 0 <= handled.delay <= 1  # the default: BACKOFF_BASE
+    assert handled.failure is not None
+    assert handled.failure.message == (
+        "too long; the backoff of app.slow did not return within 0.1s: the default backoff applies"
+    )
