@@ -223,3 +223,24 @@ def hostile_receiver(sender: object, job: object, **kwargs: object) -> None:
 
 
 signals.job_succeeded.connect(hostile_receiver, weak=False)
+
+
+@task(max_attempts=1)
+def ticks_to_a_hanging_receiver() -> None:
+    """A periodic task; a job_enqueued receiver (below) never returns for its jobs."""
+
+
+@task(max_attempts=1)
+def ticks_to_an_exiting_receiver() -> None:
+    """A periodic task; a job_enqueued receiver (below) raises SystemExit for its jobs."""
+
+
+def hostile_enqueued_receiver(sender: object, jobs: list[object], **kwargs: object) -> None:
+    tasks = {getattr(job, "task", "") for job in jobs}
+    if "tests.hostile.ticks_to_a_hanging_receiver" in tasks:
+        threading.Event().wait(600)
+    elif "tests.hostile.ticks_to_an_exiting_receiver" in tasks:
+        raise SystemExit(6)
+
+
+signals.job_enqueued.connect(hostile_enqueued_receiver, weak=False)

@@ -68,11 +68,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         unique_key: str | None = None,
+        announce: bool = True,
     ) -> Job:
         """Write one job in the caller's transaction (one INSERT on the caller's connection).
 
         With a `unique_key` that a ready or running job already holds, nothing is written and
-        that job is returned instead.
+        that job is returned instead. `announce=False`: no job_enqueued signal (a worker's
+        periodic ticks: it sends their signal after its commit, off its main thread).
         """
         job = enqueue.new_job(
             task, payload, queue=queue, priority=priority, run_at=run_at, delay=delay,
@@ -82,7 +84,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         for _ in range(ENQUEUE_TRIES):
             inserted = enqueue.insert(self.model, db, job, payload or {})
             if inserted is not None:
-                signals.send(signals.job_enqueued, self.model, jobs=[inserted])
+                if announce:
+                    signals.send(signals.job_enqueued, self.model, jobs=[inserted])
                 return inserted
             # The write database: a replica behind a router may not have the holder yet.
             holder = self.using(db).filter(unique_key=unique_key, status__in=LIVE).first()

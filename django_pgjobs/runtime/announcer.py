@@ -1,5 +1,6 @@
-"""The outcome signals of a worker's recorded attempts (job_succeeded, job_failed, ...), sent on
-a thread of their own.
+"""The signals a worker sends about its own work, on a thread of their own: the outcome of each
+recorded attempt (job_succeeded, job_failed, ...) and job_enqueued for the jobs of the periodic
+schedules' ticks (runtime/scheduler.py).
 
 Their receivers are the application's code: an alert to a chat server that does not answer, a
 query that waits on a lock, a `sys.exit()`. Sent from the worker's main thread, which records
@@ -14,31 +15,25 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 from django.db import close_old_connections, connections
 
 from django_pgjobs import signals
+from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Outcome
 from django_pgjobs.runtime.logs import quietly
 
 if TYPE_CHECKING:
     from django_pgjobs.data.records import Failure
-    from django_pgjobs.models import Job
 
 logger = logging.getLogger(__name__)
 
 #: Signals waiting for a receiver that is slow or hangs: past this many, more are dropped (the
 #: outcomes are recorded all the same), and the worker says how many.
 BACKLOG = 10_000
-
-
-class _Announcement(NamedTuple):
-    job: Job
-    outcome: Outcome
-    duration: float
-    error: Failure | None
-    delay: float | None
 
 
 class Announcer:
@@ -49,9 +44,9 @@ class Announcer:
     a tenth of a drain's rate)."""
 
     def __init__(self) -> None:
-        self._todo: queue.SimpleQueue[list[_Announcement] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[list[Callable[[], None]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._batch: list[_Announcement] = []
+        self._batch: list[Callable[[], None]] = []  # this turn's signals, each ready to send
         self._lock = threading.Lock()  # guards _waiting
         self._waiting = 0  # handed over, not yet sent
         self._dropped = 0
@@ -69,7 +64,16 @@ class Announcer:
         receivers)."""
         signal = signals.SIGNAL_OF_OUTCOME.get(outcome)
         if signal is not None and signal.receivers:
-            self._batch.append(_Announcement(job, outcome, duration, error, delay))
+            self._batch.append(
+                partial(signals.announce, job, outcome, duration=duration, error=error, delay=delay)
+            )
+
+    def enqueued(self, jobs: list[Job]) -> None:
+        """Send job_enqueued for `jobs`, committed by the worker itself (a periodic tick's), as
+        an enqueue would have (once the batch before it is sent)."""
+        if signals.job_enqueued.receivers:
+            self._batch.append(partial(signals.send, signals.job_enqueued, Job, jobs=jobs))
+            self.flush()
 
     def flush(self) -> None:
         """Hand this turn's signals to the thread (dropped past BACKLOG waiting, saying so)."""
@@ -115,15 +119,12 @@ class Announcer:
         """Each turn's signals with its connections handled as Django handles a request's."""
         while (batch := self._todo.get()) is not None:
             close_old_connections()
-            for item in batch:
+            for send in batch:
                 try:
-                    signals.announce(
-                        item.job, item.outcome, duration=item.duration, error=item.error,
-                        delay=item.delay,
-                    )  # fmt: skip
-                except BaseException as error:  # SystemExit, KeyboardInterrupt: send_robust
-                    # lets them through; a receiver's bug, not a reason to stop sending
-                    logger.error("a receiver of %s raised", item.outcome, exc_info=error)
+                    send()
+                except BaseException as error:  # SystemExit, KeyboardInterrupt: send_robust lets
+                    # them through; a receiver's bug, not a reason to stop sending
+                    quietly(logger.error, "a signal's receiver raised", exc_info=error)
                 with self._lock:
                     self._waiting -= 1
             close_old_connections()

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from django.db import ProgrammingError, connections, transaction
 from django.db.models.functions import Now
 
+from django_pgjobs import signals
 from django_pgjobs.models import Job, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic, declared
 
@@ -30,8 +32,16 @@ class Scheduler:
     its last reading, so looking costs no query until a tick is due.
     """
 
-    def __init__(self, db: str, schedules: list[Periodic] | None = None) -> None:
+    def __init__(
+        self,
+        db: str,
+        schedules: list[Periodic] | None = None,
+        enqueued: Callable[[list[Job]], None] | None = None,
+    ) -> None:
+        """`enqueued(jobs)`: sends job_enqueued for a tick's committed jobs (a worker's: on its
+        signals thread, runtime/announcer.py; by default, at once)."""
         self.db = db
+        self.enqueued = enqueued or _send_enqueued
         if schedules is None:
             schedules, errors = declared()
             for error in errors:
@@ -111,17 +121,21 @@ class Scheduler:
             won = latest > last and bool(
                 schedule.filter(last_tick=last).update(last_tick=latest, updated_at=Now())
             )
-            if won:
-                jobs = Job.objects.db_manager(self.db)
-                for tick in ticks:
-                    jobs.enqueue(
-                        periodic.task,
-                        periodic.payload_for(tick),
-                        queue=periodic.queue,
-                        priority=periodic.priority,
-                    )
-            elif latest > last:  # another worker moved it on first: take its last tick
+            # The ticks' jobs without their job_enqueued signal: its receivers are the
+            # application's code, which must not run inside this transaction, holding the
+            # schedule's row that every other worker's scheduler waits for; sent after it.
+            jobs = Job.objects.db_manager(self.db)
+            enqueued = [
+                jobs.enqueue(
+                    periodic.task, periodic.payload_for(tick), queue=periodic.queue,
+                    priority=periodic.priority, announce=False,
+                )
+                for tick in (ticks if won else [])
+            ]  # fmt: skip
+            if not won and latest > last:  # another worker moved it on first: take its tick
                 latest = schedule.values_list("last_tick", flat=True).first() or last
+        for job in enqueued:
+            self.enqueued([job])
         self._next[periodic.name] = periodic.next_tick(latest)
         if won and ticks != [periodic.next_tick(last)]:
             logger.warning(
@@ -157,3 +171,7 @@ _UPSERT = """
     WHERE (s.task, s.cron, s.timezone)
         IS DISTINCT FROM (excluded.task, excluded.cron, excluded.timezone)
 """
+
+
+def _send_enqueued(jobs: list[Job]) -> None:
+    signals.send(signals.job_enqueued, Job, jobs=jobs)

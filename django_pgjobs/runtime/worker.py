@@ -80,7 +80,7 @@ class Worker:
         if not options.once:
             self._chores += [
                 Pruner(self.jobs, options.prune_interval),
-                Ticker(Scheduler(self.db)),
+                Ticker(Scheduler(self.db, enqueued=self._announcer.enqueued)),
             ]
         self._chores += [*chores, Reporter(options.stats_interval, self._report)]
         self._lock_waits = LockWaits(self.db, application_name(self.id))

@@ -3,6 +3,7 @@ row stays running, and the worker keeps serving the other jobs."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -264,6 +265,25 @@ def test_a_logging_filter_that_raises_stops_neither_the_worker_nor_its_jobs(star
     after = record(range(9, 13))
     wait_while_alive(worker, lambda: succeeded(after), timeout=SETTLE)
     wait_while_alive(worker, lambda: not running(), timeout=SETTLE)
+    assert worker.alive()
+
+
+@pytest.mark.parametrize("task", ["ticks_to_a_hanging_receiver", "ticks_to_an_exiting_receiver"])
+def test_a_periodic_ticks_receiver_holds_up_neither_the_worker_nor_the_schedule(
+    start_worker, task: str
+):
+    # job_enqueued's receivers are sent the ticks' jobs after the tick's commit, on the
+    # worker's signals thread: not inside the transaction holding the schedule's row, not on
+    # the main thread that keeps every lease.
+    per_second = {"tick": {"task": f"tests.hostile.{task}", "cron": "* * * * * *"}}
+    slow = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 3 * LEASE}, priority=5)
+    beside = record(range(2, 8))
+    worker = start_worker(*WORKER, env={"PGJOBS_TEST_PERIODIC": json.dumps(per_second)})
+    leases_kept_until(worker, lambda: succeeded([slow.pk, *beside]), timeout=SETTLE)
+
+    ticks = Job.objects.filter(task=f"tests.hostile.{task}", status=Status.SUCCEEDED)
+    wait_while_alive(worker, lambda: ticks.count() >= 3, timeout=SETTLE)
+    assert state(slow.pk).attempts == 1
     assert worker.alive()
 
 

@@ -97,4 +97,4 @@ def test_a_receiver_raising_system_exit_is_logged_and_the_next_signals_are_sent(
     finally:
         signals.job_succeeded.disconnect(exits)
     assert ("succeeded", "app.next", "pgjobs-signals") in heard
-    assert "a receiver of succeeded raised" in caplog.text
+    assert "a signal's receiver raised" in caplog.text
