@@ -25,7 +25,15 @@ from django_pgjobs import registry, retry, signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
-from django_pgjobs.data.records import FailedAttempt, Failure, Position, Settled, claim_of
+from django_pgjobs.data.records import (
+    FailedAttempt,
+    Failure,
+    Position,
+    Settled,
+    claim_of,
+    hold,
+    holder_of,
+)
 from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.status import LIVE, Status
 
@@ -167,7 +175,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         claiming = bool(queues) and limit >= 1
         if not (claiming or succeeded or failed):
             return Settled(set(), {}, [], {})
-        _one_worker([worker, *(job.worker for job in succeeded), *(f.job.worker for f in failed)])
+        _one_worker([worker, *map(holder_of, succeeded), *(holder_of(f.job) for f in failed)])
         params = turn_params(
             succeeded, failed, queues if claiming else [], worker=worker,
             limit=limit if claiming else 0, lease=lease, results=results or {},
@@ -178,6 +186,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         found = rows.execute(db, statement, params, binary=True)
         recorded = {(row[1], row[_CLAIMS]): row[_STATUS] for row in found if row[0] == "settled"}
         claimed = rows.load_jobs(self.model, db, (row[1:] for row in found if row[0] != "settled"))
+        for job in claimed:
+            hold(job)
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
         return Settled(
             {job.pk for job in succeeded if claim_of(job) in recorded},
@@ -209,9 +219,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def complete(self, job: Job, result_json: str | None = None) -> bool:
         """Record success, keeping `result_json` (the return value as JSON text) when given.
         False means the lease ran out and another worker owns the job now."""
-        assert job.worker is not None, "only a claimed job can complete"
+        worker = holder_of(job)
+        assert worker is not None, "only a claimed job can complete"
         results = {job.pk: result_json} if result_json is not None else None
-        done = self.settle_and_claim([job], [], [], worker=job.worker, limit=0, results=results)
+        done = self.settle_and_claim([job], [], [], worker=worker, limit=0, results=results)
         return job.pk in done.succeeded
 
     def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
@@ -219,19 +230,18 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         owned (the others were reaped and possibly claimed again: their outcome is not ours)."""
         if not jobs:
             return set()
-        worker = _one_worker([job.worker for job in jobs])
+        worker = _one_worker([holder_of(job) for job in jobs])
         return self.settle_and_claim(jobs, [], [], worker=worker, limit=0).succeeded
 
     def fail(self, job: Job, failure: Failure, *, permanent: bool, delay: float) -> str | None:
         """Record a failed attempt: back to ready in `delay` seconds while attempts remain and the
         error is not permanent, else failed (the dead letter). Returns the new status, or None
         when this worker no longer owned the job."""
-        if job.worker is None:
+        worker = holder_of(job)
+        if worker is None:
             return None  # never claimed: no worker holds it, so none may record its outcome
         attempt = FailedAttempt(job, failure, permanent, delay)
-        return self.settle_and_claim([], [attempt], [], worker=job.worker, limit=0).failed.get(
-            job.pk
-        )
+        return self.settle_and_claim([], [attempt], [], worker=worker, limit=0).failed.get(job.pk)
 
     def release(self, jobs: Sequence[Job]) -> set[UUID]:
         """Running → ready without spending an attempt, keeping its place (a worker shutting
@@ -291,8 +301,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         db = self._write_db()
         params = {
             "limit": limit,
-            "spared_ids": [job.pk for job in sparing],
-            "spared_claims": [job.claims for job in sparing],
+            "spared_ids": [claim_of(job)[0] for job in sparing],
+            "spared_claims": [claim_of(job)[1] for job in sparing],
             "cap": settings.BACKOFF_MAX,
             "base": settings.BACKOFF_BASE,
             "error": LEASE_EXPIRED.as_json(),
@@ -374,12 +384,14 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def _own(self, statement: str, jobs: Sequence[Job], **params: Any) -> dict[UUID, bool]:
         """Run a guarded statement over those of `jobs` their worker still owns; returns their
         ids, each with whether a cancellation of it was requested."""
-        if not jobs or all(job.worker is None for job in jobs):
+        holders = [holder_of(job) for job in jobs]
+        if not jobs or all(holder is None for holder in holders):
             return {}  # never claimed: no worker holds them
+        claims = [claim_of(job) for job in jobs]
         params |= {
-            "ids": [job.pk for job in jobs],
-            "claims": [job.claims for job in jobs],
-            "worker": _one_worker([job.worker for job in jobs]),
+            "ids": [job_id for job_id, _ in claims],
+            "claims": [count for _, count in claims],
+            "worker": _one_worker(holders),
         }
         return dict(rows.execute(self._write_db(), statement, params))
 
@@ -401,13 +413,15 @@ def turn_params(
     """The parameters of sql.SETTLE_AND_CLAIM, by name."""
     settings = get_settings()
     positions = [(after or {}).get(queue) for queue in queues]
+    succeeded_claims = [claim_of(job) for job in succeeded]
+    failed_claims = [claim_of(f.job) for f in failed]
     return {
         "worker": worker,
-        "succeeded_ids": [job.pk for job in succeeded],
-        "succeeded_claims": [job.claims for job in succeeded],
-        "results": [results.get(job.pk) for job in succeeded],
-        "failed_ids": [f.job.pk for f in failed],
-        "failed_claims": [f.job.claims for f in failed],
+        "succeeded_ids": [job_id for job_id, _ in succeeded_claims],
+        "succeeded_claims": [count for _, count in succeeded_claims],
+        "results": [results.get(job_id) for job_id, _ in succeeded_claims],
+        "failed_ids": [job_id for job_id, _ in failed_claims],
+        "failed_claims": [count for _, count in failed_claims],
         "permanent": [f.permanent for f in failed],
         "delays": [float(f.delay) for f in failed],
         "summaries": [f.failure.summary for f in failed],

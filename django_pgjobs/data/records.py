@@ -63,8 +63,28 @@ class FailedAttempt(NamedTuple):
 Claim = tuple[UUID, int]
 
 
+#: Where `hold` keeps a claimed job's claim (an attribute no model field uses).
+_HELD = "_pgjobs_held"
+
+
+def hold(job: Job) -> None:
+    """Keep `job`'s claim as the worker claimed it: its id, its claim count and the worker.
+    The handler gets this same object (current_job()); what it does to its fields (a
+    refresh_from_db() after its lease was lost and another worker claimed the job, say) must
+    not change the claim the worker's guarded statements name."""
+    job.__dict__[_HELD] = (job.pk, job.claims, job.worker)
+
+
 def claim_of(job: Job) -> Claim:
-    return (job.pk, job.claims)
+    """The claim the worker holds on `job` (see `hold`): its id and claim count."""
+    held = job.__dict__.get(_HELD)
+    return (held[0], held[1]) if held else (job.pk, job.claims)
+
+
+def holder_of(job: Job) -> str | None:
+    """The worker that claimed `job` (see `hold`)."""
+    held = job.__dict__.get(_HELD)
+    return held[2] if held else job.worker
 
 
 class Settled(NamedTuple):

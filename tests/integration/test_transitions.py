@@ -233,6 +233,30 @@ def test_reap_is_bounded_and_safe_to_repeat():
     assert Job.objects.reap() == (0, 0)
 
 
+def test_a_handler_reloading_its_job_after_its_claim_was_lost_changes_no_claim_its_worker_holds():
+    """The handler's Job is the worker's claim record (current_job()): a refresh_from_db() made
+    after the lease was lost and another worker claimed the job must not make the worker's
+    heartbeats and outcomes name the other worker's claim."""
+    JobFactory.create_batch(2)
+    lost, kept = Job.objects.claim(["default"], worker="w1", limit=2)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET leased_until = now() - interval '1 second' WHERE id = %s",
+            [lost.pk],
+        )
+    assert Job.objects.reap() == (1, 0)
+    time.sleep(0.06)  # the default backoff, here at most 0.05 s
+    (theirs,) = Job.objects.claim(["default"], worker="w2", limit=1)
+    assert theirs.pk == lost.pk
+    lost.refresh_from_db()  # what a handler may do
+    assert (lost.worker, lost.claims) == ("w2", 2)
+    assert Job.objects.heartbeat([lost, kept]) == {kept.pk}
+    settled = Job.objects.settle_and_claim([lost, kept], [], [], worker="w1", limit=0)
+    assert settled.succeeded == {kept.pk}
+    row = Job.objects.get(pk=lost.pk)
+    assert (row.status, row.worker, row.claims) == (Status.RUNNING, "w2", 2)
+
+
 def test_heartbeat_extends_the_lease_from_the_database_clock():
     JobFactory()
     job = claim_one(lease=5)
