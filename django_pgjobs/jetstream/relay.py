@@ -70,8 +70,8 @@ class Relay:
 
 class RelayChore(Chore):
     """A worker's relay rounds: at once again while rounds come back full, every
-    RELAY_INTERVAL while idle, backing off while NATS cannot be reached. A database error is
-    the worker's to handle (its outage), a NATS error is logged here."""
+    RELAY_INTERVAL while idle, backing off while NATS cannot be reached. A database error
+    pauses it as any chore's does (Chore.run_if_due); a NATS error is logged here."""
 
     def __init__(self, relay: Relay) -> None:
         super().__init__()

@@ -15,7 +15,10 @@ from django.db.models.functions import Now
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.jobs import JobManager
+from django_pgjobs.errors import text_of
 from django_pgjobs.models import Job, QueueStat
+from django_pgjobs.runtime import policy
+from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -25,17 +28,43 @@ PROMOTE_BATCH = 1000
 
 
 class Chore:
-    """Something a worker does now and then."""
+    """Something a worker does now and then. One that fails is tried again after a pause of
+    its own, doubling up to policy.OUTAGE_BACKOFF_MAX, and says so (the traceback once): a
+    chore that cannot be done (the worker's role may not delete statistics, a prune outlasts
+    a statement_timeout) must hold up neither the claims nor the other chores, as it would
+    if it failed the worker's turn."""
 
     def __init__(self, first_in: float = 0.0) -> None:
         self.next_at = time.monotonic() + first_in
+        self.failures = 0
 
     def due_in(self) -> float:
         return self.next_at - time.monotonic()
 
     def run_if_due(self) -> None:
-        if self.due_in() <= 0:
-            self.next_at = time.monotonic() + self.run()
+        if self.due_in() > 0:
+            return
+        try:
+            wait = self.run()
+        except Exception as error:
+            self.failures += 1
+            wait = policy.outage_pause(self.failures)
+            name, first = type(self).__name__, _first_line(error)
+            if self.failures == 1:
+                quietly(
+                    logger.error, "%s failed (%s); trying again in %.1fs", name, first, wait,
+                    exc_info=error,
+                )  # fmt: skip
+            else:
+                quietly(
+                    logger.warning, "%s failed again (%d times: %s); trying again in %.1fs",
+                    name, self.failures, first, wait,
+                )  # fmt: skip
+        else:
+            if self.failures:
+                quietly(logger.info, "%s works again", type(self).__name__)
+                self.failures = 0
+        self.next_at = time.monotonic() + wait
 
     def run(self) -> float:
         raise NotImplementedError
@@ -125,3 +154,8 @@ class Reporter(Chore):
         self.report(now - self.since)
         self.since = now
         return self.interval
+
+
+def _first_line(error: Exception) -> str:
+    text = text_of(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

@@ -18,6 +18,7 @@ from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
 from django_pgjobs.runtime import execute, policy
+from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 
@@ -175,3 +176,35 @@ def test_a_stop_during_a_long_outage_ends_within_the_grace_not_after_the_next_pa
     assert ended, "the worker was still waiting out the outage's pause"
     assert time.monotonic() - started < 1.0 + 2.0
     assert Job.objects.get(pk=job.pk).status != Status.RUNNING  # recorded or released
+
+
+class _Failing(Chore):
+    """A chore whose statement the database refuses every time (a table it may not use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def run(self) -> float:
+        self.runs += 1
+        with connection.cursor() as cursor:
+            cursor.execute("DELETE FROM pgjobs_no_such_table")
+        return 1.0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chore_the_database_refuses_is_tried_again_after_its_own_pause_and_fails_nothing_else(
+    caplog,
+):
+    chore = _Failing()
+    chore.run_if_due()  # no error raised into the worker's turn
+    assert chore.runs == 1 and 0 < chore.due_in() <= policy.outage_pause(1)
+    chore.run_if_due()  # not due yet: not run
+    assert chore.runs == 1
+    chore.next_at = 0
+    chore.run_if_due()
+    assert chore.runs == 2 and policy.outage_pause(1) < chore.due_in() <= policy.outage_pause(2)
+    assert "_Failing failed (ProgrammingError: relation" in caplog.text
+    assert "_Failing failed again (2 times" in caplog.text
+    Job.objects.enqueue("tests.tasks.noop")  # the connection serves the worker's statements
+    assert len(Job.objects.claim(["default"], worker="w1", limit=1)) == 1
