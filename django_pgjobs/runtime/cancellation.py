@@ -7,7 +7,7 @@ import threading
 import time
 from weakref import WeakKeyDictionary
 
-from django.db import connections
+from django.db import connections, router
 
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.execute import current_job
@@ -62,5 +62,7 @@ def _asked(job: Job) -> bool:
 
 
 def _ask(job: Job) -> bool:
-    asked: bool = Job.objects.filter(pk=job.pk, cancel_requested=True).exists()
+    # The write database, where the request was written: a replica behind a router may lag.
+    jobs = Job.objects.db_manager(router.db_for_write(Job))
+    asked: bool = jobs.filter(pk=job.pk, cancel_requested=True).exists()
     return asked

@@ -114,6 +114,19 @@ def test_a_held_key_is_found_on_the_write_database_behind_a_lagging_read_replica
     assert again.pk == holder.pk
 
 
+@pytest.mark.django_db
+def test_cancel_requested_asks_the_write_database_not_a_lagging_read_replica(settings, replica):
+    from django_pgjobs import cancel_requested
+
+    Job.objects.enqueue("tests.tasks.noop")
+    (job,) = Job.objects.claim(["default"], worker="w1")
+    Job.objects.filter(pk=job.pk).cancel()  # not on the replica yet
+    settings.DATABASE_ROUTERS = [ReadReplicaRouter()]
+
+    with execute.running(job):
+        assert cancel_requested()
+
+
 @pytest.mark.django_db(transaction=True)  # the check asks from a thread of its own
 def test_cancel_requested_works_in_an_async_handler():
     Job.objects.enqueue("tests.hostile.checks_for_cancellation_asynchronously")
