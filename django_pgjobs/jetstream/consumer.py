@@ -290,17 +290,24 @@ class NatsWorker:
     # ---- leases --------------------------------------------------------------------------------
 
     def _keep_in_progress(self) -> None:
-        """Every lease/3, an in-progress acknowledgement for each message whose handler runs."""
+        """Every lease/3, an in-progress acknowledgement for each message whose handler runs.
+        The thread lives until the worker stops, whatever a round raises or its logging does
+        (runtime/logs.py, quietly): without it every ack wait would run out under the handlers,
+        and their messages would be delivered again."""
+        from django_pgjobs.runtime.logs import quietly
+
         while not self._stopping or self._in_flight:
             time.sleep(self.lease / 3)
-            with self._lock:
-                finished = {id(job) for job, _ in self._done}
-                running = [msg for key, (_, msg) in self._in_flight.items() if key not in finished]
-            if running:
-                try:
+            try:
+                with self._lock:
+                    finished = {id(job) for job, _ in self._done}
+                    running = [
+                        msg for key, (_, msg) in self._in_flight.items() if key not in finished
+                    ]
+                if running:
                     self.bridge.in_progress(running)
-                except Exception as error:
-                    logger.warning("could not extend the ack wait of running jobs: %s", error)
+            except BaseException as error:
+                quietly(logger.warning, "could not extend the ack wait of running jobs: %s", error)
 
     def _check_limits(self) -> None:
         """Stop when the supervisor is gone; stop to be replaced (Exit.RECYCLE) past

@@ -1,9 +1,12 @@
 """The lease keeper: a thread that renews the leases of a worker's running jobs every lease/3,
 and writes their handlers' progress reports about once a second, whatever the worker's main
-loop is doing (waiting, slow, or stuck on the database)."""
+loop is doing (waiting, slow, or stuck on the database). It lives as long as the worker: a
+round that fails, whatever it raised, is tried again after a pause, and a logging filter of
+the application's that raises cannot end it (runtime/logs.py, `quietly`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -16,12 +19,23 @@ from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.records import Claim, claim_of
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.locks import LockWaits
+from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
 
 #: How often the lease keeper looks for progress reports to write: a job's report is written
 #: at most this often (and with every heartbeat), however often its handler reports.
 PROGRESS_INTERVAL = 1.0
+
+#: After a failed round the keeper waits this long before the next, twice as long after each
+#: further failure, up to lease/6: at least two more tries still fit inside the shortest lease,
+#: and a database that refuses (a failover's read-only primary, a bad password) is not hammered
+#: with a reconnect for every try.
+RETRY_PAUSE = 0.5
+
+#: While its rounds keep failing, the keeper says so at most this often (and when they work
+#: again), not at every try.
+FAILURE_LOG_INTERVAL = 30.0
 
 
 class LeaseKeeper:
@@ -54,6 +68,7 @@ class LeaseKeeper:
         self._lost: set[Claim] = set()
         self._locked: set[Claim] = set()
         self._unheld: set[Claim] = set()  # found not held once: lost if so again next round
+        self._interval = default_lease / 3  # between heartbeats, as of the last round
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="pgjobs-leases", daemon=True)
 
@@ -86,7 +101,8 @@ class LeaseKeeper:
                         self._unheld.add(claim)  # looked at again next round
                     else:
                         self._lost.add(claim)
-                        logger.warning(
+                        quietly(
+                            logger.warning,
                             "lost the lease of job %s (%s); its outcome will not be recorded",
                             job.pk, job.task,
                         )  # fmt: skip
@@ -124,36 +140,76 @@ class LeaseKeeper:
         self._locked &= current
         self._unheld &= current
 
+    def retry_pause(self, failures: int) -> float:
+        """How long to wait for the next round after `failures` failed rounds in a row."""
+        return min(RETRY_PAUSE * 2.0 ** min(failures - 1, 20), self._interval / 2)
+
     def _keep(self) -> None:
         try:
             self.lock_waits.limit_this_thread()
             heartbeat_at = time.monotonic() + self.default_lease / 3
+            retry_at = 0.0  # no round before this, after a failed one
+            failures = 0  # rounds failed in a row
+            logged_at = 0.0  # when the failures were last logged
             while True:
                 wait = min(PROGRESS_INTERVAL, heartbeat_at - time.monotonic())
+                wait = max(wait, retry_at - time.monotonic())
                 if self._stopped.wait(max(0.0, wait)):
                     return
                 try:
                     heartbeat_at = self._round(heartbeat_at)
-                except DatabaseError as error:
-                    # The next round tries again; a lease outlives two missed rounds.
-                    logger.warning("could not renew leases: %s", str(error).strip())
-                    connections[self.jobs.db].close()
-                except Exception:
-                    # Whatever it was (a bug, a lease_of that raised), this thread must live on:
-                    # if it ended, every lease of this worker would run out under its handlers.
-                    logger.exception("the lease keeper's round failed; the next one tries again")
+                # BaseException: whatever a round raised (a bug, a lease_of that raised, even
+                # SystemExit), this thread must live on: if it ended, every lease of this worker
+                # would run out under its handlers. A failed heartbeat stays due (heartbeat_at is
+                # unchanged): the next round, after the pause, is one.
+                except BaseException as error:
+                    failures += 1
+                    retry_at = time.monotonic() + self.retry_pause(failures)
+                    if isinstance(error, DatabaseError):  # the next round connects anew
+                        with contextlib.suppress(BaseException):  # unusable either way
+                            connections[self.jobs.db].close()
+                    if failures == 1 or time.monotonic() - logged_at >= FAILURE_LOG_INTERVAL:
+                        logged_at = time.monotonic()
+                        quietly(self._log_failure, error, failures)
+                else:
+                    if failures:
+                        quietly(
+                            logger.info,
+                            "the lease keeper renews leases again, after %d failed rounds",
+                            failures,
+                        )
+                    failures = 0
         finally:
             connections.close_all()
+
+    def _log_failure(self, error: BaseException, failures: int) -> None:
+        """The first failure with its cause (with a traceback, unless the database refused),
+        then how many rounds failed, now and then."""
+        pause = self.retry_pause(failures)
+        if failures > 1:
+            logger.warning(
+                "the lease keeper's last %d rounds failed (%s: %s); trying again every %.1fs",
+                failures, type(error).__name__, str(error).strip(), pause,
+            )  # fmt: skip
+        elif isinstance(error, DatabaseError):
+            logger.warning(
+                "could not renew leases: %s; trying again in %.1fs", str(error).strip(), pause
+            )
+        else:
+            logger.error(
+                "the lease keeper's round failed; trying again in %.1fs", pause, exc_info=error
+            )
 
     def _round(self, heartbeat_at: float) -> float:
         """One round: a heartbeat if it is due (else only new progress reports); returns when
         the next heartbeat is due."""
         claims = self.claims()
+        self._interval = self.interval(claims)
         # A claim with a shorter lease may have come since the last heartbeat.
-        heartbeat_at = min(heartbeat_at, time.monotonic() + self.interval(claims))
+        heartbeat_at = min(heartbeat_at, time.monotonic() + self._interval)
         heartbeat = time.monotonic() >= heartbeat_at
         if heartbeat:
-            heartbeat_at = time.monotonic() + self.interval(claims)
+            heartbeat_at = time.monotonic() + self._interval
         if claims:
             self.keep_up(claims, heartbeat)
         return heartbeat_at

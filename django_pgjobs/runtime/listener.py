@@ -1,4 +1,6 @@
-"""The worker's wake-up listener: LISTEN on a dedicated connection (data/wakeups.py sends)."""
+"""The worker's wake-up listener: LISTEN on a dedicated connection (data/wakeups.py sends). Its
+thread lives as long as the worker: whatever ends a connection, or the application's logging
+configuration does (runtime/logs.py, quietly), it connects again after a pause."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 from django.db import connections
 
 from django_pgjobs.data.wakeups import CHANNEL
+from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +23,7 @@ def listen(
 ) -> None:  # fmt: skip
     """LISTEN on a dedicated connection (its application_name `name`, when given and the
     database's OPTIONS name none) until
-    `stopping()`; reconnect with backoff on errors.
+    `stopping()`; reconnect with backoff on errors, whatever they are.
 
     Calls on_notify(queue) for each notification and on_connect() after every (re)connect, so
     the worker polls at once for whatever it missed while disconnected.
@@ -36,15 +39,21 @@ def listen(
             try:
                 connection.autocommit = True
                 connection.execute(f"LISTEN {CHANNEL}")
-                failures = 0
                 on_connect()
+                failures = 0
                 while not stopping():
                     for notification in connection.notifies(timeout=0.5):
                         on_notify(notification.payload)
             finally:
                 connection.close()
-        except Exception:
+        # BaseException: this thread ends only when the worker stops; nothing else tells the
+        # worker that wake-ups stopped coming (it would fall back to polling, unnoticed).
+        except BaseException as error:
             failures += 1
-            delay = min(5.0, 0.1 * 2**failures)
-            logger.warning("wake-up listener lost its connection; retrying in %.1fs", delay)
+            delay = min(5.0, 0.1 * 2 ** min(failures, 10))
+            quietly(
+                logger.warning,
+                "wake-up listener lost its connection (%s: %s); retrying in %.1fs",
+                type(error).__name__, error, delay,
+            )  # fmt: skip
             time.sleep(delay)
