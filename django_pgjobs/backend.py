@@ -13,13 +13,14 @@ framework's API; split, each part would import the framework's names on its own.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib
 import json
 import logging
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 from uuid import UUID
 
@@ -327,9 +328,16 @@ def context(result: TaskResult[Any, Any]) -> TaskContext[Any, Any]:
 def send(signal: Signal, result: TaskResult[Any, Any]) -> None:
     """Send a task signal from the worker: a receiver that raises is logged, never propagated."""
     sender = type(task_backends[result.backend])
-    for receiver, response in signal.send_robust(sender, task_result=result):
-        if isinstance(response, Exception):
-            logger.error("a receiver of a task signal raised: %r", receiver, exc_info=response)
+    responses: Sequence[tuple[object, object]]
+    try:
+        responses = signal.send_robust(sender, task_result=result)
+    except BaseException as error:  # SystemExit: send_robust lets it through; the receiver's
+        # bug must not turn the task's outcome into a failure
+        responses = [(None, error)]
+    for receiver, response in responses:
+        if isinstance(response, BaseException):
+            with contextlib.suppress(Exception):  # the application's logging may raise too
+                logger.error("a receiver of a task signal raised: %r", receiver, exc_info=response)
 
 
 def result_json(value: Any) -> str:

@@ -469,6 +469,22 @@ def test_a_receiver_that_raises_does_not_fail_the_task(caplog):
     assert "a receiver of a task signal raised" in caplog.text
 
 
+def test_a_task_finished_receiver_raising_system_exit_does_not_fail_the_task(caplog):
+    def exits(**kwargs: Any) -> None:
+        raise SystemExit(7)
+
+    task_finished.connect(exits)
+    try:
+        result = tasks.calculate_meaning_of_life.enqueue()
+        run_jobs()
+    finally:
+        task_finished.disconnect(exits)
+
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert "a receiver of a task signal raised" in caplog.text
+
+
 def test_run_after_and_priority_decide_when_and_in_which_order_tasks_run():
     later = tasks.noop.using(run_after=timezone.now() + timedelta(hours=2)).enqueue()
     low = tasks.noop.using(priority=-2).enqueue()
