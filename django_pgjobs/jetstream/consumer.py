@@ -46,7 +46,7 @@ from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
-from django_pgjobs.runtime.logs import log_activity, log_outcome
+from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
 from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.wake import Wake
 from django_pgjobs.runtime.worker import LIMITS_INTERVAL
@@ -294,8 +294,6 @@ class NatsWorker:
         The thread lives until the worker stops, whatever a round raises or its logging does
         (runtime/logs.py, quietly): without it every ack wait would run out under the handlers,
         and their messages would be delivered again."""
-        from django_pgjobs.runtime.logs import quietly
-
         while not self._stopping or self._in_flight:
             time.sleep(self.lease / 3)
             try:
