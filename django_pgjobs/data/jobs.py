@@ -271,6 +271,15 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """The ids of those of `jobs` whose claims their worker still holds."""
         return set(self._own(sql.HELD, jobs))
 
+    def locked_elsewhere(self, jobs: Sequence[Job]) -> set[UUID]:
+        """The ids of those of `jobs` whose rows another session holds locked (sql.
+        LOCKED_ELSEWHERE): recording their outcomes would wait for it. Never waits itself."""
+        if not jobs:
+            return set()
+        params = {"ids": [claim_of(job)[0] for job in jobs]}
+        found = rows.execute(self._write_db(), sql.LOCKED_ELSEWHERE, params)
+        return {job_id for (job_id,) in found}
+
     def promote(self, *, limit: int = 1000) -> int:
         """Move scheduled jobs that have come due into the claim index (sql.PROMOTE); returns
         how many."""

@@ -153,6 +153,12 @@ def connection_lost(error: DatabaseError) -> bool:
     )
 
 
+def lock_timed_out(error: DatabaseError) -> bool:
+    """Whether `error` is a statement that waited its lock_timeout for a lock another session
+    holds (see runtime/locks.py)."""
+    return isinstance(error.__cause__, psycopg.errors.LockNotAvailable)
+
+
 def plan_unfit(error: DatabaseError) -> bool:
     """Whether `error` is PostgreSQL refusing a prepared statement whose result a migration
     changed (the type of a column it returns)."""

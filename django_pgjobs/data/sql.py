@@ -341,6 +341,18 @@ HELD = """
     WHERE (j.status = 'running') IS TRUE AND j.worker = %(worker)s
 """
 
+# Which of a worker's claims another session holds locked (an operator's open transaction,
+# say): the rows its outcomes' UPDATE would wait for. Each row is only tried (SKIP LOCKED); the
+# locks taken on the others end with the statement, run outside a transaction.
+LOCKED_ELSEWHERE = """
+    WITH free AS (
+        SELECT id FROM pgjobs_job WHERE id = ANY(%(ids)s::uuid[])
+        FOR NO KEY UPDATE SKIP LOCKED
+    )
+    SELECT j.id FROM pgjobs_job AS j
+    WHERE j.id = ANY(%(ids)s::uuid[]) AND j.id NOT IN (SELECT id FROM free)
+"""
+
 # Back to ready without spending an attempt, or cancelled when someone asked to cancel the job
 # while it ran: a worker shutting down (%(delay)s NULL: the job keeps its place), or a
 # handler's Retry (due again in %(delay)s seconds). Keeps each handler's last progress report,

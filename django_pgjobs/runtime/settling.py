@@ -1,6 +1,7 @@
 """Outcome batching: handler threads hand in how their jobs ended, and the worker's main thread
 records them with its next claim, one statement a turn. A batch the database refuses is
-recorded again job by job, so one bad outcome can never wedge the worker."""
+recorded again job by job, so one bad outcome can never wedge the worker; outcomes whose rows
+another session holds locked are held back, so one locked row never stalls the others."""
 
 from __future__ import annotations
 
@@ -16,11 +17,16 @@ from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import policy
+from django_pgjobs.runtime.logs import quietly
 
 if TYPE_CHECKING:
     from django_pgjobs.runtime.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+#: How long outcomes whose rows another session held locked wait before they are tried again
+#: (each time only once their rows are free: they never make a turn wait for a lock again).
+HELD_RETRY = 1.0
 
 
 class Settler:
@@ -31,6 +37,10 @@ class Settler:
         self._done: list[tuple[Job, Handled]] = []
         self._first_at = 0.0  # when the oldest unsettled outcome came in
         self._lock = threading.Lock()
+        # Outcomes whose rows another session held locked, and when to try them again; the
+        # main thread's alone. Their claims are still running ones: the lease keeper renews them.
+        self._held: list[tuple[Job, Handled]] = []
+        self._held_until = 0.0
 
     def finished(self, job: Job, handled: Handled) -> bool:
         """Hand in a finished job (from its handler thread). True when the main thread should
@@ -50,10 +60,11 @@ class Settler:
         return [job for job in claims if id(job) not in done]
 
     def due_in(self) -> float:
+        held = self._held_until - time.monotonic() if self._held else float("inf")
         with self._lock:
             if not self._done:
-                return float("inf")
-            return self._first_at + policy.SETTLE_DELAY - time.monotonic()
+                return held
+            return min(held, self._first_at + policy.SETTLE_DELAY - time.monotonic())
 
     def _due(self) -> bool:
         worker, options = self.worker, self.worker.options
@@ -72,11 +83,12 @@ class Settler:
                 return
             done, self._done = self._done, []
         worker.learn_durations([handled.duration for _, handled in done])
-        succeeded = [(job, h) for job, h in done if h.verdict is Verdict.SUCCEEDED]
-        failed = [(job, h) for job, h in done if h.verdict is Verdict.ERROR]
         limited: list[Job] = []  # claimed from queues with a limit
         wanted = 0
         try:
+            done += self._held_now_free()
+            succeeded = [(job, h) for job, h in done if h.verdict is Verdict.SUCCEEDED]
+            failed = [(job, h) for job, h in done if h.verdict is Verdict.ERROR]
             for job, handled in done:
                 if handled.verdict is Verdict.RETRY:
                     owned = worker.jobs.retry_later(job, handled.delay)
@@ -88,7 +100,16 @@ class Settler:
                 # Limited queues first, up to their share of the turn, so that a backlog in an
                 # open queue cannot starve them; what they leave goes to the open queues.
                 worker.claim_limited(wanted - worker.controls.open_share(wanted), into=limited)
-            settled = self._record(succeeded, failed, wanted - len(limited))
+            try:
+                settled = self._record(succeeded, failed, wanted - len(limited))
+            except DatabaseError as error:
+                held = self._hold_locked(error, [*succeeded, *failed])
+                if not held:
+                    raise
+                done = [item for item in done if id(item[0]) not in held]
+                succeeded = [item for item in succeeded if id(item[0]) not in held]
+                failed = [item for item in failed if id(item[0]) not in held]
+                settled = self._record(succeeded, failed, wanted - len(limited))
         except DatabaseError:
             # Keep what was not recorded; it is tried again after the reconnect. Recording
             # twice is harmless: the guard refuses the second write.
@@ -101,6 +122,36 @@ class Settler:
             worker.settled(job, handled, Outcome.of_status(settled.recorded.get(claim_of(job))))
         if wanted:
             worker.take(limited + settled.claimed, wanted)
+
+    def _held_now_free(self) -> list[tuple[Job, Handled]]:
+        """The held outcomes due to be tried again whose rows are free now (the others stay
+        held); none before their time, unless the worker is stopping."""
+        if not self._held or (time.monotonic() < self._held_until and not self.worker._stopping):
+            return []
+        locked = self.worker.jobs.locked_elsewhere([job for job, _ in self._held])
+        free = [item for item in self._held if claim_of(item[0])[0] not in locked]
+        self._held = [item for item in self._held if claim_of(item[0])[0] in locked]
+        self._held_until = time.monotonic() + HELD_RETRY
+        return free
+
+    def _hold_locked(self, error: DatabaseError, outcomes: list[tuple[Job, Handled]]) -> set[int]:
+        """After the turn's statement waited its lock_timeout: hold back the outcomes whose rows
+        another session holds locked, to be recorded once they are free. Returns them (as
+        id(job), the worker's key of a claim); none when `error` is not that wait."""
+        if not (outcomes and rows.lock_timed_out(error)):
+            return set()
+        locked = self.worker.jobs.locked_elsewhere([job for job, _ in outcomes])
+        held = [item for item in outcomes if claim_of(item[0])[0] in locked]
+        if held:
+            self._held += held
+            self._held_until = time.monotonic() + HELD_RETRY
+            quietly(
+                logger.warning,
+                "the rows of %d finished jobs are locked by another session (%s); recording "
+                "the other outcomes, and those once their rows are free",
+                len(held), ", ".join(str(job.pk) for job, _ in held),
+            )  # fmt: skip
+        return {id(job) for job, _ in held}
 
     def _record(
         self,

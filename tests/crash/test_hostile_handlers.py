@@ -4,6 +4,7 @@ row stays running, and the worker keeps serving the other jobs."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -330,6 +331,26 @@ def test_a_handler_waiting_on_a_row_lock_does_not_stop_its_worker_heartbeating_t
     assert Execution.objects.filter(n=501).exists()
     assert state(slow.pk).attempts == 1
     assert not running()
+
+
+def test_a_finished_jobs_row_locked_by_another_session_holds_back_its_outcome_alone(
+    start_worker, other_connection
+):
+    # An operator's open transaction on a running job's row: its outcome waits for the row;
+    # the worker's other outcomes and claims do not (they waited with it, turn after turn).
+    locked = Job.objects.enqueue("tests.tasks.record", {"n": 100, "seconds": 0.5}, priority=10)
+    worker = start_worker(*WORKER)
+    wait_while_alive(worker, lambda: state(locked.pk).status == Status.RUNNING, timeout=SETTLE)
+    with other_connection.transaction():
+        other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [locked.pk])
+        time.sleep(2)  # its handler has finished (0.5 s): its outcome waits for the row
+        beside = record(range(1, 9))
+        leases_kept_until(worker, lambda: succeeded(beside), timeout=SETTLE, but=locked.pk)
+        assert state(locked.pk).status == Status.RUNNING
+    wait_while_alive(worker, lambda: succeeded([locked.pk]), timeout=SETTLE)
+    assert state(locked.pk).attempts == 1
+    wait_while_alive(worker, lambda: not running(), timeout=SETTLE)
+    assert "the rows of 1 finished jobs are locked by another session" in worker.log()
 
 
 def test_a_handler_locking_its_own_job_row_does_not_stop_its_worker_heartbeating_the_others(
