@@ -2,7 +2,8 @@
 handlers' connections are left alone): a lock_timeout, so that no statement of the worker's own
 waits long on a lock held elsewhere; an application_name that says whose they are in
 pg_stat_activity; synchronous_commit off unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]; and
-prepared statements for what they run again and again."""
+prepared statements for what they run again and again. And the TCP keepalives of every
+connection a worker process makes (KEEPALIVES)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,29 @@ PREPARE_THRESHOLD = 5
 #: The most prepared statements psycopg keeps on such a connection: each is prepared again
 #: in every generation of plans (data/rows.py, replan), and those of earlier ones are let go.
 PREPARED_MAX = 16
+
+
+#: libpq's TCP settings for a worker process's connections, those the project's DATABASES
+#: OPTIONS leave out: a database that vanishes from the network without closing its
+#: connections (a failover to another host, a partition, a machine lost) is noticed within
+#: about 20 s, not after the kernel's two hours, during which the main loop and the lease keeper
+#: would wait on their statements while every lease ran out.
+KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 20_000,  # milliseconds: data sent and not acknowledged
+}
+
+
+def keep_alive(db: str) -> bool:
+    """Give this process's connections to `db` the KEEPALIVES settings their OPTIONS leave out
+    (from their next connect); True when any was added."""
+    options = connections[db].settings_dict.setdefault("OPTIONS", {})
+    added = {key: value for key, value in KEEPALIVES.items() if key not in options}
+    options.update(added)
+    return bool(added)
 
 
 def application_name(worker: str) -> str:

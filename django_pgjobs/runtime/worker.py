@@ -20,7 +20,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
-from django_pgjobs.runtime import execute, listener, policy, served
+from django_pgjobs.runtime import execute, listener, locks, policy, served
 from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
@@ -111,6 +111,8 @@ class Worker:
             self.id, ",".join(options.queues), options.concurrency, options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
+        if locks.keep_alive(self.db) and not connections[self.db].in_atomic_block:
+            connections[self.db].close()  # opened before (checks): made again with them
         if options.parent_pid is None:  # a supervisor's children: it said so once for all
             served.warn(self.db, options.queues, f"worker {self.id}")
         self._lock_waits.limit_this_thread(plans=True)

@@ -257,3 +257,23 @@ def test_a_worker_asks_for_new_plans_when_a_turn_comes_back_full(
         worker.stop()
         thread.join(30)
     assert asked and set(asked) == {"default"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_workers_connections_keep_tcp_alive_keeping_the_projects_own_settings():
+    """A database gone from the network without closing the connections is noticed in about
+    20 s (locks.KEEPALIVES), not the kernel's two hours; what the project set stays."""
+    settings_dict = connection.settings_dict
+    saved = copy.deepcopy(settings_dict.get("OPTIONS", {}))
+    settings_dict.setdefault("OPTIONS", {})["keepalives_idle"] = 99  # the project's own
+    try:
+        Worker(Options(queues=["default"], once=True, listen=False, concurrency=1)).run()
+        connection.ensure_connection()  # as the worker's threads connect
+        parameters = connection.connection.info.get_parameters()
+    finally:
+        settings_dict["OPTIONS"] = saved
+        connection.close()
+    assert parameters["keepalives"] == "1"
+    assert parameters["keepalives_idle"] == "99"
+    assert (parameters["keepalives_interval"], parameters["keepalives_count"]) == ("5", "3")
+    assert parameters["tcp_user_timeout"] == "20000"
