@@ -244,3 +244,8 @@ def hostile_enqueued_receiver(sender: object, jobs: list[object], **kwargs: obje
 
 
 signals.job_enqueued.connect(hostile_enqueued_receiver, weak=False)
+
+
+@task(lease=120)
+def has_a_long_lease() -> None:
+    """A task with a lease of its own, longer than a worker's."""

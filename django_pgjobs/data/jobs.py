@@ -185,7 +185,21 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         statement = sql.SETTLE_AND_CLAIM if succeeded or failed else sql.CLAIM
         found = rows.execute(db, statement, params, binary=True)
         recorded = {(row[1], row[_CLAIMS]): row[_STATUS] for row in found if row[0] == "settled"}
-        claimed = rows.load_jobs(self.model, db, (row[1:] for row in found if row[0] != "settled"))
+        claimed_rows = [row for row in found if row[0] != "settled"]
+        try:
+            claimed = rows.load_jobs(self.model, db, (row[1:] for row in claimed_rows))
+        except BaseException:
+            # Committed claims the caller will never see (a model signal's receiver raised, say):
+            # given back now, not left to run out their leases with an attempt spent.
+            given_back = {
+                "ids": [row[1] for row in claimed_rows],
+                "claims": [row[_CLAIMS] for row in claimed_rows],
+                "progress": [None] * len(claimed_rows),
+                "worker": worker,
+                "delay": None,
+            }
+            rows.execute(db, sql.RELEASE, given_back)
+            raise
         for job in claimed:
             hold(job)
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))

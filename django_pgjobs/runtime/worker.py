@@ -213,16 +213,18 @@ class Worker:
                 )
 
     def take(self, jobs: list[Job], wanted: int) -> None:
-        """Hand claimed jobs to the handler threads, then schedule the next poll."""
-        longer = [job for job in jobs if self.lease_of(job) > self.lease]
-        if longer:  # tasks with a lease of their own get it at once
-            self._leases.renew(longer)
-        self.activity.claimed(jobs)
+        """Hand claimed jobs to the handler threads, then schedule the next poll. They are the
+        worker's before anything here can fail: a claim it did not know of would be neither
+        run nor renewed, and would come back only at its lease's end, an attempt spent."""
         with self._lock:
             for job in jobs:
                 self._in_flight[id(job)] = job
         for job in jobs:
             self._handlers.submit(job)
+        self.activity.claimed(jobs)
+        longer = [job for job in jobs if self.lease_of(job) > self.lease]
+        if longer:  # tasks with a lease of their own get it at once
+            self._leases.renew(longer)
         self._last_claim_empty = not jobs
         self._poll_delay = policy.poll_delay(
             self._poll_delay, len(jobs), wanted, self.options.poll_interval

@@ -221,3 +221,45 @@ def test_a_chore_the_database_refuses_is_tried_again_after_its_own_pause_and_fai
     assert "_Failing failed again (2 times" in caplog.text
     Job.objects.enqueue("tests.tasks.noop")  # the connection serves the worker's statements
     assert len(Job.objects.claim(["default"], worker="w1", limit=1)) == 1
+
+
+@pytest.mark.django_db
+def test_claims_the_caller_never_sees_are_given_back_at_once():
+    """A Job model signal's receiver that raises while claimed rows become Job objects: the
+    claims were committed; they go back to ready at once, the attempt not spent."""
+    from django.db.models.signals import post_init
+
+    from tests.factories import JobFactory
+
+    def broken(sender: Any, instance: Job, **kwargs: Any) -> None:
+        if instance.payload == {"poison": 1}:
+            raise RuntimeError("post_init receiver bug")
+
+    job = JobFactory(payload={"poison": 1})
+    post_init.connect(broken, sender=Job)
+    try:
+        with pytest.raises(RuntimeError, match="post_init receiver bug"):
+            Job.objects.claim(["default"], worker="w1", limit=5)
+    finally:
+        post_init.disconnect(broken, sender=Job)
+    row = Job.objects.get(pk=job.pk)
+    assert (row.status, row.attempts, row.claims) == (Status.READY, 0, 1)
+
+
+@pytest.mark.django_db
+def test_claimed_jobs_are_the_workers_before_anything_else_is_done_with_them(monkeypatch):
+    """Renewing the claim of a task with a longer lease may fail (the database): the jobs are
+    the worker's by then, to be run and renewed, not left to run out their leases."""
+    from tests.factories import JobFactory
+
+    JobFactory(task="tests.hostile.has_a_long_lease")
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False))
+    (job,) = Job.objects.claim(["default"], worker=worker.id, limit=1)
+
+    def fails(claims: list[Job]) -> set[Any]:
+        raise OperationalError("the database went away")
+
+    monkeypatch.setattr(worker._leases, "renew", fails)
+    with pytest.raises(OperationalError):
+        worker.take([job], 1)
+    assert worker.running_claims() == [job]
