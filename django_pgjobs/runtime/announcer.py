@@ -12,6 +12,7 @@ order the outcomes were recorded, it can only delay the signals after it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -118,7 +119,7 @@ class Announcer:
     def _send(self) -> None:
         """Each turn's signals with its connections handled as Django handles a request's."""
         while (batch := self._todo.get()) is not None:
-            close_old_connections()
+            _close_old_connections()
             for send in batch:
                 try:
                     send()
@@ -127,5 +128,12 @@ class Announcer:
                     quietly(logger.error, "a signal's receiver raised", exc_info=error)
                 with self._lock:
                     self._waiting -= 1
-            close_old_connections()
-        connections.close_all()
+            _close_old_connections()
+        with contextlib.suppress(Exception):
+            connections.close_all()
+
+
+def _close_old_connections() -> None:
+    """Django's, which may raise closing a broken connection: the thread must go on."""
+    with contextlib.suppress(Exception):
+        close_old_connections()
