@@ -159,6 +159,14 @@ def lock_timed_out(error: DatabaseError) -> bool:
     return isinstance(error.__cause__, psycopg.errors.LockNotAvailable)
 
 
+def timed_out(error: DatabaseError) -> bool:
+    """Whether `error` is a statement that ran out of time (a lock_timeout, a
+    statement_timeout): the statement's failure, not the connection's."""
+    return isinstance(
+        error.__cause__, psycopg.errors.LockNotAvailable | psycopg.errors.QueryCanceled
+    )
+
+
 def plan_unfit(error: DatabaseError) -> bool:
     """Whether `error` is PostgreSQL refusing a prepared statement whose result a migration
     changed (the type of a column it returns)."""

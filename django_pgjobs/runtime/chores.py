@@ -11,9 +11,11 @@ import logging
 import time
 from collections.abc import Callable
 
+from django.db import DatabaseError
 from django.db.models.functions import Now
 
 from django_pgjobs.conf import get_settings
+from django_pgjobs.data import rows
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.errors import text_of
 from django_pgjobs.models import Job, QueueStat
@@ -32,7 +34,7 @@ class Chore:
     its own, doubling up to policy.OUTAGE_BACKOFF_MAX, and says so (the traceback once): a
     chore that cannot be done (the worker's role may not delete statistics, a prune outlasts
     a statement_timeout) must hold up neither the claims nor the other chores, as it would
-    if it failed the worker's turn."""
+    if it failed the worker's turn. A lost connection is the worker's outage, as ever."""
 
     def __init__(self, first_in: float = 0.0) -> None:
         self.next_at = time.monotonic() + first_in
@@ -47,6 +49,8 @@ class Chore:
         try:
             wait = self.run()
         except Exception as error:
+            if _connection_lost(error):
+                raise  # the worker's outage (runtime/outages.py)
             self.failures += 1
             wait = policy.outage_pause(self.failures)
             name, first = type(self).__name__, _first_line(error)
@@ -154,6 +158,15 @@ class Reporter(Chore):
         self.report(now - self.since)
         self.since = now
         return self.interval
+
+
+def _connection_lost(error: Exception) -> bool:
+    """The connection at fault, not the chore's statement (one that ran out of time is)."""
+    return (
+        isinstance(error, DatabaseError)
+        and rows.connection_lost(error)
+        and not rows.timed_out(error)
+    )
 
 
 def _first_line(error: Exception) -> str:

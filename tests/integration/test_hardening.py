@@ -263,3 +263,25 @@ def test_claimed_jobs_are_the_workers_before_anything_else_is_done_with_them(mon
     with pytest.raises(OperationalError):
         worker.take([job], 1)
     assert worker.running_claims() == [job]
+
+
+class _TimesOut(Chore):
+    def run(self) -> float:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL statement_timeout = '10ms'")
+            cursor.execute("SELECT pg_sleep(1)")
+        return 1.0
+
+
+class _LosesItsConnection(Chore):
+    def run(self) -> float:
+        raise OperationalError("server closed the connection unexpectedly")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chore_that_runs_out_of_time_pauses_alone_and_a_lost_connection_is_the_workers():
+    slow = _TimesOut()
+    slow.run_if_due()  # QueryCanceled: the statement's, not the connection's
+    assert slow.failures == 1
+    with pytest.raises(OperationalError):
+        _LosesItsConnection().run_if_due()  # the worker's outage, as before
