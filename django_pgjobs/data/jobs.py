@@ -11,6 +11,7 @@ statement's named parameters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -496,7 +497,8 @@ def _own_backoff(task_name: str, attempts: int, within: float) -> float | None:
     if backoff is None:
         return None
     try:
-        return retry.backoff_seconds(backoff, attempts, task_name, within=retry.BACKOFF_PATIENCE)
+        return retry.backoff_seconds(backoff, attempts, task_name, within=within)
     except Exception as error:  # ValueError, RuntimeError or TimeoutError, naming the task
-        logger.warning("a reaped job of %s keeps the default backoff: %s", task_name, error)
+        with contextlib.suppress(Exception):  # the application's logging may raise too
+            logger.warning("a reaped job of %s keeps the default backoff: %s", task_name, error)
         return None

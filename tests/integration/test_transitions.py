@@ -212,6 +212,23 @@ def test_a_reap_asks_slow_backoffs_for_a_second_in_all_and_gives_the_rest_the_de
     assert all(due[job.pk][0] <= 0.05 for job in jobs if job not in own)  # the default
 
 
+def test_each_backoff_a_reap_asks_is_given_what_is_left_of_its_second(monkeypatch):
+    from django_pgjobs import retry
+
+    given: list[float | None] = []
+    ask = retry.backoff_seconds
+
+    def spy(backoff, attempts, task, *, within=None):
+        given.append(within)
+        return ask(backoff, attempts, task, within=within)
+
+    monkeypatch.setattr(retry, "backoff_seconds", spy)
+    JobFactory.create_batch(3, expired=True, task="tests.tasks.fails_and_waits")
+    assert Job.objects.reap() == (3, 0)
+    assert len(given) == 3
+    assert retry.BACKOFF_PATIENCE >= given[0] > given[1] > given[2] > 0
+
+
 def test_a_reaped_jobs_own_backoff_leaves_it_alone_once_claimed_again():
     """Between the reap and its task's backoff another worker may claim the job (the default
     backoff had it due): that claim is not moved."""
