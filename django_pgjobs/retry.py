@@ -100,7 +100,7 @@ def backoff_seconds(
 
     threading.Thread(target=call, name=f"pgjobs backoff of {task}", daemon=True).start()
     if not ended.wait(within):
-        raise TimeoutError(f"{what} did not return within {within:g}s")
+        raise TimeoutError(f"{what} did not return within {within:.2g}s")
     if raised:
         raise _raised(what, raised[0]) from raised[0]
     return as_seconds(result[0], what)
