@@ -282,9 +282,7 @@ class NatsWorker:
         if self.options.max_jobs and self._recorded >= self.options.max_jobs:
             self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
         self.activity.finished(job, outcome)
-        self._announcer.announce(
-            job, outcome, duration=handled.duration, error=handled.failure, delay=handled.delay
-        )
+        self._announcer.announce(job, handled, outcome)
         log_outcome(job, handled, outcome)
 
     # ---- leases --------------------------------------------------------------------------------

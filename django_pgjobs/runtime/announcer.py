@@ -18,17 +18,13 @@ import queue
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
 from django.db import close_old_connections, connections
 
 from django_pgjobs import signals
 from django_pgjobs.models import Job
-from django_pgjobs.outcomes import Outcome
+from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime.logs import quietly
-
-if TYPE_CHECKING:
-    from django_pgjobs.data.records import Failure
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +48,15 @@ class Announcer:
         self._waiting = 0  # handed over, not yet sent
         self._dropped = 0
 
-    def announce(
-        self,
-        job: Job,
-        outcome: Outcome,
-        *,
-        duration: float,
-        error: Failure | None = None,
-        delay: float | None = None,
-    ) -> None:
-        """Add the signal of a recorded outcome to this turn's (none for one without
+    def announce(self, job: Job, handled: Handled, outcome: Outcome) -> None:
+        """Add the signal of an attempt's recorded outcome to this turn's (none for one without
         receivers)."""
         signal = signals.SIGNAL_OF_OUTCOME.get(outcome)
         if signal is not None and signal.receivers:
-            self._batch.append(
-                partial(signals.announce, job, outcome, duration=duration, error=error, delay=delay)
-            )
+            self._batch.append(partial(
+                signals.announce, job, outcome,
+                duration=handled.duration, error=handled.failure, delay=handled.delay,
+            ))  # fmt: skip
 
     def enqueued(self, jobs: list[Job]) -> None:
         """Send job_enqueued for `jobs`, committed by the worker itself (a periodic tick's), as

@@ -18,6 +18,7 @@ from django.db import DatabaseError, connections
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.records import Claim, claim_of
 from django_pgjobs.models import Job
+from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.logs import quietly
 
@@ -142,7 +143,7 @@ class LeaseKeeper:
 
     def retry_pause(self, failures: int) -> float:
         """How long to wait for the next round after `failures` failed rounds in a row."""
-        return min(RETRY_PAUSE * 2.0 ** min(failures - 1, 20), self._interval / 2)
+        return policy.doubling(RETRY_PAUSE, failures, self._interval / 2)
 
     def _keep(self) -> None:
         try:

@@ -12,6 +12,7 @@ from typing import Any
 from django.db import connections
 
 from django_pgjobs.data.wakeups import CHANNEL
+from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def listen(
         # worker that wake-ups stopped coming (it would fall back to polling, unnoticed).
         except BaseException as error:
             failures += 1
-            delay = min(5.0, 0.1 * 2 ** min(failures, 10))
+            delay = policy.doubling(0.2, failures, 5.0)
             quietly(
                 logger.warning,
                 "wake-up listener lost its connection (%s: %s); retrying in %.1fs",

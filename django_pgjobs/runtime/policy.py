@@ -69,9 +69,15 @@ def settle_due(
     return waited >= SETTLE_DELAY
 
 
+def doubling(first: float, failures: int, cap: float) -> float:
+    """A pause after `failures` failures in a row: `first` after the first, twice as long after
+    each further one, at most `cap`."""
+    return min(cap, first * 2.0 ** min(max(failures - 1, 0), 30))
+
+
 def outage_pause(failures: int) -> float:
     """How long to wait before trying the database again after `failures` failures in a row."""
-    return min(OUTAGE_BACKOFF_MAX, 0.05 * 2.0 ** min(failures, 20))
+    return doubling(0.1, failures, OUTAGE_BACKOFF_MAX)
 
 
 def resident_mb() -> float:

@@ -24,6 +24,7 @@ from types import FrameType
 from django.db import DatabaseError, connections
 
 from django_pgjobs.models import Job
+from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.options import Exit, worker_id
 from django_pgjobs.runtime.wake import Wake
 
@@ -140,7 +141,7 @@ class Supervisor:
             self._failed = True
             self.stop()
             return
-        pause = min(30.0, 0.5 * 2 ** (len(self._crashes) - 1))
+        pause = policy.doubling(0.5, len(self._crashes), 30.0)
         logger.error("worker process %d %s; starting another in %.1fs", pid, how, pause)
         self._restart_at[child.slot] = now + pause
 

@@ -244,9 +244,7 @@ class Worker:
             self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
         if job.queue in self.controls.limited:
             self._poll_now = True  # a slot under the queue's limit is free again
-        self._announcer.announce(
-            job, outcome, duration=handled.duration, error=handled.failure, delay=handled.delay
-        )
+        self._announcer.announce(job, handled, outcome)
         log_outcome(job, handled, outcome)
 
     def learn_durations(self, durations: list[float]) -> None:

@@ -12,9 +12,11 @@ import pytest
 
 from django_pgjobs import signals
 from django_pgjobs.models import Job
-from django_pgjobs.outcomes import Outcome
+from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import announcer
 from django_pgjobs.runtime.announcer import Announcer
+
+HANDLED = Handled(Verdict.SUCCEEDED, duration=0.1)
 
 
 @pytest.fixture
@@ -37,8 +39,8 @@ def test_outcome_signals_are_sent_in_order_on_a_thread_of_their_own(heard):
     sender = Announcer()
     for n in range(5):
         outcome = Outcome.SUCCEEDED if n % 2 == 0 else Outcome.FAILED
-        sender.announce(Job(task=f"app.t{n}"), outcome, duration=0.1)
-    sender.announce(Job(task="app.lost"), Outcome.LOST, duration=0.1)  # no signal
+        sender.announce(Job(task=f"app.t{n}"), HANDLED, outcome)
+    sender.announce(Job(task="app.lost"), HANDLED, Outcome.LOST)  # no signal
     sender.stop(within=5)
     assert heard == [
         ("succeeded", "app.t0", "pgjobs-signals"),
@@ -52,7 +54,7 @@ def test_outcome_signals_are_sent_in_order_on_a_thread_of_their_own(heard):
 def test_no_thread_is_started_while_no_signal_has_a_receiver(monkeypatch):
     monkeypatch.setattr(signals.job_succeeded, "receivers", [])  # the tests connect some
     sender = Announcer()
-    sender.announce(Job(task="app.t"), Outcome.SUCCEEDED, duration=0.1)
+    sender.announce(Job(task="app.t"), HANDLED, Outcome.SUCCEEDED)
     sender.flush()
     assert sender._thread is None
 
@@ -69,7 +71,7 @@ def test_a_receiver_that_hangs_delays_only_the_signals_after_it(monkeypatch, cap
         sender = Announcer()
         started = time.monotonic()
         for n in range(10):  # one being sent, two waiting, seven dropped
-            sender.announce(Job(task=f"app.t{n}"), Outcome.SUCCEEDED, duration=0.1)
+            sender.announce(Job(task=f"app.t{n}"), HANDLED, Outcome.SUCCEEDED)
             sender.flush()  # a turn each
         with caplog.at_level(logging.WARNING):
             sender.stop(within=0.2)
@@ -90,9 +92,9 @@ def test_a_receiver_raising_system_exit_is_logged_and_the_next_signals_are_sent(
     signals.job_succeeded.connect(exits, weak=False)
     try:
         sender = Announcer()
-        sender.announce(Job(task="app.exits"), Outcome.SUCCEEDED, duration=0.1)
+        sender.announce(Job(task="app.exits"), HANDLED, Outcome.SUCCEEDED)
         sender.flush()
-        sender.announce(Job(task="app.next"), Outcome.SUCCEEDED, duration=0.1)
+        sender.announce(Job(task="app.next"), HANDLED, Outcome.SUCCEEDED)
         sender.stop(within=5)
     finally:
         signals.job_succeeded.disconnect(exits)
