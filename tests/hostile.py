@@ -114,6 +114,21 @@ def returns_an_object() -> object:
 
 
 @task(max_attempts=1)
+def leaves_a_thread_behind() -> None:
+    """Starts a thread that outlives its job and is no daemon: Python's exit waits for those."""
+    threading.Thread(target=time.sleep, args=(3600,), name="left behind", daemon=False).start()
+
+
+@task(max_attempts=1)
+def leaves_a_pool_behind() -> None:
+    """Leaves a thread pool running a long task: Python's exit waits for its threads, daemon or
+    not (concurrent.futures joins them at exit)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ThreadPoolExecutor(1, thread_name_prefix="pool left behind").submit(time.sleep, 3600)
+
+
+@task(max_attempts=1)
 def swallows_a_database_error(n: int) -> None:
     """Writes ledger row n, then catches PostgreSQL's error inside atomic() and carries on."""
     from tests.models import Execution

@@ -4,6 +4,7 @@ row stays running, and the worker keeps serving the other jobs."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -369,3 +370,24 @@ def test_a_handler_locking_its_own_job_row_does_not_stop_its_worker_heartbeating
     wait_while_alive(worker, lambda: succeeded([locking.pk]), timeout=SETTLE)
     assert state(slow.pk).attempts == 1
     assert not running()
+
+
+@pytest.mark.parametrize("task", ["leaves_a_thread_behind", "leaves_a_pool_behind"])
+def test_a_thread_a_handler_leaves_behind_does_not_keep_its_worker_from_exiting(
+    start_worker, task: str
+):
+    # Python's exit waits for every thread that is not a daemon, and for the threads of every
+    # concurrent.futures pool: a handler's left-behind thread kept a stopped worker's process
+    # alive for good (a supervisor never replaced it; `runjobs --once` never ended).
+    job = Job.objects.enqueue(f"tests.hostile.{task}")
+    worker = start_worker(*WORKER)
+    wait_while_alive(worker, lambda: succeeded([job.pk]), timeout=SETTLE)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(SETTLE) == 0
+    assert "still running after its worker stopped" in worker.log()
+    assert "left behind" in worker.log()
+
+    once = start_worker("--once", *WORKER)
+    again = Job.objects.enqueue(f"tests.hostile.{task}")
+    assert once.wait(SETTLE) == 0
+    assert succeeded([again.pk])

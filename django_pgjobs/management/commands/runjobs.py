@@ -19,7 +19,7 @@ from django_pgjobs import checks, transports
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import reloading, served
+from django_pgjobs.runtime import exiting, reloading, served
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.supervisor import Supervisor
@@ -197,8 +197,25 @@ class Command(BaseCommand):
             help="the address --metrics-port listens on (default 0.0.0.0)",
         )
 
+    def run_from_argv(self, argv: list[str]) -> None:
+        """As Django runs it from the command line; the process then ends within the grace even
+        if threads its handlers started are still running (runtime/exiting.py)."""
+        code = 1
+        try:
+            super().run_from_argv(argv)
+            code = 0
+        except SystemExit as exit:
+            code = exiting.exit_code(exit.code)
+            raise
+        finally:
+            exiting.bound(code, self._grace)
+
+    #: --grace, once handle() has read it.
+    _grace = Options().grace
+
     def handle(self, *args: Any, **options: Any) -> None:
         _show_logs(options["verbosity"])
+        self._grace = options["grace"]
         lease = options["lease"]
         # A supervisor's children leave the warnings to it (runjobs --processes).
         if lease is not None and lease < checks.MIN_LEASE and not options["supervised_by"]:
