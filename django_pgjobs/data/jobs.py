@@ -216,11 +216,17 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     ) -> list[Job]:
         """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
         paused, and never more than its `max_running` jobs running at once across all workers
-        (see sql.LOCK_QUEUE)."""
+        (see sql.LOCK_QUEUE); nothing either while another session holds its row (another
+        worker's claim), which is never waited for."""
         db = self._write_db()
         with transaction.atomic(using=db), connections[db].cursor() as cursor:
             cursor.execute(sql.LOCK_QUEUE, {"queue": queue})
-            paused, max_running = cursor.fetchone() or (False, None)
+            controls = cursor.fetchone()
+            if controls is None:
+                cursor.execute(sql.QUEUE_CONTROLLED, {"queue": queue})
+                if cursor.fetchone()[0]:
+                    return []  # locked elsewhere: this queue's turn is another worker's
+            paused, max_running = controls or (False, None)
             if paused:
                 return []
             if max_running is not None:
@@ -305,7 +311,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def abandon(self, worker: str, reason: str) -> tuple[int, int]:
         """Take back every running job of `worker`, a worker known to be dead (e.g. its
         supervisor saw its process exit), at once: to ready, or failed when no attempts remain,
-        recording the attempt as lost with `reason`. Returns (returned to ready, failed)."""
+        recording the attempt as lost with `reason`; rows another session holds locked are
+        passed over (their leases bring them back). Returns (returned to ready, failed)."""
         params = {
             "worker": worker,
             "reason": reason,

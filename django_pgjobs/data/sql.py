@@ -467,7 +467,12 @@ ABANDON = """
             ),
             %(errors_kept)s::jsonpath
         )
-    WHERE j.status = 'running' AND j.worker = %(worker)s
+    FROM (
+        SELECT id FROM pgjobs_job
+        WHERE status = 'running' AND worker = %(worker)s
+        FOR UPDATE SKIP LOCKED
+    ) AS dead
+    WHERE j.id = dead.id AND j.status = 'running' AND j.worker = %(worker)s
     RETURNING j.status
 """
 
@@ -475,8 +480,13 @@ ABANDON = """
 
 # Claims on a queue with a Queue row take turns: the row is locked first, so the count of
 # running jobs that follows (a statement with a fresh snapshot) sees every claim committed
-# before it.
-LOCK_QUEUE = "SELECT paused, max_running FROM pgjobs_queue WHERE name = %(queue)s FOR UPDATE"
+# before it. A worker whose turn finds the row locked leaves the queue to the one holding it
+# until its next turn, never waits for it: the holder may be a worker stopped in the middle of
+# its claim (SIGSTOP, a frozen VM), or an operator's open transaction.
+LOCK_QUEUE = """
+    SELECT paused, max_running FROM pgjobs_queue WHERE name = %(queue)s FOR UPDATE SKIP LOCKED
+"""
+QUEUE_CONTROLLED = "SELECT EXISTS (SELECT FROM pgjobs_queue WHERE name = %(queue)s)"
 COUNT_RUNNING = "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND queue = %(queue)s"
 
 

@@ -1,6 +1,7 @@
 """The session settings of the worker's own connections (its main thread's and lease keeper's;
 handlers' connections are left alone): a lock_timeout, so that no statement of the worker's own
-waits long on a lock held elsewhere; an application_name that says whose they are in
+waits long on a lock held elsewhere, and an idle_in_transaction_session_timeout, so that no lock
+of its own outlives a stopped process for long; an application_name that says whose they are in
 pg_stat_activity; synchronous_commit off unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]; and
 prepared statements for what they run again and again. And the TCP keepalives of every
 connection a worker process makes (KEEPALIVES)."""
@@ -19,6 +20,13 @@ from django_pgjobs.data import rows
 #: The longest one of the worker's statements waits for a lock; past it the statement fails and
 #: the worker tries again later, instead of stalling behind, say, an operator's open transaction.
 LOCK_TIMEOUT = "5s"
+
+#: The longest one of the worker's own transactions may sit idle: they never wait on Python
+#: between their statements for more than moments, unless the process is stopped (SIGSTOP, a
+#: frozen VM) or cut off from the database, and then the server ends the session and releases
+#: its locks (a queue's row that every other worker's claim would otherwise skip) instead of
+#: holding them until TCP gives up on the connection, hours later on a partition.
+IDLE_IN_TRANSACTION = "10s"
 
 #: After this many executions psycopg prepares a statement on a worker's main loop connection
 #: (its own default), and PostgreSQL plans it once for any parameters (plan_cache_mode
@@ -119,6 +127,7 @@ class LockWaits:
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %(lock_timeout)s, false), "
+                "set_config('idle_in_transaction_session_timeout', %(idle)s, false), "
                 "set_config('application_name', %(name)s, false), "
                 "set_config('synchronous_commit', %(synchronous_commit)s, false), "
                 "set_config('plan_cache_mode', CASE WHEN %(prepare)s THEN 'force_generic_plan' "
@@ -128,6 +137,7 @@ class LockWaits:
                 "ELSE (SELECT reset_val FROM pg_settings WHERE name = 'jit') END, false)",
                 {
                     "lock_timeout": LOCK_TIMEOUT,
+                    "idle": IDLE_IN_TRANSACTION,
                     "name": self.name,
                     "synchronous_commit": "on" if durable else "off",
                     "prepare": prepare,

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, router
 
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import policy
+from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.options import Exit, worker_id
 from django_pgjobs.runtime.wake import Wake
 
@@ -61,6 +62,10 @@ class Supervisor:
         handlers = (
             {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS} if main else {}
         )
+        # Taking back a dead child's jobs must not hold up this loop (restarts, stop signals):
+        # its statement skips rows locked elsewhere and waits for no lock on the table for long.
+        lock_waits = LockWaits(router.db_for_write(Job), f"pgjobs supervisor {os.getpid()}")
+        lock_waits.limit_this_thread()
         try:
             logger.info("supervisor %d starting %d worker processes", os.getpid(), self.count)
             for slot in range(self.count):
@@ -77,6 +82,7 @@ class Supervisor:
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+            lock_waits.stop()
             connections.close_all()
         return 1 if self._failed else 0
 

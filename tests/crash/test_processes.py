@@ -260,6 +260,29 @@ def test_a_child_killed_mid_batch_is_replaced_and_its_jobs_are_taken_back_at_onc
     assert supervisor.wait(30) == 0
 
 
+def test_a_lock_on_the_job_table_holds_up_neither_restarts_nor_the_stop_of_a_supervisor(
+    runjobs, other_connection
+):
+    # Taking back a dead child's jobs waited for any lock on their rows or the table (an
+    # application's open transaction, a migration) with the supervisor's loop: no child was
+    # restarted and SIGTERM went unheeded for as long as the lock was held.
+    job = Job.objects.enqueue(RECORD, {"n": 1, "seconds": 60})
+    supervisor = runjobs("--processes", "2", "--concurrency", "1", "--lease", "60", "--grace", "2")
+    wait_until(steady(supervisor, 2), timeout=60)
+    holder = wait_until(lambda: Job.objects.get(pk=job.pk).worker, timeout=30)
+    (child,) = [pid for pid in children_of(supervisor.pid) if option(pid, "--worker-id") == holder]
+    with other_connection.transaction():
+        other_connection.execute("LOCK TABLE pgjobs_job IN SHARE MODE")
+        os.kill(child, signal.SIGKILL)
+        wait_until(lambda: child not in children_of(supervisor.pid), timeout=30)
+        replaced = wait_until(steady(supervisor, 2), timeout=30)
+        assert f"could not take back the jobs of {holder}" in supervisor.log()
+    assert Job.objects.get(pk=job.pk).status == Status.RUNNING  # its lease brings it back
+    assert child not in replaced
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0
+
+
 # ---- 2. a handler that never returns, past its time limit ---------------------------------------
 
 

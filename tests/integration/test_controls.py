@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
 
 from django_pgjobs import signals
 from django_pgjobs.data.records import Failure
@@ -233,3 +234,25 @@ def test_a_receiver_that_raises_breaks_neither_enqueue_nor_the_worker(caplog):
         signals.job_succeeded.disconnect(broken)
     assert status_of(job) == Status.SUCCEEDED
     assert "receiver bug" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)  # the worker's handler threads have their own connections
+def test_a_limited_queue_whose_row_is_locked_elsewhere_is_passed_over_not_waited_for(
+    other_connection,
+):
+    # The session holding the queue's row may be a worker stopped in the middle of its claim
+    # (SIGSTOP, a frozen VM) or an operator's open transaction: every other worker's turn waited
+    # its lock_timeout on it and failed whole, claiming from no queue and recording nothing.
+    Queue.objects.create(name="default", max_running=50)
+    limited = JobFactory.create_batch(2)
+    other = JobFactory(queue="emails", task="tests.tasks.send_email", payload={"to": "a@b.c"})
+    with connection.cursor() as cursor:  # this session's wait, should there be one, fails
+        cursor.execute("SET lock_timeout = '2s'")
+    with other_connection.transaction():
+        other_connection.execute("SELECT FROM pgjobs_queue WHERE name = 'default' FOR UPDATE")
+        assert Job.objects.claim_limited("default", worker="w1", limit=5) == []
+        runjobs_once("default", "emails")
+    assert status_of(other) == Status.SUCCEEDED
+    assert {status_of(job) for job in limited} == {Status.READY}
+    runjobs_once("default")  # the lock gone, the queue is served again
+    assert {status_of(job) for job in limited} == {Status.SUCCEEDED}

@@ -36,7 +36,7 @@ SAMPLES: dict[str, Any] = {
 SAMPLES_OF = {"WRITE_BACK": {"errors": "[]", "claims": 1}}
 
 #: Run through Django's own cursor, which binds on the client: never planned without values.
-CLIENT_BOUND = {"LOCK_QUEUE", "COUNT_RUNNING"}
+CLIENT_BOUND = {"LOCK_QUEUE", "QUEUE_CONTROLLED", "COUNT_RUNNING"}
 
 STATEMENTS = {
     name: text

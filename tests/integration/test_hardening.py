@@ -285,3 +285,22 @@ def test_a_chore_that_runs_out_of_time_pauses_alone_and_a_lost_connection_is_the
     assert slow.failures == 1
     with pytest.raises(OperationalError):
         _LosesItsConnection().run_if_due()  # the worker's outage, as before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_taking_back_a_dead_workers_jobs_passes_over_a_row_locked_elsewhere(other_connection):
+    # A supervisor takes back a dead child's jobs on its own loop: a row lock held elsewhere
+    # (an application's select_for_update in an open transaction) stopped it restarting
+    # children and honouring SIGTERM for as long as the lock was held.
+    from tests.factories import JobFactory
+
+    JobFactory.create_batch(3)
+    locked, *others = Job.objects.claim(["default"], worker="dead", limit=3)
+    with connection.cursor() as cursor:  # this session's wait, should there be one, fails
+        cursor.execute("SET lock_timeout = '2s'")
+    with other_connection.transaction():
+        other_connection.execute("SELECT FROM pgjobs_job WHERE id = %s FOR UPDATE", [locked.pk])
+        assert Job.objects.abandon("dead", "its process died") == (2, 0)
+    statuses = dict(Job.objects.values_list("pk", "status"))
+    assert statuses[locked.pk] == Status.RUNNING  # left to the reaper, at its lease's end
+    assert {statuses[job.pk] for job in others} == {Status.READY}

@@ -11,7 +11,12 @@ from django.db import DatabaseError, connection
 
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job
-from django_pgjobs.runtime.locks import LOCK_TIMEOUT, LockWaits, application_name
+from django_pgjobs.runtime.locks import (
+    IDLE_IN_TRANSACTION,
+    LOCK_TIMEOUT,
+    LockWaits,
+    application_name,
+)
 from django_pgjobs.runtime.options import Options
 from django_pgjobs.runtime.worker import Worker
 from tests.conftest import wait_until
@@ -39,6 +44,22 @@ def test_the_workers_connections_are_named_and_commit_as_the_setting_says(
         assert _settings() == (LOCK_TIMEOUT, "pgjobs worker host:1:ab", expected)
         connection.close()  # and again after a reconnect
         assert _settings() == (LOCK_TIMEOUT, "pgjobs worker host:1:ab", expected)
+    finally:
+        sessions.stop()
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_workers_own_transactions_end_with_their_session_if_left_idle():
+    # A worker stopped inside its transaction (SIGSTOP, a frozen VM, a partition) would hold its
+    # locks (a limited queue's row) until TCP gave up on the connection; the server now ends
+    # the session after IDLE_IN_TRANSACTION instead.
+    sessions = LockWaits("default", application_name("host:1:ab"))
+    try:
+        sessions.limit_this_thread()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('idle_in_transaction_session_timeout')")
+            assert cursor.fetchone() == (IDLE_IN_TRANSACTION,)
     finally:
         sessions.stop()
         connection.close()
