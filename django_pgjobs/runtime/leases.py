@@ -15,6 +15,7 @@ from uuid import UUID
 
 from django.db import DatabaseError, connections
 
+from django_pgjobs.data import rows
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.records import Claim, claim_of
 from django_pgjobs.models import Job
@@ -70,6 +71,9 @@ class LeaseKeeper:
         self._locked: set[Claim] = set()
         self._unheld: set[Claim] = set()  # found not held once: lost if so again next round
         self._interval = default_lease / 3  # between heartbeats, as of the last round
+        self._renewed_at = time.monotonic()  # the last heartbeat that went through
+        self._standing_in = False  # whether the main thread renews the leases meanwhile
+        self._rounds = threading.Lock()  # one round at a time: this thread's or a stand-in's
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="pgjobs-leases", daemon=True)
 
@@ -81,6 +85,38 @@ class LeaseKeeper:
 
     def interval(self, claims: list[Job]) -> float:
         return min([self.default_lease, *map(self.lease_of, claims)]) / 3
+
+    def overdue(self) -> bool:
+        """Whether no heartbeat went through for half an interval past the one that was due:
+        this thread's rounds fail (its connection refused, say, when the database has no
+        connection left for it) or it is held up. Claims made now would be lost."""
+        return time.monotonic() - self._renewed_at > 1.5 * self._interval
+
+    def stand_in(self) -> None:
+        """On the worker's main thread, while overdue: heartbeat the running claims on that
+        thread's connection, unless this thread is in the middle of a round. A lost connection
+        is the caller's to handle; any other failure leaves the leases overdue (the worker then
+        claims nothing), and this thread's own log lines say why."""
+        if not self.overdue() or not self._rounds.acquire(blocking=False):
+            return
+        try:
+            if not self._standing_in:
+                self._standing_in = True
+                quietly(
+                    logger.warning,
+                    "the lease keeper has renewed no lease for %.0fs; the worker's main loop "
+                    "renews them, and claims nothing more while it cannot",
+                    time.monotonic() - self._renewed_at,
+                )  # fmt: skip
+            claims = self.claims()
+            if claims:
+                self.keep_up(claims, heartbeat=True)
+            self._renewed_at = time.monotonic()
+        except Exception as error:
+            if isinstance(error, DatabaseError) and rows.connection_lost(error):
+                raise
+        finally:
+            self._rounds.release()
 
     def renew(self, claims: list[Job]) -> set[UUID]:
         """Extend every lease in `claims` that is not locked elsewhere, writing each one's
@@ -204,13 +240,17 @@ class LeaseKeeper:
     def _round(self, heartbeat_at: float) -> float:
         """One round: a heartbeat if it is due (else only new progress reports); returns when
         the next heartbeat is due."""
-        claims = self.claims()
-        self._interval = self.interval(claims)
-        # A claim with a shorter lease may have come since the last heartbeat.
-        heartbeat_at = min(heartbeat_at, time.monotonic() + self._interval)
-        heartbeat = time.monotonic() >= heartbeat_at
-        if heartbeat:
-            heartbeat_at = time.monotonic() + self._interval
-        if claims:
-            self.keep_up(claims, heartbeat)
-        return heartbeat_at
+        with self._rounds:
+            claims = self.claims()
+            self._interval = self.interval(claims)
+            # A claim with a shorter lease may have come since the last heartbeat.
+            heartbeat_at = min(heartbeat_at, time.monotonic() + self._interval)
+            heartbeat = time.monotonic() >= heartbeat_at
+            if heartbeat:
+                heartbeat_at = time.monotonic() + self._interval
+            if claims:
+                self.keep_up(claims, heartbeat)
+            if heartbeat or not claims:
+                self._renewed_at = time.monotonic()
+                self._standing_in = False
+            return heartbeat_at

@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 CRASH_LIMIT = 5
 CRASH_WINDOW = 60.0
 
+#: A child still running this long after its grace ended (or after a second stop signal) cannot
+#: act on its SIGTERM (stopped, frozen, stuck in a call that ignores signals): it is killed and
+#: its jobs taken back, so that the supervisor's stop ends.
+KILL_MARGIN = 10.0
+
 
 @dataclass
 class Child:
@@ -49,8 +54,11 @@ class Supervisor:
 
     count: int
     args: Sequence[str]
+    grace: float = 30.0  # the children's --grace
     children: dict[int, Child] = field(default_factory=dict)
     _stopping: int = 0  # stop signals received
+    _kill_at: float = float("inf")  # when to kill the children still running, once stopping
+    _killed: set[int] = field(default_factory=set)  # their pids
     _crashes: list[float] = field(default_factory=list)
     _restart_at: dict[int, float] = field(default_factory=dict)  # slot → when to start again
     _wake: Wake = field(default_factory=Wake)  # set by signal handlers too
@@ -71,6 +79,8 @@ class Supervisor:
             for slot in range(self.count):
                 self._start(slot)
             while self.children or (self._restart_at and not self._stopping):
+                if self._stopping and time.monotonic() >= self._kill_at:
+                    self._kill_children()
                 self._reap_children()
                 now = time.monotonic()
                 for slot, at in list(self._restart_at.items()):
@@ -92,6 +102,8 @@ class Supervisor:
         self._stopping += 1
         if immediately and self._stopping == 1:
             self.stop()
+        margin = KILL_MARGIN if self._stopping > 1 else self.grace + KILL_MARGIN
+        self._kill_at = min(self._kill_at, time.monotonic() + margin)
         for child in self.children.values():
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
@@ -99,6 +111,17 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stop()
+
+    def _kill_children(self) -> None:
+        for child in self.children.values():
+            pid = child.process.pid
+            if child.process.poll() is None and pid not in self._killed:
+                self._killed.add(pid)
+                logger.error(
+                    "worker process %d did not stop when asked (its grace and %gs more, or %gs "
+                    "after another stop signal); killing it", pid, KILL_MARGIN, KILL_MARGIN,
+                )  # fmt: skip
+                child.process.kill()
 
     def _start(self, slot: int) -> None:
         child_id = f"{worker_id()}/{slot}"

@@ -25,7 +25,7 @@ from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
-from django_pgjobs.runtime.leases import LeaseKeeper
+from django_pgjobs.runtime.leases import RETRY_PAUSE, LeaseKeeper
 from django_pgjobs.runtime.locks import LockWaits, application_name
 from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
 from django_pgjobs.runtime.options import Exit, Options, worker_id
@@ -135,7 +135,10 @@ class Worker:
         while True:
             try:
                 self._turn()
-                outage.over()
+                # Over only once a turn reached the database: one that had nothing to do (all
+                # slots busy, or stopping) ran no statement on the connection closed below.
+                if connections[self.db].connection is not None:
+                    outage.over()
             except Exception as error:  # the database, or a bug (outages.py): pause, try again
                 if options.once:
                     self._shutdown()
@@ -143,12 +146,9 @@ class Worker:
                         raise
                     raise WorkerError(outage.describe(error)) from error
                 pause = outage.failed(error)
-                if self._stopping:  # never past the stop's deadline
-                    pause = min(pause, max(0.0, self._deadline - time.monotonic()))
                 connections[self.db].close()
                 self._poll_now = True  # after a reconnect, look at once
-                self._wake.wait(pause)  # a stop signal ends the wait
-                self._wake.clear()
+                self._pause(pause)
                 if not self._stopping:
                     continue
             if self._stopping:
@@ -160,15 +160,31 @@ class Worker:
             self._wake.clear()
         return self._shutdown()
 
+    def _pause(self, seconds: float) -> None:
+        """Wait `seconds` after a failed turn. Only a stop signal ends the wait sooner (while
+        stopping, the stop's deadline): not the wake-ups of finished handlers, notifications
+        or a claim asked for again, which would make every failed turn the next one's cue."""
+        stopping = self._stopping
+        until = time.monotonic() + seconds
+        while self._stopping == stopping:
+            left = (min(until, self._deadline) if stopping else until) - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.wait(left)
+            self._wake.clear()
+
     # ---- the loop's steps ------------------------------------------------------------------
 
     def _turn(self) -> None:
-        # Before claiming: never claim from a paused queue.
-        if self.controls.read_if_due(self.db):
-            self._poll_now = True  # a queue was resumed: look at once
+        # First what needs no database: a worker whose supervisor is gone stops during an
+        # outage too.
         if time.monotonic() >= self._limits_at:
             self._limits_at = time.monotonic() + LIMITS_INTERVAL
             self._check_limits()
+        # Before claiming: never claim from a paused queue.
+        if self.controls.read_if_due(self.db):
+            self._poll_now = True  # a queue was resumed: look at once
+        self._leases.stand_in()  # the lease keeper's rounds fail: leases are renewed here
         for job in self._handlers.time_out():
             timeout = self.timeout_of(job) or 0.0
             quietly(
@@ -196,7 +212,7 @@ class Worker:
         """How many jobs to claim this turn, `freed` slots being about to open (0: none)."""
         free = self.free_slots() + freed
         due = self._poll_now or time.monotonic() >= self._next_poll
-        if self._stopping or free <= 0 or not due:
+        if self._stopping or free <= 0 or not due or self._leases.overdue():
             return 0
         self._poll_now = False
         return min(free, self.options.batch_size)
@@ -267,7 +283,7 @@ class Worker:
 
     def _check_limits(self) -> None:
         parent = self.options.parent_pid
-        if parent is not None and os.getppid() != parent:
+        if parent is not None and os.getppid() != parent and not self._stopping:
             logger.warning("worker %s: its supervisor %d is gone; stopping", self.id, parent)
             self.stop()
         limit = self.options.max_memory_mb
@@ -293,6 +309,8 @@ class Worker:
         waits.append(self._handlers.deadlines.next_in())
         if self._stopping:
             waits.append(self._deadline - time.monotonic())
+        elif self._leases.overdue():  # no claim: renew the leases (stand_in) before long
+            waits.append(RETRY_PAUSE)
         elif self.free_slots() > 0:
             waits.append(self._next_poll - time.monotonic())
         return max(0.0, min(waits))

@@ -145,6 +145,15 @@ def test_sigterm_stops_a_worker_whose_database_went_away_within_its_grace(
     # It cannot release the job it holds (the job returns when its lease expires): not a clean
     # stop, so not exit code 0.
     assert exit_code(worker, GRACE + SLACK) not in (0, -signal.SIGTERM)
+    # Its turns while stopping, with nothing to record or claim, ran no statement: they said
+    # "the database is back" and then a first failure again, with its traceback, every second.
+    log = worker.log()
+    assert "the database is back" not in log
+    firsts = [
+        line for line in log.splitlines()
+        if line.startswith("cannot reach the database") and "(attempt " not in line
+    ]  # fmt: skip
+    assert len(firsts) == 1, log  # the first failure's line, with its traceback
 
 
 def test_sigterm_stops_a_worker_started_while_its_database_is_unreachable(start_worker):

@@ -520,6 +520,23 @@ def test_sigterm_to_a_supervisor_whose_children_are_still_starting_exits_zero(ru
     assert supervisor.wait(30) == 0
 
 
+def test_a_child_that_cannot_act_on_sigterm_is_killed_and_the_supervisor_stops(runjobs):
+    # The supervisor only ever sent SIGTERM again: one child that could not act on it (stopped,
+    # frozen) kept `runjobs --processes` running for as long as that lasted, saying nothing.
+    job = Job.objects.enqueue(RECORD, {"n": 1, "seconds": 60})
+    supervisor = runjobs("--processes", "2", "--concurrency", "1", "--lease", "60", "--grace", "1")
+    wait_until(steady(supervisor, 2), timeout=60)
+    holder = wait_until(lambda: Job.objects.get(pk=job.pk).worker, timeout=30)
+    (frozen,) = [pid for pid in children_of(supervisor.pid) if option(pid, "--worker-id") == holder]
+    os.kill(frozen, signal.SIGSTOP)
+    supervisor.signal(signal.SIGTERM)
+    # Its grace and KILL_MARGIN (10 s), and time for a loaded machine.
+    assert supervisor.wait(40) == 1  # not a clean stop: a child had to be killed
+    assert f"worker process {frozen} did not stop when asked" in supervisor.log()
+    assert f"took back 1 jobs of {holder}" in supervisor.log()
+    assert Job.objects.get(pk=job.pk).status == Status.READY
+
+
 # ---- a crash loop -------------------------------------------------------------------------------
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import threading
 import time
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection, connections, transaction
+from django.db import InternalError, OperationalError, connection, connections, transaction
 
 from django_pgjobs import Retry
 from django_pgjobs.data.records import Failure
@@ -21,6 +22,8 @@ from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
+from tests.conftest import wait_until
+from tests.integration.test_thread_resilience import read_only  # noqa: F401
 
 
 def _nested(depth: int) -> dict[str, Any]:
@@ -304,3 +307,77 @@ def test_taking_back_a_dead_workers_jobs_passes_over_a_row_locked_elsewhere(othe
     statuses = dict(Job.objects.values_list("pk", "status"))
     assert statuses[locked.pk] == Status.RUNNING  # left to the reaper, at its lease's end
     assert {statuses[job.pk] for job in others} == {Status.READY}
+
+
+# ---- the lease keeper cannot renew -------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("read_only")  # the lease keeper's sessions
+def test_while_the_lease_keeper_cannot_renew_leases_the_main_loop_renews_them(caplog):
+    # With no connection left for its lease keeper (a reconnect storm after a failover fills
+    # max_connections), a worker claimed and ran on while its leases ran out: other workers'
+    # reapers took its jobs and ran them again, and two live workers dead-lettered them as
+    # lost. The keeper's sessions are read-only here; the main loop's work.
+    job = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 4.0})
+    worker = Worker(
+        Options(queues=["default"], concurrency=2, listen=False, lease=1.5, poll_interval=0.2)
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    reaped: list[tuple[int, int]] = []
+    try:
+
+        def done() -> bool:
+            reaped.append(Job.objects.reap())  # another worker's reaper, all along
+            return Job.objects.get(pk=job.pk).status == Status.SUCCEEDED
+
+        wait_until(done, timeout=30, interval=0.3)
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert Job.objects.get(pk=job.pk).attempts == 1
+    assert set(reaped) == {(0, 0)}
+    assert "the worker's main loop renews them" in caplog.text
+
+
+# ---- the loop in an outage ---------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_turn_waits_out_its_pause_whatever_wakes_the_loop(monkeypatch):
+    # A batch of outcomes the database refused (a read-only primary after a failover) asks for
+    # the claim again, which woke the loop at once: a reconnect every 30 ms while the log said
+    # "retrying in 30s". Only a stop ends the pause sooner.
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, grace=1.0))
+    turns: list[float] = []
+
+    def refused() -> None:
+        turns.append(time.monotonic())
+        worker.poll_now()  # as settling does before recording outcomes one by one
+        raise InternalError("cannot execute UPDATE in a read-only transaction")
+
+    monkeypatch.setattr(worker, "_turn", refused)
+    monkeypatch.setattr(policy, "outage_pause", lambda failures: 0.5)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    time.sleep(2.0)  # the window the turns are counted in
+    worker.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert 2 <= len(turns) <= 6, len(turns)  # every 0.5 s, not hundreds
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_whose_supervisor_is_gone_stops_during_an_outage_too(monkeypatch):
+    # The turn read the queue controls, a statement, before it looked for its supervisor: an
+    # orphaned worker served on for as long as the database was unreachable.
+    worker = Worker(Options(queues=["default"], listen=False, parent_pid=os.getpid()))
+
+    def unreachable(db: str) -> bool:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(worker.controls, "read_if_due", unreachable)
+    with pytest.raises(OperationalError):
+        worker._turn()
+    assert worker._stopping

@@ -257,7 +257,7 @@ class Command(BaseCommand):
             queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
             who = f"the workers of supervisor {os.getpid()}"
             served.warn(router.db_for_write(Job), queues, who)
-            supervisor = Supervisor(options["processes"], _child_args(options))
+            supervisor = Supervisor(options["processes"], _child_args(options), options["grace"])
             _stoppers.append(supervisor.stop)
             try:
                 return supervisor.run()
