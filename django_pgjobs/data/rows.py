@@ -153,12 +153,6 @@ def connection_lost(error: DatabaseError) -> bool:
     )
 
 
-def lock_timed_out(error: DatabaseError) -> bool:
-    """Whether `error` is a statement that waited its lock_timeout for a lock another session
-    holds (see runtime/locks.py)."""
-    return isinstance(error.__cause__, psycopg.errors.LockNotAvailable)
-
-
 def timed_out(error: DatabaseError) -> bool:
     """Whether `error` is a statement that ran out of time (a lock_timeout, a
     statement_timeout): the statement's failure, not the connection's."""

@@ -135,10 +135,11 @@ class Settler:
         return free
 
     def _hold_locked(self, error: DatabaseError, outcomes: list[tuple[Job, Handled]]) -> set[int]:
-        """After the turn's statement waited its lock_timeout: hold back the outcomes whose rows
-        another session holds locked, to be recorded once they are free. Returns them (as
-        id(job), the worker's key of a claim); none when `error` is not that wait."""
-        if not (outcomes and rows.lock_timed_out(error)):
+        """After the turn's statement ran out of time (its lock_timeout, or a statement_timeout
+        of the project's that is shorter): hold back the outcomes whose rows another session
+        holds locked, to be recorded once they are free. Returns them (as id(job), the worker's
+        key of a claim); none when `error` is not such a wait or no row is locked."""
+        if not (outcomes and rows.timed_out(error)):
             return set()
         locked = self.worker.jobs.locked_elsewhere([job for job, _ in outcomes])
         held = [item for item in outcomes if claim_of(item[0])[0] in locked]

@@ -381,3 +381,42 @@ def test_a_worker_whose_supervisor_is_gone_stops_during_an_outage_too(monkeypatc
     with pytest.raises(OperationalError):
         worker._turn()
     assert worker._stopping
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_locked_row_holds_back_its_outcome_alone_under_a_shorter_statement_timeout(
+    other_connection,
+):
+    # A project's statement_timeout below the worker's lock_timeout (5 s) cancels the turn's
+    # statement first: it was taken for the network ("cannot reach the database") and the whole
+    # worker stalled while the row stayed locked, no outcome recorded, no claim made.
+    for _ in range(2):
+        Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False))
+    locked, free = Job.objects.claim(["default"], worker=worker.id, limit=2)
+    worker.take([locked, free], 2)
+    for job in (locked, free):
+        worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
+    with connection.cursor() as cursor:
+        cursor.execute("SET statement_timeout = '500ms'")
+    try:
+        with other_connection.transaction():
+            other_connection.execute("SELECT FROM pgjobs_job WHERE id = %s FOR UPDATE", [locked.pk])
+            worker._settler.settle_and_fetch()
+            statuses = dict(Job.objects.values_list("pk", "status"))
+            assert (statuses[locked.pk], statuses[free.pk]) == (Status.RUNNING, Status.SUCCEEDED)
+    finally:
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_statement_timeout_is_said_to_be_one_not_an_unreachable_database():
+    from django_pgjobs.runtime.outages import Outage
+
+    with pytest.raises(OperationalError) as raised, connection.cursor() as cursor:
+        cursor.execute("SET statement_timeout = '10ms'")
+        cursor.execute("SELECT pg_sleep(1)")
+    connection.close()
+    assert Outage.describe(raised.value) == (
+        "a statement ran out of time (canceling statement due to statement timeout)"
+    )
