@@ -137,10 +137,10 @@ class NatsWorker:
     # ---- the loop ----------------------------------------------------------------------------
 
     def _turn(self) -> None:
-        self.controls.read_if_due(self.db)
-        if time.monotonic() >= self._limits_at:
+        if time.monotonic() >= self._limits_at:  # first: it needs no database, nor NATS
             self._limits_at = time.monotonic() + LIMITS_INTERVAL
             self._check_limits()
+        self.controls.read_if_due(self.db)
         for job in self._handlers.time_out():
             timeout = self._timeout_of(job) or 0.0
             logger.error("job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
@@ -181,9 +181,11 @@ class NatsWorker:
 
     def _free_slots(self) -> int:
         """The handler threads, plus a prefetch of what they start within a moment (the
-        PostgreSQL worker's rule, runtime/policy.prefetch), less what is in flight."""
+        PostgreSQL worker's rule, runtime/policy.prefetch: none for threads held up by a long
+        job), less what is in flight."""
         options = self.options
-        extra = policy.prefetch(options.concurrency, options.batch_size, self._mean_duration)
+        ready_soon = options.concurrency - self._handlers.held_up(policy.HELD_UP)
+        extra = policy.prefetch(ready_soon, options.batch_size, self._mean_duration)
         return options.concurrency + extra - len(self._in_flight)
 
     def _subscription(self, queue: NatsQueue) -> object:
@@ -310,7 +312,11 @@ class NatsWorker:
         --max-memory-per-child (and, in _settled, --max-jobs-per-child), as a PostgreSQL
         worker does."""
         options = self.options
-        if options.parent_pid is not None and os.getppid() != options.parent_pid:
+        if (
+            options.parent_pid is not None
+            and os.getppid() != options.parent_pid
+            and not (self._stopping)
+        ):
             logger.warning("worker %s: its supervisor %d is gone; stopping", self.id,
                            options.parent_pid)  # fmt: skip
             self.stop()

@@ -33,6 +33,7 @@ class HandlerPool:
         self.deadlines = Deadlines()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._count = 0
+        self._since: dict[int, float] = {}  # id(job) → when its handler started (perf_counter)
 
     def start(self) -> None:
         for _ in range(self.size):
@@ -52,11 +53,18 @@ class HandlerPool:
             if job is not None:
                 jobs.append(job)
 
+    def held_up(self, longer_than: float) -> int:
+        """How many threads have been running their current job for more than `longer_than`
+        seconds (abandoned ones aside)."""
+        since = time.perf_counter() - longer_than
+        return sum(1 for started in list(self._since.values()) if started < since)
+
     def time_out(self) -> list[Job]:
         """The attempts past their time limit: abandoned, each thread replaced by a new one."""
         late = self.deadlines.overdue()
         for job in late:
             job.cancel_requested = True  # what cancel_requested() tells the handler
+            self._since.pop(id(job), None)
             self._start_thread()
         return late
 
@@ -81,7 +89,7 @@ class HandlerPool:
                 job, aged = self._todo.get(), True
             if job is None:
                 break
-            started = time.perf_counter()
+            started = self._since[id(job)] = time.perf_counter()
             timeout = self.timeout_of(job)
             if timeout is not None:
                 self.deadlines.begin(job, timeout)
@@ -98,6 +106,7 @@ class HandlerPool:
             except BaseException as error:
                 handled = execute.raised(job, error, None, (), started)
                 aged = True
+            self._since.pop(id(job), None)
             if timeout is not None and not self.deadlines.end(job):
                 break  # timed out: recorded already, and this thread was replaced
             self.finished(job, handled)

@@ -15,6 +15,12 @@ SETTLE_DELAY = 0.002
 #: wait for a round trip to the database, and slow ones are never hoarded from other workers.
 PREFETCH_HORIZON = 0.05
 
+#: A handler thread whose job has run this long is not counted on to start another soon: the
+#: prefetch leaves it out, and once every thread is held up so, the jobs claimed for them and
+#: not started go back to ready for other workers (instead of waiting, leases renewed, for as
+#: long as the slowest handler runs).
+HELD_UP = 1.0
+
 #: The longest pause between tries while the database is unreachable.
 OUTAGE_BACKOFF_MAX = 30.0
 

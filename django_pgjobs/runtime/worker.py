@@ -199,13 +199,22 @@ class Worker:
             self._recycle("as many handler threads as it has were abandoned past their limit")
         if self._stopping:
             self._release_unstarted()
-        else:
-            for chore in self._chores:
-                chore.run_if_due()
+            return
+        # Nothing will start the jobs claimed for the threads before long: other workers may.
+        held_up = self._handlers.held_up(policy.HELD_UP) >= self.options.concurrency
+        if held_up and (given_back := self._release_unstarted()):
+            quietly(
+                logger.info,
+                "gave back %d claimed jobs: every handler thread is busy with a job that has "
+                "run for more than %gs", given_back, policy.HELD_UP,
+            )  # fmt: skip
+        for chore in self._chores:
+            chore.run_if_due()
 
     def free_slots(self) -> int:
         options = self.options
-        extra = policy.prefetch(options.concurrency, options.batch_size, self._mean_duration)
+        ready_soon = options.concurrency - self._handlers.held_up(policy.HELD_UP)
+        extra = policy.prefetch(ready_soon, options.batch_size, self._mean_duration)
         return options.concurrency + extra - len(self._in_flight)
 
     def claim_wanted(self, freed: int) -> int:
@@ -340,8 +349,8 @@ class Worker:
 
     # ---- shutdown --------------------------------------------------------------------------
 
-    def _release_unstarted(self) -> None:
-        """Jobs claimed but not yet handed to a thread go back at once."""
+    def _release_unstarted(self) -> int:
+        """Jobs claimed but not yet handed to a thread go back at once; returns how many."""
         unstarted = self._handlers.unstarted()
         if unstarted:
             try:
@@ -350,6 +359,7 @@ class Worker:
                 with self._lock:
                     for job in unstarted:
                         self._in_flight.pop(id(job), None)
+        return len(unstarted)
 
     def _shutdown(self) -> Exit:
         """Release what is left; say how the worker ended."""

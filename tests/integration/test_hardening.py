@@ -420,3 +420,26 @@ def test_a_statement_timeout_is_said_to_be_one_not_an_unreachable_database():
     assert Outage.describe(raised.value) == (
         "a statement ran out of time (canceling statement due to statement timeout)"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobs_claimed_for_threads_held_up_by_a_slow_job_go_back_for_other_workers():
+    # A worker that had seen fast handlers claimed jobs beyond its threads (the prefetch); one
+    # slow job then held them, unstarted and their leases renewed, while other workers idled:
+    # for as long as it ran, and for good behind a handler that never returns.
+    slow = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 5.0}, priority=10)
+    quick = {Job.objects.enqueue("tests.tasks.noop").pk for _ in range(20)}
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.2))
+    worker.learn_durations([0.001] * 10)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: Job.objects.get(pk=slow.pk).status == Status.RUNNING, timeout=10)
+        taken = wait_until(
+            lambda: Job.objects.claim(["default"], worker="other", limit=50), timeout=4
+        )
+    finally:
+        worker.stop(immediately=True)
+        thread.join(15)
+    assert {job.pk for job in taken} <= quick
+    assert {job.attempts for job in taken} == {1}  # given back without spending an attempt
