@@ -316,6 +316,8 @@ class Worker:
         waits = [chore.due_in() for chore in self._chores]
         waits.append(self._settler.due_in())
         waits.append(self._handlers.deadlines.next_in())
+        if len(self._in_flight) > self.options.concurrency:  # jobs claimed beyond the threads:
+            waits.append(policy.HELD_UP / 2)  # given back soon if every thread is held up
         if self._stopping:
             waits.append(self._deadline - time.monotonic())
         elif self._leases.overdue():  # no claim: renew the leases (stand_in) before long

@@ -319,9 +319,11 @@ def test_while_the_lease_keeper_cannot_renew_leases_the_main_loop_renews_them(ca
     # max_connections), a worker claimed and ran on while its leases ran out: other workers'
     # reapers took its jobs and ran them again, and two live workers dead-lettered them as
     # lost. The keeper's sessions are read-only here; the main loop's work.
-    job = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 4.0})
+    # Renewed from 1.5 s after a heartbeat (at 1 s) went missing, the lease ends at 3 s: room for
+    # a loaded machine. The job outlives two leases.
+    job = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 6.5})
     worker = Worker(
-        Options(queues=["default"], concurrency=2, listen=False, lease=1.5, poll_interval=0.2)
+        Options(queues=["default"], concurrency=2, listen=False, lease=3.0, poll_interval=0.2)
     )
     thread = threading.Thread(target=worker.run)
     thread.start()
