@@ -48,7 +48,7 @@ from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
 from django_pgjobs.runtime.options import Exit, Options, worker_id
-from django_pgjobs.runtime.wake import Wake
+from django_pgjobs.runtime.stopping import Stoppable
 from django_pgjobs.runtime.worker import LIMITS_INTERVAL
 from django_pgjobs.transports import NatsQueue
 
@@ -58,12 +58,13 @@ logger = logging.getLogger(__name__)
 BUSY_FETCH = 0.05
 
 
-class NatsWorker:
+class NatsWorker(Stoppable):
     """One worker process for NATS queues. ``run()`` returns how it ended (an Exit)."""
 
     def __init__(
         self, options: Options, queues: Sequence[NatsQueue], bridge: Bridge, chores: list[Chore]
     ) -> None:
+        super().__init__()
         self.options, self.queues, self.bridge = options, list(queues), bridge
         self.id = options.worker_id or worker_id()
         self.lease = options.lease or get_settings().LEASE
@@ -76,9 +77,6 @@ class NatsWorker:
         self._lock = threading.Lock()  # guards _in_flight and _done
         self._in_flight: dict[int, tuple[Job, Msg]] = {}  # by claim (the Job object)
         self._done: list[tuple[Job, Handled]] = []
-        self._wake = Wake()  # set by signal handlers too: see runtime/wake.py
-        self._stopping = False
-        self._deadline = float("inf")
         self._subscriptions: dict[str, object] = {}
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
         self._fetched_nothing = False
@@ -88,12 +86,6 @@ class NatsWorker:
         self._exit = Exit.OK
 
     # ---- control ---------------------------------------------------------------------------
-
-    def stop(self, immediately: bool = False) -> None:
-        now = time.monotonic()
-        self._deadline = now if self._stopping or immediately else now + self.options.grace
-        self._stopping = True
-        self._wake.set()
 
     def run(self) -> Exit:
         options = self.options
@@ -123,8 +115,7 @@ class NatsWorker:
                     self._subscriptions.clear()  # made and bound again at the next turn
                 if options.once and failures > 5:
                     break
-                self._wake.wait(pause)
-                self._wake.clear()
+                self._pause(pause)
             if self._stopping:
                 if not self._in_flight or time.monotonic() >= self._deadline:
                     break

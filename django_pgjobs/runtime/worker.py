@@ -33,7 +33,7 @@ from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.positions import Positions
 from django_pgjobs.runtime.scheduler import Scheduler
 from django_pgjobs.runtime.settling import Settler
-from django_pgjobs.runtime.wake import Wake
+from django_pgjobs.runtime.stopping import Stoppable
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,12 @@ logger = logging.getLogger(__name__)
 LIMITS_INTERVAL = 1.0
 
 
-class Worker:
+class Worker(Stoppable):
     """One worker process's runtime. ``run()`` returns how it ended (an Exit)."""
 
     def __init__(self, options: Options, chores: Sequence[Chore] = ()) -> None:
         """`chores`: more housekeeping for this worker (e.g. a NATS relay: jetstream/)."""
+        super().__init__()
         self.options = options
         self.id = options.worker_id or worker_id()
         self.lease = options.lease or get_settings().LEASE
@@ -55,15 +56,12 @@ class Worker:
         self.activity = ActivityTally()
         self._handlers = HandlerPool(options.concurrency, self._handed_in, self.timeout_of)
         self._announcer = Announcer()  # outcome signals, off the main thread
-        self._wake = Wake()  # set by signal handlers too: see wake.py
         # Claimed and not yet settled, keyed by the claim (its Job object), never by job id: a
         # stale claim's outcome must not unregister a newer claim of the same job.
         self._in_flight: dict[int, Job] = {}
         self._lock = threading.Lock()  # guards _in_flight against the lease keeper
         self._settler = Settler(self)
         self.positions = Positions()  # where its claims got to in each queue
-        self._stopping = False
-        self._deadline = float("inf")
         self._exit = Exit.OK
         self._recorded = 0  # outcomes recorded, for --max-jobs-per-child
         self._limits_at = 0.0  # when to look at memory and the supervisor next
@@ -89,14 +87,6 @@ class Worker:
         )
 
     # ---- control ---------------------------------------------------------------------------
-
-    def stop(self, immediately: bool = False) -> None:
-        """Stop claiming; finish in-flight jobs within the grace period (or release them now).
-        Safe to call from a signal handler."""
-        now = time.monotonic()
-        self._deadline = now if self._stopping or immediately else now + self.options.grace
-        self._stopping = True
-        self._wake.set()
 
     def poll_now(self) -> None:
         self._poll_now = True
@@ -159,19 +149,6 @@ class Worker:
             self._wake.wait(self._wait_time())
             self._wake.clear()
         return self._shutdown()
-
-    def _pause(self, seconds: float) -> None:
-        """Wait `seconds` after a failed turn. Only a stop signal ends the wait sooner (while
-        stopping, the stop's deadline): not the wake-ups of finished handlers, notifications
-        or a claim asked for again, which would make every failed turn the next one's cue."""
-        stopping = self._stopping
-        until = time.monotonic() + seconds
-        while self._stopping == stopping:
-            left = (min(until, self._deadline) if stopping else until) - time.monotonic()
-            if left <= 0:
-                return
-            self._wake.wait(left)
-            self._wake.clear()
 
     # ---- the loop's steps ------------------------------------------------------------------
 
