@@ -161,6 +161,12 @@ def timed_out(error: DatabaseError) -> bool:
     )
 
 
+def rolled_back(error: DatabaseError) -> bool:
+    """Whether `error` is the database rolling a transaction back to keep its guarantees (a
+    serialization failure, a deadlock: SQLSTATE class 40), which a retry may get past."""
+    return str(getattr(error.__cause__, "sqlstate", None) or "").startswith("40")
+
+
 def plan_unfit(error: DatabaseError) -> bool:
     """Whether `error` is PostgreSQL refusing a prepared statement whose result a migration
     changed (the type of a column it returns)."""

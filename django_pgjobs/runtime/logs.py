@@ -34,7 +34,16 @@ def log_outcome(job: Job, handled: Handled, outcome: Outcome) -> None:
             extra = _extra(job, handled)
             quietly(logger.debug, "job %s (%s) succeeded", job.pk, job.task, extra=extra)
         return
-    if handled.verdict is not Verdict.ERROR or outcome is Outcome.LOST:
+    if outcome is Outcome.LOST:
+        quietly(
+            logger.warning,
+            "job %s (%s): its outcome (%s) was not recorded: the worker no longer held its claim "
+            "(its lease ran out, the process stalled or the database was out of reach; another "
+            "worker may have run it again)",
+            job.pk, job.task, handled.verdict.value, extra=_extra(job, handled),
+        )  # fmt: skip
+        return
+    if handled.verdict is not Verdict.ERROR:
         return
     assert handled.failure is not None
     extra = _extra(job, handled) | {"error": handled.failure.summary, "status": outcome.value}

@@ -69,6 +69,8 @@ class Outage:
             return f"a statement waited too long for a lock held elsewhere ({first})"
         if rows.timed_out(error):  # a statement_timeout: QueryCanceled is an OperationalError
             return f"a statement ran out of time ({first})"
+        if rows.rolled_back(error):  # the same: not the connection's fault
+            return f"the database rolled a transaction back ({first})"
         if isinstance(error, OperationalError | InterfaceError):
             return f"cannot reach the database: {first}"
         return f"database error in the worker loop: {type(error).__name__}: {first}"

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from django.db import InternalError, OperationalError, connection, connections, transaction
+from django.db.models import F
 
 from django_pgjobs import Retry
 from django_pgjobs.data.records import Failure
@@ -445,3 +446,32 @@ def test_jobs_claimed_for_threads_held_up_by_a_slow_job_go_back_for_other_worker
         thread.join(15)
     assert {job.pk for job in taken} <= quick
     assert {job.attempts for job in taken} == {1}  # given back without spending an attempt
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_not_recorded_because_the_claim_was_lost_is_logged_with_its_job(caplog):
+    # A worker stopped past its lease (SIGSTOP, a frozen VM) said only "lost=4" in its next
+    # activity line: nothing named the jobs whose outcomes it could not record.
+    Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False))
+    (job,) = Job.objects.claim(["default"], worker=worker.id, limit=1)
+    worker.take([job], 1)
+    Job.objects.filter(pk=job.pk).update(worker="another", claims=F("claims") + 1)  # reaped, taken
+    worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
+    worker._settler.settle_and_fetch()
+    [line] = [r for r in caplog.records if "was not recorded" in r.getMessage()]
+    assert line.levelname == "WARNING"
+    assert f"job {job.pk} (tests.tasks.noop): its outcome (succeeded)" in line.getMessage()
+
+
+def test_a_transaction_the_database_rolled_back_is_not_said_to_be_an_unreachable_database():
+    import psycopg
+
+    from django_pgjobs.runtime.outages import Outage
+
+    error = OperationalError("could not serialize access due to concurrent update")
+    error.__cause__ = psycopg.errors.SerializationFailure("could not serialize access")
+    assert Outage.describe(error) == (
+        "the database rolled a transaction back (could not serialize access due to concurrent "
+        "update)"
+    )

@@ -298,3 +298,21 @@ def test_a_workers_connections_keep_tcp_alive_keeping_the_projects_own_settings(
     assert parameters["keepalives_idle"] == "99"
     assert (parameters["keepalives_interval"], parameters["keepalives_count"]) == ("5", "3")
     assert parameters["tcp_user_timeout"] == "20000"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_supervisors_connection_keeps_tcp_alive_too():
+    """Its statement taking back a dead child's jobs must not wait the kernel's two hours on a
+    database gone from the network."""
+    from django_pgjobs.runtime.supervisor import Supervisor
+
+    settings_dict = connection.settings_dict
+    saved = copy.deepcopy(settings_dict.get("OPTIONS", {}))
+    try:
+        assert Supervisor(0, []).run() == 0  # no child to run: it ends at once
+        connection.ensure_connection()
+        parameters = connection.connection.info.get_parameters()
+    finally:
+        settings_dict["OPTIONS"] = saved
+        connection.close()
+    assert (parameters["keepalives"], parameters["tcp_user_timeout"]) == ("1", "20000")
