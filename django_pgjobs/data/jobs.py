@@ -37,6 +37,7 @@ from django_pgjobs.data.records import (
 )
 from django_pgjobs.errors import EnqueueError, UnknownTask
 from django_pgjobs.status import LIVE, Status
+from django_pgjobs.validation import json_text
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
@@ -475,13 +476,20 @@ def reports(jobs: Sequence[Job]) -> list[str | None]:
     return [_report(job.progress) for job in jobs]
 
 
+#: The most a progress report may weigh as JSON (progress() makes them of a few dozen bytes).
+MAX_REPORT_BYTES = 4096
+
+
 def _report(progress: Any) -> str | None:
     if not isinstance(progress, dict):
         return None  # none yet; never anything else than what progress() sets
     try:
-        return json.dumps({k: v for k, v in progress.items() if k != "at"}, allow_nan=False)
-    except (TypeError, ValueError):
-        return None  # set by hand to something JSON cannot hold: the stored report stays
+        report = {k: v for k, v in progress.items() if k != "at"}
+        return json_text(report, "a progress report", MAX_REPORT_BYTES, "")
+    except Exception:  # EnqueueError, RecursionError, an object's __eq__ that raises, ...
+        # Set by hand to something jsonb cannot hold (a NUL, a lone surrogate, deep nesting,
+        # a NaN): the stored report stays, and nothing of the job's outcome is refused for it.
+        return None
 
 
 def _one_worker(workers: Iterable[str | None]) -> str:

@@ -210,7 +210,19 @@ _SETTLE = """
     ),
 """
 
-_CLAIM = """
+# A claimed job's columns (JOB_COLUMNS), as the worker reads them. run_at inside the years
+# Python can hold: an operator may set '-infinity' (to the front of the queue) or a far year by
+# hand, and a row the worker cannot read would make its claim fail after it committed.
+_CLAIMED = """
+    j.id, j.queue, j.task, j.payload, j.status, j.priority,
+    LEAST(GREATEST(j.run_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59.999999+00')
+        AS run_at,
+    j.attempts, j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors, j.created_at,
+    j.finished_at, j.unique_key, j.started_at, j.cancel_requested, j.result, j.claims,
+    j.scheduled, j.progress, j.headers
+"""
+
+_CLAIM = f"""
     due AS (
         SELECT d.id, d.priority, d.run_at, q.turn_of
         FROM unnest(%(queues)s::text[], %(after_priority)s::int2[],
@@ -272,10 +284,7 @@ _CLAIM = """
             started_at = statement_timestamp(),
             leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
         WHERE j.id = ANY (ARRAY(SELECT id FROM turns))
-        RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
-                  j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
-                  j.created_at, j.finished_at, j.unique_key, j.started_at,
-                  j.cancel_requested, j.result, j.claims, j.scheduled, j.progress, j.headers
+        RETURNING {_CLAIMED}
     )
 """
 
@@ -503,7 +512,7 @@ def errors_kept(count: int) -> str:
 # has acknowledged every row's message: until then the rows are locked, and if the relay dies
 # or a publish fails, the transaction rolls back and the rows are due again (JetStream drops
 # the second publish of a message id within its duplicate window).
-RELAY = """
+RELAY = f"""
     DELETE FROM pgjobs_job AS j
     WHERE j.id = ANY (ARRAY(
         SELECT d.id
@@ -528,10 +537,7 @@ RELAY = """
             FOR UPDATE SKIP LOCKED
         ) AS s
     )) AND j.status = 'ready'
-    RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
-              j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors,
-              j.created_at, j.finished_at, j.unique_key, j.started_at,
-              j.cancel_requested, j.result, j.claims, j.scheduled, j.progress, j.headers
+    RETURNING {_CLAIMED}
 """
 
 # A job run from NATS whose attempt failed comes back as a running row held by the consumer,

@@ -89,7 +89,8 @@ class NatsWorker(Stoppable):
 
     def run(self) -> Exit:
         options = self.options
-        logger.info(
+        quietly(
+            logger.info,
             "worker %s started: NATS queues=%s concurrency=%d lease=%gs",
             self.id, ",".join(q.queue for q in self.queues), options.concurrency, self.lease,
         )  # fmt: skip
@@ -105,7 +106,8 @@ class NatsWorker(Stoppable):
             except Exception as error:  # NATS or the database: wait, then carry on
                 failures += 1
                 pause = policy.outage_pause(failures)
-                logger.warning(
+                quietly(
+                    logger.warning,
                     "worker %s: %s: %s; trying again in %.1fs",
                     self.id, type(error).__name__, error, pause,
                 )  # fmt: skip
@@ -134,7 +136,9 @@ class NatsWorker(Stoppable):
         self.controls.read_if_due(self.db)
         for job in self._handlers.time_out():
             timeout = self._timeout_of(job) or 0.0
-            logger.error("job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
+            quietly(
+                logger.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout
+            )
             self._finished(job, execute.timed_out(job, timeout))
         try:
             self._settle()
@@ -205,8 +209,8 @@ class NatsWorker(Stoppable):
             except (ValueError, KeyError, TypeError) as error:
                 # Not a message of ours (published by hand, or by a newer release): it would
                 # come back forever, so it is terminated and said once.
-                logger.error("worker %s: terminated a message it cannot read (%s: %s)",
-                             self.id, type(error).__name__, error)  # fmt: skip
+                quietly(logger.error, "worker %s: terminated a message it cannot read (%s: %s)",
+                        self.id, type(error).__name__, error)  # fmt: skip
                 self.bridge.settle([], [], [msg])
                 continue
             with self._lock:
@@ -260,7 +264,8 @@ class NatsWorker(Stoppable):
                     [msg for msg, _ in replies[Reply.TERM]],
                 )
             except Exception as error:
-                logger.warning(
+                quietly(
+                    logger.warning,
                     "worker %s: could not acknowledge %d messages (%s); they are delivered "
                     "again after their ack wait", self.id, len(outcomes), error,
                 )  # fmt: skip
@@ -308,8 +313,8 @@ class NatsWorker(Stoppable):
             and os.getppid() != options.parent_pid
             and not (self._stopping)
         ):
-            logger.warning("worker %s: its supervisor %d is gone; stopping", self.id,
-                           options.parent_pid)  # fmt: skip
+            quietly(logger.warning, "worker %s: its supervisor %d is gone; stopping", self.id,
+                    options.parent_pid)  # fmt: skip
             self.stop()
         elif options.max_memory_mb and (used := policy.resident_mb()) > options.max_memory_mb:
             self._recycle(
@@ -318,7 +323,7 @@ class NatsWorker(Stoppable):
 
     def _recycle(self, why: str) -> None:
         if not self._stopping:
-            logger.info("worker %s stops to be replaced: %s", self.id, why)
+            quietly(logger.info, "worker %s stops to be replaced: %s", self.id, why)
             self._exit = Exit.RECYCLE
             self.stop()
 
@@ -351,10 +356,11 @@ class NatsWorker(Stoppable):
                 back = [self._in_flight.pop(id(job))[1] for job in unstarted]
             self.bridge.settle([], [(msg, 0.0) for msg in back], [])
         except Exception as error:
-            logger.warning("worker %s: could not settle every message at shutdown: %s",
-                           self.id, error)  # fmt: skip
+            quietly(logger.warning, "worker %s: could not settle every message at shutdown: %s",
+                    self.id, error)  # fmt: skip
         if self._in_flight:
-            logger.warning(
+            quietly(
+                logger.warning,
                 "worker %s: %d jobs still running are delivered again after their ack wait",
                 self.id, len(self._in_flight),
             )  # fmt: skip
@@ -364,5 +370,5 @@ class NatsWorker(Stoppable):
         self.bridge.close()
         self._announcer.stop(within=policy.grace_left(self.options.grace, self._deadline))
         connections.close_all()
-        logger.info("worker %s stopped", self.id)
+        quietly(logger.info, "worker %s stopped", self.id)
         return self._exit

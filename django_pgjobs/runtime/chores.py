@@ -91,8 +91,11 @@ class Reaper(Chore):
     def run(self) -> float:
         returned, failed = self.jobs.reap(sparing=self.running())
         if returned or failed:
-            logger.warning(
-                "reaped %d jobs with expired leases (%d failed)", returned + failed, failed
+            quietly(
+                logger.warning,
+                "reaped %d jobs with expired leases (%d failed)",
+                returned + failed,
+                failed,
             )
             self.on_reaped()
         return self.interval

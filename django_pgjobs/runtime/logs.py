@@ -76,7 +76,8 @@ def log_activity(activity: ActivityTally, seconds: float, in_flight: int) -> Non
     """One line of what the worker did over the last `seconds`."""
     if activity.queues or in_flight:
         done, dead = activity.total(Outcome.SUCCEEDED), activity.total(Outcome.FAILED)
-        logger.info(
+        quietly(
+            logger.info,
             "last %s: done=%d retried=%d dead=%d cancelled=%d lost=%d in_flight=%d%s",
             _span(seconds), done, activity.total(Outcome.RETRIED), dead,
             activity.total(Outcome.CANCELLED), activity.total(Outcome.LOST), in_flight,

@@ -20,6 +20,7 @@ from django.db.models.functions import Now
 from django_pgjobs import signals
 from django_pgjobs.models import Job, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic, declared
+from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Scheduler:
         if schedules is None:
             schedules, errors = declared()
             for error in errors:
-                logger.error("%s (not scheduled; %s)", error, error.id)
+                quietly(logger.error, "%s (not scheduled; %s)", error, error.id)
         self.schedules = {each.name: each for each in schedules}
         self._next: dict[str, datetime] = {}  # each schedule's next tick after its last one
         self._offset = 0.0  # the database's clock minus this machine's, in seconds
@@ -61,7 +62,8 @@ class Scheduler:
             except ProgrammingError:
                 # New code before its migration (a deploy that migrates after starting workers):
                 # keep running jobs, and look again later.
-                logger.error(
+                quietly(
+                    logger.error,
                     "periodic schedules are off until the pgjobs migrations are applied "
                     "(manage.py migrate pgjobs); looking again in %gs", MAX_WAIT, exc_info=True,
                 )  # fmt: skip
@@ -96,7 +98,8 @@ class Scheduler:
             self._observe(now)
             self._next[name] = self.schedules[name].next_tick(last_tick)
         self._synced = True
-        logger.info(
+        quietly(
+            logger.info,
             "periodic schedules: %s",
             "; ".join(
                 f"{each.name} ({each.cron}, {each.timezone.key}) → {each.task}" for each in declared
@@ -138,7 +141,8 @@ class Scheduler:
             self.enqueued([job])
         self._next[periodic.name] = periodic.next_tick(latest)
         if won and ticks != [periodic.next_tick(last)]:
-            logger.warning(
+            quietly(
+                logger.warning,
                 "periodic %s: ticks after %s were missed; enqueued %d jobs, up to the tick of %s "
                 "(missed=%r, grace=%gs)", periodic.name, last.isoformat(), len(ticks),
                 latest.isoformat(), periodic.missed, periodic.grace,

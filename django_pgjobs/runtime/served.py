@@ -13,6 +13,7 @@ from django.db import DatabaseError
 from django_pgjobs import periodic, registry
 from django_pgjobs.conf import get_settings
 from django_pgjobs.observability import stats
+from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 
@@ -49,7 +50,8 @@ def warn(db: str, queues: Sequence[str], who: str) -> None:
     used = used_queues()
     for queue in queues:
         if queue not in used:
-            logger.warning(
+            quietly(
+                logger.warning,
                 "the queue %r, served by %s, is used by no registered task, periodic schedule or "
                 "Django Tasks backend (%s): a typo in --queue? Jobs reach it only when "
                 "enqueued with queue=%r.",
@@ -64,7 +66,8 @@ def warn(db: str, queues: Sequence[str], who: str) -> None:
         return  # the worker's loop says what is wrong with the database
     for queue in unserved:
         if queue not in others:
-            logger.warning(
+            quietly(
+                logger.warning,
                 "no running worker serves the queue %r, which %s %s: its jobs wait until a "
                 "worker does (runjobs --queue %s; served by %s: %s).",
                 queue, _listed(used[queue]), "uses" if len(used[queue]) == 1 else "use", queue,

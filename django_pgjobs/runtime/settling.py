@@ -110,18 +110,22 @@ class Settler:
                 succeeded = [item for item in succeeded if id(item[0]) not in held]
                 failed = [item for item in failed if id(item[0]) not in held]
                 settled = self._record(succeeded, failed, wanted - len(limited))
-        except DatabaseError:
-            # Keep what was not recorded; it is tried again after the reconnect. Recording
-            # twice is harmless: the guard refuses the second write.
+        except Exception:
+            # Keep what was not recorded (whatever failed: the database, or a bug); it is tried
+            # again at the next turn. Recording twice is harmless: the guard refuses the second
+            # write.
             with self._lock:
                 self._done[:0] = [item for item in done if id(item[0]) in worker._in_flight]
             if limited:  # claimed: they run
                 worker.take(limited, wanted)
             raise
-        for job, handled in [*succeeded, *failed]:
-            worker.settled(job, handled, Outcome.of_status(settled.recorded.get(claim_of(job))))
-        if wanted:
-            worker.take(limited + settled.claimed, wanted)
+        try:
+            for job, handled in [*succeeded, *failed]:
+                recorded = settled.recorded.get(claim_of(job))
+                worker.settled(job, handled, Outcome.of_status(recorded))
+        finally:  # committed claims are the worker's, whatever the bookkeeping above raised
+            if wanted:
+                worker.take(limited + settled.claimed, wanted)
 
     def _held_now_free(self) -> list[tuple[Job, Handled]]:
         """The held outcomes due to be tried again whose rows are free now (the others stay
@@ -183,7 +187,8 @@ class Settler:
                 raise  # the connection: tried again after the reconnect
             if not (succeeded or failed):
                 raise  # only a claim: nothing of a job's to blame (e.g. a missing table)
-            logger.error(
+            quietly(
+                logger.error,
                 "the database refused a batch of %d outcomes (%s); recording them one by one",
                 len(succeeded) + len(failed), str(error).strip().splitlines()[0],
             )  # fmt: skip
@@ -207,6 +212,7 @@ class Settler:
             except DatabaseError as error:
                 if rows.connection_lost(error):
                     raise
+                job.progress = None  # nothing of the refused outcome's may be refused again
                 refused = Failure(
                     "django_pgjobs.OutcomeRefused",
                     f"the database refused to record this attempt's outcome "
@@ -215,7 +221,7 @@ class Settler:
                 status = jobs.fail(job, refused, permanent=True, delay=0)
                 recorded = {claim_of(job): status} if status else {}
                 settled = Settled(set(), {}, [], recorded)
-                logger.error("job %s (%s): %s", job.pk, job.task, refused.message)
+                quietly(logger.error, "job %s (%s): %s", job.pk, job.task, refused.message)
             result.recorded.update(settled.recorded)
         return result
 

@@ -26,6 +26,7 @@ from django.db import DatabaseError, connections, router
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import locks, policy
 from django_pgjobs.runtime.locks import LockWaits
+from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, worker_id
 from django_pgjobs.runtime.wake import Wake
 
@@ -77,7 +78,9 @@ class Supervisor:
         lock_waits = LockWaits(db, f"pgjobs supervisor {os.getpid()}")
         lock_waits.limit_this_thread()
         try:
-            logger.info("supervisor %d starting %d worker processes", os.getpid(), self.count)
+            quietly(
+                logger.info, "supervisor %d starting %d worker processes", os.getpid(), self.count
+            )
             for slot in range(self.count):
                 self._start(slot)
             while self.children or (self._restart_at and not self._stopping):
@@ -119,7 +122,8 @@ class Supervisor:
             pid = child.process.pid
             if child.process.poll() is None and pid not in self._killed:
                 self._killed.add(pid)
-                logger.error(
+                quietly(
+                    logger.error,
                     "worker process %d did not stop when asked (its grace and %gs more, or %gs "
                     "after another stop signal); killing it", pid, KILL_MARGIN, KILL_MARGIN,
                 )  # fmt: skip
@@ -134,7 +138,7 @@ class Supervisor:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         process = subprocess.Popen(command, env=env, start_new_session=True)
         self.children[slot] = Child(slot, child_id, process)
-        logger.info("worker process %d started as %s", process.pid, child_id)
+        quietly(logger.info, "worker process %d started as %s", process.pid, child_id)
         if self._stopping:  # a stop signal came while it was being started: it missed it
             process.send_signal(signal.SIGTERM)
 
@@ -150,7 +154,9 @@ class Supervisor:
         pid = child.process.pid
         if code in (Exit.OK, Exit.RECYCLE):
             if code == Exit.RECYCLE and not self._stopping:
-                logger.info("worker process %d exited to be replaced; starting another", pid)
+                quietly(
+                    logger.info, "worker process %d exited to be replaced; starting another", pid
+                )
                 self._restart_at[child.slot] = time.monotonic()
             elif not self._stopping:  # a clean exit nobody asked for: keep the slot filled
                 self._restart_at[child.slot] = time.monotonic()
@@ -165,7 +171,8 @@ class Supervisor:
         now = time.monotonic()
         self._crashes = [at for at in self._crashes if at > now - CRASH_WINDOW] + [now]
         if len(self._crashes) > CRASH_LIMIT:
-            logger.error(
+            quietly(
+                logger.error,
                 "worker processes died %d times in %gs; stopping them all",
                 len(self._crashes), CRASH_WINDOW,
             )  # fmt: skip
@@ -173,7 +180,7 @@ class Supervisor:
             self.stop()
             return
         pause = policy.doubling(0.5, len(self._crashes), 30.0)
-        logger.error("worker process %d %s; starting another in %.1fs", pid, how, pause)
+        quietly(logger.error, "worker process %d %s; starting another in %.1fs", pid, how, pause)
         self._restart_at[child.slot] = now + pause
 
     def _take_back(self, child: Child, reason: str) -> None:
@@ -181,14 +188,16 @@ class Supervisor:
         try:
             returned, failed = Job.objects.abandon(child.worker_id, reason)
         except DatabaseError as error:
-            logger.error(
+            quietly(
+                logger.error,
                 "could not take back the jobs of %s (%s); they return when their leases expire",
                 child.worker_id, str(error).strip().splitlines()[0],
             )  # fmt: skip
             connections.close_all()
             return
         if returned or failed:
-            logger.warning(
+            quietly(
+                logger.warning,
                 "took back %d jobs of %s (%d dead-lettered): %s",
                 returned + failed, child.worker_id, failed, reason,
             )  # fmt: skip

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from django.db import DatabaseError, connections, router
 
 from django_pgjobs.conf import get_settings
+from django_pgjobs.errors import text_of
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
@@ -96,7 +97,8 @@ class Worker(Stoppable):
         """Run until stopped (or, with once, drained). WorkerError, with once, when the
         database cannot be used at all."""
         options = self.options
-        logger.info(
+        quietly(
+            logger.info,
             "worker %s started: queues=%s concurrency=%d batch=%d lease=%gs listen=%s",
             self.id, ",".join(options.queues), options.concurrency, options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
@@ -263,14 +265,16 @@ class Worker(Stoppable):
 
     def _recycle(self, why: str) -> None:
         if not self._stopping:
-            logger.info("worker %s stops to be replaced: %s", self.id, why)
+            quietly(logger.info, "worker %s stops to be replaced: %s", self.id, why)
             self._exit = Exit.RECYCLE
             self.stop()
 
     def _check_limits(self) -> None:
         parent = self.options.parent_pid
         if parent is not None and os.getppid() != parent and not self._stopping:
-            logger.warning("worker %s: its supervisor %d is gone; stopping", self.id, parent)
+            quietly(
+                logger.warning, "worker %s: its supervisor %d is gone; stopping", self.id, parent
+            )
             self.stop()
         limit = self.options.max_memory_mb
         if limit and (used := policy.resident_mb()) > limit:
@@ -351,25 +355,27 @@ class Worker(Stoppable):
             left = list(self._in_flight.values())
             if left:
                 released = self.jobs.release(left)
-                logger.warning(
+                quietly(
+                    logger.warning,
                     "released %d unfinished jobs back to ready: %s",
                     len(released), ", ".join(str(pk) for pk in released),
                 )  # fmt: skip
-        except DatabaseError as error:
+        except Exception as error:  # the database, or a bug: the process ends all the same
             clean = not left
             if left:
-                logger.error(
+                quietly(
+                    logger.error,
                     "could not release %d jobs (%s); they return when their leases expire",
-                    len(left), str(error).strip().splitlines()[0],
+                    len(left), (text_of(error).strip().splitlines() or [type(error).__name__])[0],
                 )  # fmt: skip
         reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
         seconds = max(1e-3, time.monotonic() - reporter.since)
         try:
             self._report(seconds, stopping=True)
-        except DatabaseError:
+        except Exception:
             log_activity(self.activity, seconds, len(self._in_flight))
         self._announcer.stop(within=policy.grace_left(self.options.grace, self._deadline))
         connections.close_all()
         self._lock_waits.stop()
-        logger.info("worker %s stopped", self.id)
+        quietly(logger.info, "worker %s stopped", self.id)
         return self._exit if clean else Exit.UNRELEASED

@@ -239,3 +239,19 @@ def test_settle_and_claim_without_a_claim_only_records_outcomes():
         [first], [FailedAttempt(second, Failure("E", "x"), False, 0.0)], [], worker="w1", limit=0
     )
     assert (done, failed, claimed) == ({first.pk}, {second.pk: Status.FAILED}, [])
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("run_at", ["-infinity", "0100-01-01 BC"])
+def test_a_run_at_set_by_hand_before_what_python_holds_is_claimed_with_the_others(run_at):
+    # An operator's UPDATE ... SET run_at = '-infinity' (to the front of the queue): the claim
+    # committed, then failed reading its rows, and the claimed jobs, unknown to the worker, ran
+    # out their leases with an attempt spent.
+    odd, *others = JobFactory.create_batch(4)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET run_at = %s::timestamptz WHERE id = %s", [run_at, odd.pk]
+        )
+    claimed = Job.objects.settle_and_claim([], [], ["default"], worker="w1", limit=10).claimed
+    assert {job.pk for job in claimed} == {odd.pk, *(job.pk for job in others)}
+    assert claimed[0].pk == odd.pk  # first, as asked

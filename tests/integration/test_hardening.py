@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import threading
@@ -21,6 +22,7 @@ from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
 from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime.chores import Chore
+from django_pgjobs.runtime.options import Exit
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from tests.conftest import wait_until
@@ -475,3 +477,78 @@ def test_a_transaction_the_database_rolled_back_is_not_said_to_be_an_unreachable
         "the database rolled a transaction back (could not serialize access due to concurrent "
         "update)"
     )
+
+
+# ---- what a handler can leave on its job, and logging that raises --------------------------------
+
+
+def _deeply_nested() -> list[object]:
+    top: list[object] = []
+    inner = top
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]  # type: ignore[assignment]
+    return top
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "report",
+    [
+        {"done": 1, "total": 2, "note": "a\x00b"},  # json.dumps takes it, jsonb does not
+        {"done": 1, "total": 2, "note": "\ud800"},
+        {"done": 1, "total": 2, "note": _deeply_nested()},  # RecursionError
+        {"done": float("nan")},
+        {"done": 1, "total": 2, "note": "x" * 100_000},
+    ],
+    ids=["NUL", "lone surrogate", "deep", "NaN", "huge"],
+)
+def test_a_progress_report_set_by_hand_that_jsonb_refuses_costs_no_outcome(report):
+    # Set by hand on current_job().progress, it went into the turn's batch and every fallback:
+    # the worker retried the batch as an outage for good (NUL) or dropped its outcomes and
+    # claimed nothing more (deep nesting), and the heartbeats carrying it failed too.
+    for _ in range(2):
+        Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False))
+    poisoned, other = Job.objects.claim(["default"], worker=worker.id, limit=2)
+    worker.take([poisoned, other], 2)
+    poisoned.progress = report
+    assert worker._leases.renew([poisoned, other]) == {poisoned.pk, other.pk}
+    for job in (poisoned, other):
+        worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
+    worker._settler.settle_and_fetch()
+    assert set(Job.objects.values_list("status", flat=True)) == {Status.SUCCEEDED}
+    assert not worker._in_flight
+
+
+@pytest.fixture
+def every_line_raises():
+    """An application's logging filter that raises on every worker line (tests.logfilters), on a
+    handler that sees all of them."""
+    from tests.logfilters import RequestUser
+
+    handler = logging.NullHandler()
+    handler.addFilter(RequestUser())
+    pgjobs = logging.getLogger("django_pgjobs")
+    level = pgjobs.level
+    pgjobs.addHandler(handler)
+    pgjobs.setLevel(logging.DEBUG)
+    yield
+    pgjobs.removeHandler(handler)
+    pgjobs.setLevel(level)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("every_line_raises")
+def test_a_logging_filter_that_raises_on_every_line_stops_nothing_a_worker_does():
+    # The line saying the worker stops to be replaced raised after its turn had committed: it
+    # never recycled, and the jobs that turn claimed were never run (reaped later, an attempt
+    # spent on nothing).
+    for _ in range(8):
+        Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False, once=True, max_jobs=3))
+    assert worker.run() == Exit.RECYCLE
+    rows = list(Job.objects.values_list("status", "attempts"))
+    assert Status.RUNNING not in {status for status, _ in rows}
+    assert {attempts for status, attempts in rows if status == Status.READY} <= {0}
+    assert sum(1 for status, _ in rows if status == Status.SUCCEEDED) >= 3

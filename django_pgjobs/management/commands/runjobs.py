@@ -20,6 +20,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import exiting, reloading, served
+from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.supervisor import Supervisor
@@ -219,7 +220,7 @@ class Command(BaseCommand):
         lease = options["lease"]
         # A supervisor's children leave the warnings to it (runjobs --processes).
         if lease is not None and lease < checks.MIN_LEASE and not options["supervised_by"]:
-            logger.warning(
+            quietly(logger.warning,
                 "--lease %g is under %gs: heartbeats go out every lease/3 and the reaper looks "
                 "every 5 s, so a worker paused for more than %gs (a database failover, a long "
                 "garbage collection) loses its jobs to another worker while their handlers "
