@@ -114,6 +114,15 @@ def returns_an_object() -> object:
 
 
 @task(max_attempts=1)
+def forks_and_returns(path: str) -> None:
+    """Forks, and both processes return (as a library that forks without os._exit in the child
+    does); the child says its pid first."""
+    if os.fork() == 0:
+        with open(path, "w") as out:
+            out.write(str(os.getpid()))
+
+
+@task(max_attempts=1)
 def leaves_a_thread_behind() -> None:
     """Starts a thread that outlives its job and is no daemon: Python's exit waits for those."""
     threading.Thread(target=time.sleep, args=(3600,), name="left behind", daemon=False).start()

@@ -149,7 +149,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         this one. Run the jobs after this returns (the claim has committed, unless the caller
         wrapped it in its own transaction).
         """
-        return self.settle_and_claim([], [], queues, worker=worker, limit=limit, lease=lease)[2]
+        settled = self.settle_and_claim([], [], queues, worker=worker, limit=limit, lease=lease)
+        if settled.unread is not None:
+            raise settled.unread
+        return settled.claimed
 
     def settle_and_claim(
         self,
@@ -188,11 +191,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         found = rows.execute(db, statement, params, binary=True)
         recorded = {(row[1], row[_CLAIMS]): row[_STATUS] for row in found if row[0] == "settled"}
         claimed_rows = [row for row in found if row[0] != "settled"]
+        unread: Exception | None = None
         try:
             claimed = rows.load_jobs(self.model, db, (row[1:] for row in claimed_rows))
-        except BaseException:
+        except BaseException as error:
             # Committed claims the caller will never see (a model signal's receiver raised, say):
-            # given back now, not left to run out their leases with an attempt spent.
+            # given back now, not left to run out their leases with an attempt spent. The
+            # outcomes the statement recorded stay the caller's to account for (`unread`).
             given_back = {
                 "ids": [row[1] for row in claimed_rows],
                 "claims": [row[_CLAIMS] for row in claimed_rows],
@@ -201,15 +206,22 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 "delay": None,
             }
             rows.execute(db, sql.RELEASE, given_back)
-            raise
+            if not isinstance(error, Exception):
+                raise
+            claimed, unread = [], error
         for job in claimed:
             hold(job)
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
         return Settled(
-            {job.pk for job in succeeded if claim_of(job) in recorded},
-            {f.job.pk: recorded[claim_of(f.job)] for f in failed if claim_of(f.job) in recorded},
+            {claim_of(job)[0] for job in succeeded if claim_of(job) in recorded},
+            {
+                claim_of(f.job)[0]: recorded[claim_of(f.job)]
+                for f in failed
+                if claim_of(f.job) in recorded
+            },
             claimed,
             recorded,
+            unread,
         )
 
     def claim_limited(
@@ -243,9 +255,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         False means the lease ran out and another worker owns the job now."""
         worker = holder_of(job)
         assert worker is not None, "only a claimed job can complete"
-        results = {job.pk: result_json} if result_json is not None else None
+        results = {claim_of(job)[0]: result_json} if result_json is not None else None
         done = self.settle_and_claim([job], [], [], worker=worker, limit=0, results=results)
-        return job.pk in done.succeeded
+        return claim_of(job)[0] in done.succeeded
 
     def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
         """Record success for many jobs of one worker in one statement; returns the ids it still
@@ -263,7 +275,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         if worker is None:
             return None  # never claimed: no worker holds it, so none may record its outcome
         attempt = FailedAttempt(job, failure, permanent, delay)
-        return self.settle_and_claim([], [attempt], [], worker=worker, limit=0).failed.get(job.pk)
+        settled = self.settle_and_claim([], [attempt], [], worker=worker, limit=0)
+        return settled.failed.get(claim_of(job)[0])
 
     def release(self, jobs: Sequence[Job]) -> set[UUID]:
         """Running → ready without spending an attempt, keeping its place (a worker shutting
@@ -274,7 +287,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def retry_later(self, job: Job, delay: float) -> bool:
         """The handler asked to run again in `delay` seconds: ready again, attempt not counted,
         keeping the progress it last reported."""
-        return job.pk in self._own(sql.RELEASE, [job], delay=delay, progress=reports([job]))
+        released = self._own(sql.RELEASE, [job], delay=delay, progress=reports([job]))
+        return claim_of(job)[0] in released
 
     def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
         """Extend the lease of a worker's running jobs by `lease` seconds from now, and record
@@ -285,7 +299,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         lease = get_settings().LEASE if lease is None else lease
         owned = self._own(sql.HEARTBEAT, jobs, lease=lease, progress=reports(jobs))
         for job in jobs:
-            if owned.get(job.pk):
+            if owned.get(claim_of(job)[0]):
                 job.cancel_requested = True
         return set(owned)
 

@@ -99,6 +99,9 @@ class Settled(NamedTuple):
     #: The new status of every outcome recorded, by claim: precise even when a worker held a
     #: stale and a fresh claim of one job.
     recorded: dict[Claim, str]
+    #: What made the claimed rows impossible to turn into Job objects (a model signal's
+    #: receiver raised, say): they were given back, and `claimed` is empty.
+    unread: Exception | None = None
 
 
 class Position(NamedTuple):

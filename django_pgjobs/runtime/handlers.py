@@ -4,6 +4,7 @@ threads replaced (see runtime/timeouts.py)."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -82,6 +83,7 @@ class HandlerPool:
         """Run jobs, connections handled per job the way Django handles them per request.
         Whatever happens, each job gets an outcome."""
         aged = True  # this thread's connections may have aged since they were last looked at
+        pid = os.getpid()
         while True:
             try:
                 job = self._todo.get_nowait()
@@ -106,6 +108,10 @@ class HandlerPool:
             except BaseException as error:
                 handled = execute.raised(job, error, None, (), started)
                 aged = True
+            if os.getpid() != pid:
+                # A fork the handler made and returned in: it must not run the worker's code,
+                # nor keep its sockets (the LISTEN session's among them) open for good.
+                os._exit(0)
             self._since.pop(id(job), None)
             if timeout is not None and not self.deadlines.end(job):
                 break  # timed out: recorded already, and this thread was replaced

@@ -127,12 +127,12 @@ class LeaseKeeper:
         renewed: set[UUID] = set()
         for lease, jobs in by_lease.items():
             renewed |= self.jobs.heartbeat(jobs, lease)
-            skipped = [job for job in jobs if job.pk not in renewed]
+            skipped = [job for job in jobs if claim_of(job)[0] not in renewed]
             if skipped:  # locked elsewhere (renewed next round), settled meanwhile, or lost
                 held = self.jobs.held(skipped)
                 for job in skipped:
                     claim = claim_of(job)
-                    if job.pk in held:
+                    if claim[0] in held:
                         self._locked.add(claim)
                     elif claim not in self._unheld:
                         self._unheld.add(claim)  # looked at again next round
@@ -165,7 +165,7 @@ class LeaseKeeper:
         if due:
             renewed = self.renew(due)
             for job in due:
-                if job.pk in renewed:
+                if claim_of(job)[0] in renewed:
                     self._written[claim_of(job)] = reports[claim_of(job)]
                     self._locked.discard(claim_of(job))
         # Forget the claims that ended.

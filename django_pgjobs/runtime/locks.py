@@ -122,6 +122,10 @@ class LockWaits:
             self._set(connection, plans)
 
     def _set(self, connection: Any, plans: bool) -> None:
+        # Each of the worker's statements commits on its own, whatever the DATABASES entry
+        # (shared by every thread's connections, and a handler may have changed it) says.
+        if not connection.in_atomic_block and not connection.get_autocommit():
+            connection.set_autocommit(True)
         durable = get_settings().WORKER_SYNCHRONOUS_COMMIT
         prepare = plans and self.prepare and rows.plans_once()
         with connection.cursor() as cursor:

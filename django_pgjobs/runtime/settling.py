@@ -126,6 +126,8 @@ class Settler:
         finally:  # committed claims are the worker's, whatever the bookkeeping above raised
             if wanted:
                 worker.take(limited + settled.claimed, wanted)
+        if settled.unread is not None:  # the claims were given back; the outcomes are recorded
+            raise settled.unread
 
     def _held_now_free(self) -> list[tuple[Job, Handled]]:
         """The held outcomes due to be tried again whose rows are free now (the others stay
@@ -233,7 +235,7 @@ def _attempt(job: Job, handled: Handled) -> FailedAttempt:
 
 def _results(succeeded: list[tuple[Job, Handled]]) -> dict[object, str]:
     return {
-        job.pk: handled.result_json
+        claim_of(job)[0]: handled.result_json
         for job, handled in succeeded
         if handled.verdict is Verdict.SUCCEEDED and handled.result_json is not None
     }

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 from uuid import UUID
 
@@ -391,3 +392,24 @@ def test_a_thread_a_handler_leaves_behind_does_not_keep_its_worker_from_exiting(
     again = Job.objects.enqueue(f"tests.hostile.{task}")
     assert once.wait(SETTLE) == 0
     assert succeeded([again.pk])
+
+
+def test_a_fork_a_handler_returns_in_ends_there(start_worker, tmp_path):
+    # The child went back to the worker's handler thread code, waited for jobs for good and kept
+    # the worker's sockets: its LISTEN session outlived the worker, and once that session's
+    # socket buffer filled, the cluster's notification queue could no longer advance.
+    path = tmp_path / "child.pid"
+    job = Job.objects.enqueue("tests.hostile.forks_and_returns", {"path": str(path)})
+    worker = start_worker(*WORKER)
+    wait_while_alive(worker, lambda: succeeded([job.pk]) and path.exists(), timeout=SETTLE)
+    child = int(wait_until(path.read_text, timeout=SETTLE))
+
+    def ended() -> bool:  # gone, or a zombie its parent has not waited for
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text()
+        except OSError:
+            return True
+        return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+    wait_until(ended, timeout=SETTLE)
+    assert worker.alive()

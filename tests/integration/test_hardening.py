@@ -312,6 +312,16 @@ def test_taking_back_a_dead_workers_jobs_passes_over_a_row_locked_elsewhere(othe
     assert {statuses[job.pk] for job in others} == {Status.READY}
 
 
+def running(count: int) -> tuple[Worker, list[Job]]:
+    """A worker (not started) and `count` no-op jobs it claimed and handed to its threads."""
+    for _ in range(count):
+        Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(Options(queues=["default"], concurrency=count, listen=False))
+    jobs = Job.objects.claim(["default"], worker=worker.id, limit=count)
+    worker.take(jobs, count)
+    return worker, jobs
+
+
 # ---- the lease keeper cannot renew -------------------------------------------------------------
 
 
@@ -395,11 +405,7 @@ def test_a_locked_row_holds_back_its_outcome_alone_under_a_shorter_statement_tim
     # A project's statement_timeout below the worker's lock_timeout (5 s) cancels the turn's
     # statement first: it was taken for the network ("cannot reach the database") and the whole
     # worker stalled while the row stayed locked, no outcome recorded, no claim made.
-    for _ in range(2):
-        Job.objects.enqueue("tests.tasks.noop")
-    worker = Worker(Options(queues=["default"], concurrency=2, listen=False))
-    locked, free = Job.objects.claim(["default"], worker=worker.id, limit=2)
-    worker.take([locked, free], 2)
+    worker, (locked, free) = running(2)
     for job in (locked, free):
         worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
     with connection.cursor() as cursor:
@@ -454,10 +460,7 @@ def test_jobs_claimed_for_threads_held_up_by_a_slow_job_go_back_for_other_worker
 def test_an_outcome_not_recorded_because_the_claim_was_lost_is_logged_with_its_job(caplog):
     # A worker stopped past its lease (SIGSTOP, a frozen VM) said only "lost=4" in its next
     # activity line: nothing named the jobs whose outcomes it could not record.
-    Job.objects.enqueue("tests.tasks.noop")
-    worker = Worker(Options(queues=["default"], concurrency=1, listen=False))
-    (job,) = Job.objects.claim(["default"], worker=worker.id, limit=1)
-    worker.take([job], 1)
+    worker, (job,) = running(1)
     Job.objects.filter(pk=job.pk).update(worker="another", claims=F("claims") + 1)  # reaped, taken
     worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
     worker._settler.settle_and_fetch()
@@ -507,11 +510,7 @@ def test_a_progress_report_set_by_hand_that_jsonb_refuses_costs_no_outcome(repor
     # Set by hand on current_job().progress, it went into the turn's batch and every fallback:
     # the worker retried the batch as an outage for good (NUL) or dropped its outcomes and
     # claimed nothing more (deep nesting), and the heartbeats carrying it failed too.
-    for _ in range(2):
-        Job.objects.enqueue("tests.tasks.noop")
-    worker = Worker(Options(queues=["default"], concurrency=2, listen=False))
-    poisoned, other = Job.objects.claim(["default"], worker=worker.id, limit=2)
-    worker.take([poisoned, other], 2)
+    worker, (poisoned, other) = running(2)
     poisoned.progress = report
     assert worker._leases.renew([poisoned, other]) == {poisoned.pk, other.pk}
     for job in (poisoned, other):
@@ -552,3 +551,63 @@ def test_a_logging_filter_that_raises_on_every_line_stops_nothing_a_worker_does(
     assert Status.RUNNING not in {status for status, _ in rows}
     assert {attempts for status, attempts in rows if status == Status.READY} <= {0}
     assert sum(1 for status, _ in rows if status == Status.SUCCEEDED) >= 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_outcomes_a_turn_recorded_are_accounted_for_when_its_claims_cannot_be_read():
+    # A Job model signal's receiver raised while the turn's claimed rows became Job objects:
+    # the claims were given back, but the outcomes the same statement had recorded were never
+    # accounted for: their slots stayed taken for good and the lease keeper called them lost.
+    from django.db.models.signals import post_init
+
+    worker, (done,) = running(1)
+    waiting = Job.objects.enqueue("tests.tasks.noop")
+    worker._settler.finished(done, Handled(Verdict.SUCCEEDED))
+
+    def broken(sender: object, **kwargs: object) -> None:
+        raise RuntimeError("post_init receiver bug")
+
+    post_init.connect(broken, sender=Job)
+    try:
+        with pytest.raises(RuntimeError, match="post_init receiver bug"):
+            worker._settler.settle_and_fetch()
+    finally:
+        post_init.disconnect(broken, sender=Job)
+    assert not worker._in_flight and worker._recorded == 1
+    statuses = dict(Job.objects.values_list("pk", "status"))
+    assert (statuses[done.pk], statuses[waiting.pk]) == (Status.SUCCEEDED, Status.READY)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_handler_changing_its_jobs_id_changes_nothing_its_worker_renews_or_records():
+    # job.id = str(job.id) (for a JSON body, say): the lease keeper compared the ids it renewed
+    # with job.pk, called the claim lost after two rounds and stopped renewing it.
+    worker, (job,) = running(1)
+    job.id = str(job.id)
+    for _ in range(3):
+        worker._leases.keep_up([job], heartbeat=True)
+    assert not worker._leases._lost
+    worker._settler.finished(job, Handled(Verdict.SUCCEEDED, result_json="1"))
+    worker._settler.settle_and_fetch()
+    assert Job.objects.values_list("status", flat=True).get() == Status.SUCCEEDED
+    assert not worker._in_flight
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_workers_connections_commit_each_statement_whatever_the_settings_became():
+    # A handler set DATABASES["default"]["AUTOCOMMIT"] = False "for its job": the dict is every
+    # thread's, and after a reconnect the worker's own statements ran in one transaction never
+    # committed, claims and outcomes rolled back at its stop.
+    from django_pgjobs.runtime.locks import LockWaits
+
+    sessions = LockWaits("default")
+    connection.close()
+    connection.settings_dict["AUTOCOMMIT"] = False
+    try:
+        sessions.limit_this_thread()
+        connection.ensure_connection()
+        assert connection.get_autocommit()
+    finally:
+        connection.settings_dict["AUTOCOMMIT"] = True
+        sessions.stop()
+        connection.close()
