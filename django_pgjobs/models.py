@@ -13,10 +13,18 @@ from django.utils.translation import gettext_lazy as _
 
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.queues import QueueQuerySet
+from django_pgjobs.data.records import claimed
 from django_pgjobs.data.sql import CLAIM_ORDER
 from django_pgjobs.ids import uuid7
 from django_pgjobs.status import FINISHED, LIVE, Status
 from django_pgjobs.validation import MAX_PRIORITY, MIN_PRIORITY
+
+#: The columns a worker writes while it holds a claim (Job.save refuses them then).
+WORKER_FIELDS = frozenset({
+    "status", "attempts", "claims", "worker", "leased_until", "run_at", "scheduled",
+    "started_at", "finished_at", "last_error", "errors", "result", "progress",
+    "cancel_requested",
+})  # fmt: skip
 
 
 class Job(models.Model):
@@ -133,6 +141,22 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task} [{self.short_id}] {self.status}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """As Django's, but a claimed job's worker columns are its worker's alone: a handler's
+        `current_job().save()` would write its claim-time lease, status and claim count over
+        the row (the lease as it was at the claim, perhaps run out; after a lost lease, a claim
+        another worker holds now). Save the fields you changed with `update_fields`."""
+        if claimed(self):
+            fields = kwargs.get("update_fields")
+            owned = sorted(WORKER_FIELDS & set(fields)) if fields is not None else None
+            if owned is None or owned:
+                raise ValueError(
+                    f"job {self.pk} is running on a worker, which alone writes "
+                    f"{', '.join(owned or sorted(WORKER_FIELDS))}: save only the fields you "
+                    "changed, e.g. current_job().save(update_fields=['payload'])"
+                )
+        super().save(*args, **kwargs)
 
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:

@@ -75,6 +75,11 @@ def hold(job: Job) -> None:
     job.__dict__[_HELD] = (job.pk, job.claims, job.worker)
 
 
+def claimed(job: Job) -> bool:
+    """Whether a worker holds `job` as claimed (see `hold`): its handler's Job."""
+    return _HELD in job.__dict__
+
+
 def claim_of(job: Job) -> Claim:
     """The claim the worker holds on `job` (see `hold`): its id and claim count."""
     held = job.__dict__.get(_HELD)

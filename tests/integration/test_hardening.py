@@ -611,3 +611,19 @@ def test_the_workers_connections_commit_each_statement_whatever_the_settings_bec
         connection.settings_dict["AUTOCOMMIT"] = True
         sessions.stop()
         connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_handler_saving_its_job_may_save_its_own_fields_not_its_workers():
+    # current_job().save() wrote the claim-time lease (run out, perhaps), status and claim count
+    # over the row: after a lost lease, over another worker's claim.
+    worker, (job,) = running(1)
+    job.payload = {"cursor": 7}
+    job.save(update_fields=["payload"])  # a checkpoint: the handler's own field
+    with pytest.raises(ValueError, match="save only the fields you changed"):
+        job.save()
+    with pytest.raises(ValueError, match="alone writes leased_until"):
+        job.save(update_fields=["payload", "leased_until"])
+    row = Job.objects.get(pk=job.pk)
+    assert (row.payload, row.status, row.worker) == ({"cursor": 7}, Status.RUNNING, worker.id)
+    Job.objects.get(pk=job.pk).save()  # a Job the worker does not hold saves as any model
