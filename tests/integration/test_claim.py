@@ -212,7 +212,7 @@ def test_settle_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_state
     stale.claims += 1  # a claim this worker does not hold: the guard must refuse it
     boom = Failure("RuntimeError", "boom")
     with CaptureQueriesContext(connection) as queries:
-        done, failed, claimed, _ = Job.objects.settle_and_claim(
+        done, failed, claimed, *_ = Job.objects.settle_and_claim(
             [first[0], stale],
             [FailedAttempt(first[2], boom, False, 60.0)],
             ["default"],
@@ -235,7 +235,7 @@ def test_settle_and_claim_records_outcomes_of_owned_jobs_and_claims_in_one_state
 def test_settle_and_claim_without_a_claim_only_records_outcomes():
     JobFactory.create_batch(2, max_attempts=1)
     first, second = Job.objects.claim(["default"], worker="w1", limit=2)
-    done, failed, claimed, _ = Job.objects.settle_and_claim(
+    done, failed, claimed, *_ = Job.objects.settle_and_claim(
         [first], [FailedAttempt(second, Failure("E", "x"), False, 0.0)], [], worker="w1", limit=0
     )
     assert (done, failed, claimed) == ({first.pk}, {second.pk: Status.FAILED}, [])

@@ -55,7 +55,7 @@ def test_complete_keeps_a_result_only_when_given():
     JobFactory.create_batch(3)
     first, second, third = Job.objects.claim(["default"], worker="w1", limit=3)
     assert Job.objects.complete(first, '{"total": 12.5, "items": [1, 2]}') is True
-    done, _, _, _ = Job.objects.settle_and_claim(
+    done, *_ = Job.objects.settle_and_claim(
         [second, third], [], [], worker="w1", limit=0, results={third.pk: '"ok"'}
     )
     assert done == {second.pk, third.pk}
@@ -549,7 +549,7 @@ def test_a_turn_records_awkward_results_and_errors_exactly():
         FailedAttempt(job, Failure("ValueError", text, f"Traceback:\n  {text}\n"), True, 0.0)
         for job, text in zip(failing, AWKWARD, strict=True)
     ]
-    done, statuses, _, _ = Job.objects.settle_and_claim(
+    done, statuses, *_ = Job.objects.settle_and_claim(
         succeeded, failed, [], worker="w1", limit=0, results=results
     )
     assert done == {job.pk for job in succeeded}
