@@ -54,6 +54,7 @@ def body(job: Job) -> bytes:
             "headers": job.headers,
         },
         separators=(",", ":"),
+        ensure_ascii=False,  # UTF-8 as it is: an escape is six bytes for a character's three
     ).encode()
 
 

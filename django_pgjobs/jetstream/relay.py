@@ -21,10 +21,12 @@ from collections.abc import Mapping
 from django.db import DatabaseError, connections
 
 from django_pgjobs.data.jobs import JobManager
+from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages, streams
 from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.chores import Chore
+from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.outages import Outage
 from django_pgjobs.runtime.policy import outage_pause
 from django_pgjobs.transports import NatsQueue
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between rounds while the outbox is empty (a commit's wake-up cuts the wait short).
 RELAY_INTERVAL = 0.5
+
+#: The worker a job the relay dead-letters is recorded as held by.
+RELAY_WORKER = "relay"
 
 
 class Relay:
@@ -60,12 +65,30 @@ class Relay:
         self._streams_ready = False
 
     def _publish(self, jobs: list[Job]) -> None:
-        self.bridge.publish(
-            [
-                (self.queues[job.queue].subject, messages.body(job), messages.headers(job))
-                for job in jobs
-            ]
+        """Publish `jobs`; one whose message the server would refuse as too large becomes a
+        dead letter saying so, in the same transaction: retried, it would fail every round and
+        hold back every job of every NATS queue behind it (and those published with it would be
+        published again, round after round)."""
+        limit = self.bridge.client.max_payload
+        outgoing = []
+        for job in jobs:
+            body = messages.body(job)
+            if len(body) > limit:
+                self._refuse(job, len(body), limit)
+            else:
+                outgoing.append((self.queues[job.queue].subject, body, messages.headers(job)))
+        if outgoing:
+            self.bridge.publish(outgoing)
+
+    def _refuse(self, job: Job, size: int, limit: int) -> None:
+        job.worker, job.attempts, job.claims = RELAY_WORKER, job.attempts + 1, job.claims + 1
+        too_large = Failure(
+            "django_pgjobs.MessageTooLarge",
+            f"its message is {size:,} bytes, over the NATS server's max_payload of {limit:,}: "
+            "store large data elsewhere and pass its id (or raise max_payload on the server)",
         )
+        self.jobs.write_back(job, too_large, permanent=True, delay=0)
+        quietly(logger.error, "relay: job %s (%s): %s", job.pk, job.task, too_large.message)
 
 
 class RelayChore(Chore):

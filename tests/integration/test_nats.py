@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from django.db import transaction
+from django.utils import timezone
 
 from django_pgjobs import transports
 from django_pgjobs.models import DeadLetter, Job, Queue
@@ -67,6 +68,33 @@ def test_a_relay_that_fails_before_its_commit_publishes_nothing_twice(queue: str
     assert relay().round() == 50
     assert stream_messages(queue) == 50  # the second publish of each id was dropped
     assert not Job.objects.filter(pk__in=[job.pk for job in jobs]).exists()
+
+
+def test_a_job_whose_message_the_server_refuses_as_too_large_is_a_dead_letter_alone(
+    queue: str, settings: Any
+) -> None:
+    # Retried, it failed every relay round and held back every NATS queue's outbox, and the
+    # jobs published with it were published again each round (run again once the duplicate
+    # window had passed).
+    settings.PGJOBS = {**settings.PGJOBS, "MAX_PAYLOAD_BYTES": 4_000_000}
+    big = Job.objects.enqueue(
+        tasks.takes_anything, {"order_id": 0, "blob": "x" * 1_100_000}, queue=queue
+    )
+    others = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in (1, 2, 3)], queue=queue)
+    assert relay().round() == 4
+    assert stream_messages(queue) == 3
+    dead = Job.objects.get(pk=big.pk)
+    assert dead.status == Status.FAILED
+    assert "over the NATS server's max_payload of 1,048,576" in dead.last_error
+    assert not Job.objects.filter(pk__in=[job.pk for job in others]).exists()  # published
+
+
+def test_a_message_carries_its_text_as_utf_8_not_escaped() -> None:
+    from django_pgjobs.jetstream import messages
+
+    job = Job(queue="q", task="t", payload={"note": "中" * 300_000}, attempts=0, max_attempts=1,
+              claims=0, errors=[], run_at=timezone.now(), created_at=timezone.now())  # fmt: skip
+    assert len(messages.body(job)) < 1_000_000  # escaped: 1.8 MB, over NATS's 1 MiB default
 
 
 def test_a_delayed_job_waits_in_the_outbox_until_it_is_due(queue: str) -> None:
