@@ -206,7 +206,7 @@ class NatsWorker(Stoppable):
         for msg in batch:
             try:
                 job = messages.job_of(msg, self.id)
-            except (ValueError, KeyError, TypeError) as error:
+            except Exception as error:  # malformed, of another shape, nested too deep, ...
                 # Not a message of ours (published by hand, or by a newer release): it would
                 # come back forever, so it is terminated and said once.
                 quietly(logger.error, "worker %s: terminated a message it cannot read (%s: %s)",

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
+from django_pgjobs.validation import MAX_PRIORITY, MIN_PRIORITY
 
 #: The version of the body's shape, so that a later release can read what this one wrote.
 VERSION = 1
@@ -74,20 +75,42 @@ def job_of(msg: Msg, worker: str) -> Job:
     attempts count this delivery (and those made before it entered the stream), its claims one
     more than the message's (see the module's docstring)."""
     data: dict[str, Any] = json.loads(msg.data)
+    if not isinstance(data, dict):
+        raise ValueError(f"the message is JSON {type(data).__name__}, not an object")
     return Job(
         id=UUID(data["id"]),
-        queue=data["queue"],
-        task=data["task"],
-        payload=data["payload"],
+        queue=_typed(data, "queue", str),
+        task=_typed(data, "task", str),
+        payload=_typed(data, "payload", dict),
         status=Status.RUNNING,
-        priority=data["priority"],
+        priority=_counted(data, "priority", MIN_PRIORITY, MAX_PRIORITY),
         run_at=datetime.fromisoformat(data["run_at"]),
         created_at=datetime.fromisoformat(data["created_at"]),
-        attempts=data["attempts"] + msg.metadata.num_delivered,
-        max_attempts=data["max_attempts"],
+        attempts=min(
+            _counted(data, "attempts", 0, MAX_COUNT) + msg.metadata.num_delivered, MAX_COUNT
+        ),
+        max_attempts=_counted(data, "max_attempts", 1, MAX_COUNT),
         worker=worker,
-        errors=data["errors"],
-        claims=data["claims"] + 1,
-        headers=data["headers"],
+        errors=_typed(data, "errors", list),
+        claims=_counted(data, "claims", 0, MAX_COUNT - 1) + 1,
+        headers=data["headers"] if data["headers"] is None else _typed(data, "headers", dict),
         started_at=timezone.now(),  # for the claim latency in the workers' statistics
     )
+
+
+#: The largest attempt or claim count a job's row holds (an int4 column).
+MAX_COUNT = 2**31 - 1
+
+
+def _typed(data: dict[str, Any], key: str, kind: type) -> Any:
+    value = data[key]
+    if not isinstance(value, kind):
+        raise TypeError(f"{key!r} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _counted(data: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = _typed(data, key, int)
+    if isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{key!r} is {value!r}, outside {low}..{high}")
+    return int(value)

@@ -3,8 +3,10 @@ worker, retries, dead letters written back and replayed, shared work and fan-out
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -269,11 +271,36 @@ def test_a_handler_longer_than_the_lease_keeps_its_message_by_in_progress_acks(
     assert info.num_ack_pending == 0 and info.num_redelivered == 0
 
 
-def test_a_message_the_worker_cannot_read_is_terminated_not_retried(queue: str) -> None:
+def _shaped(queue: str, **fields: Any) -> bytes:
+    """A message of our shape for tests.tasks.ledger, with `fields` changed."""
+    now = timezone.now().isoformat()
+    return json.dumps({
+        "v": 1, "id": str(uuid.uuid4()), "queue": queue, "task": "tests.tasks.ledger",
+        "payload": {"n": 5}, "priority": 0, "run_at": now, "created_at": now, "attempts": 0,
+        "max_attempts": 3, "claims": 0, "errors": [], "headers": None, **fields,
+    }).encode()  # fmt: skip
+
+
+UNREADABLE = {
+    "not JSON": lambda queue: b"not json",
+    "nested 100,000 deep": lambda queue: b"[" * 100_000 + b"]" * 100_000,  # RecursionError
+    "a JSON list": lambda queue: b"[1, 2]",
+    "max_attempts a str": lambda queue: _shaped(queue, max_attempts="3"),
+    "attempts past an int4": lambda queue: _shaped(queue, attempts=10**20),
+}
+
+
+@pytest.mark.parametrize("body", UNREADABLE.values(), ids=UNREADABLE.keys())
+def test_a_message_the_worker_cannot_read_is_terminated_not_retried(
+    queue: str, body: Callable[[str], bytes]
+) -> None:
+    # Some raised past the worker's reading (RecursionError; a str compared with an int): the
+    # message came back every ack wait, and the jobs fetched with it never ran; one whose
+    # attempts did not fit the table failed its dead letter's write every turn, for good.
     relay().round()  # makes the stream
     publisher = bridge()
     stream = transports.nats_queues()[queue]
-    publisher.publish([(stream.subject, b"not json", {"Nats-Msg-Id": "junk"})])
+    publisher.publish([(stream.subject, body(queue), {"Nats-Msg-Id": "junk"})])
     job = tasks.ledger.using(queue=queue).enqueue(n=1)
     relay().round()
 
