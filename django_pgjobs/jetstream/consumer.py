@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 #: Seconds a fetch waits for messages while handlers run (their outcomes wait for it).
 BUSY_FETCH = 0.05
 
+#: While its fetches come back empty, a worker asks this often whether its queue's consumer is
+#: still there.
+CONSUMER_CHECK = 5.0
+
 
 class NatsWorker(Stoppable):
     """One worker process for NATS queues. ``run()`` returns how it ended (an Exit)."""
@@ -80,6 +84,7 @@ class NatsWorker(Stoppable):
         self._subscriptions: dict[str, object] = {}
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
         self._fetched_nothing = False
+        self._consumers_checked: dict[str, float] = {}  # queue → when (see _consumer_gone)
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._recorded = 0  # outcomes answered, for --max-jobs-per-child
         self._limits_at = 0.0  # when to look at the supervisor and the limits next
@@ -166,13 +171,38 @@ class NatsWorker(Stoppable):
             batch = self.bridge.fetch(subscription, min(free, self.options.batch_size), wait)
             waited = waited or wait > BUSY_FETCH
             fetched += len(batch)
-            self._take(batch)
+            if batch:
+                self._take(batch)
+            elif self._consumer_gone(queue):  # a pull from a consumer gone only times out
+                self._subscriptions.pop(queue.queue, None)  # made and bound again next turn
         self._fetched_nothing = not fetched
         if not (fetched or waited or self._done):
             # Full, paused, or nothing came while handlers run: until one finishes (it wakes
             # the loop), a chore or a time limit is due, or the next poll.
             self._wake.wait(min(self.options.poll_interval, self._chore_wait()))
             self._wake.clear()
+
+    def _consumer_gone(self, queue: NatsQueue) -> bool:
+        """After an empty fetch, at most every CONSUMER_CHECK seconds: whether the queue's
+        durable consumer is gone (deleted by hand, or the server restarted without its
+        storage), which its pulls cannot tell from an empty queue."""
+        now = time.monotonic()
+        if now - self._consumers_checked.get(queue.queue, now) < CONSUMER_CHECK:
+            return False
+        self._consumers_checked[queue.queue] = now
+        try:
+            self.bridge.call(
+                self.bridge.js.consumer_info(queue.stream, queue.consumer),
+                self.bridge.servers.publish_timeout,
+            )
+        except NotFoundError:
+            quietly(
+                logger.warning,
+                "worker %s: the consumer %s of queue %r is gone (deleted, or the server lost "
+                "its storage); making it again", self.id, queue.consumer, queue.queue,
+            )  # fmt: skip
+            return True
+        return False
 
     def _free_slots(self) -> int:
         """The handler threads, plus a prefetch of what they start within a moment (the
@@ -191,6 +221,7 @@ class NatsWorker(Stoppable):
                 self.bridge, queue, self.lease, self._max_ack_pending(queue)
             )
             self._subscriptions[queue.queue] = subscription
+            self._consumers_checked[queue.queue] = time.monotonic()
         return subscription
 
     def _max_ack_pending(self, queue: NatsQueue) -> int:

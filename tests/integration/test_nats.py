@@ -313,3 +313,20 @@ def test_a_message_the_worker_cannot_read_is_terminated_not_retried(
         info = wait_until(settled, timeout=30)
     assert info.num_redelivered == 0
     assert ChaosExecution.objects.count() == 1
+
+
+def test_a_worker_whose_consumer_is_deleted_makes_it_again_and_runs_on(queue: str) -> None:
+    # Deleted by hand, or lost with the server's storage: its pulls only timed out, as on an
+    # empty queue, and the worker ran nothing more, saying nothing, while the relay moved the
+    # jobs out of PostgreSQL into the stream.
+    first = tasks.ledger.using(queue=queue).enqueue(n=1)
+    relay().round()
+    reader = bridge()
+    stream = transports.nats_queues()[queue]
+    with WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.filter(job_id=first.pk).exists(), timeout=30)
+        reader.call(reader.js.delete_consumer(stream.stream, stream.consumer))
+        second = tasks.ledger.using(queue=queue).enqueue(n=2)
+        relay().round()
+        wait_until(lambda: ChaosExecution.objects.filter(job_id=second.pk).exists(), timeout=30)
+    assert _consumer(reader, stream) is not None
