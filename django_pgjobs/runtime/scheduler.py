@@ -49,7 +49,10 @@ class Scheduler:
                 quietly(logger.error, "%s (not scheduled; %s)", error, error.id)
         self.schedules = {each.name: each for each in schedules}
         self._next: dict[str, datetime] = {}  # each schedule's next tick after its last one
-        self._offset = 0.0  # the database's clock minus this machine's, in seconds
+        # The database's clock minus this process's monotonic clock, in seconds: the time of
+        # day is the database's, and a step of this machine's wall clock (NTP after a VM's
+        # resume) changes nothing in when the schedules are looked at.
+        self._offset = 0.0
         self._synced = False
 
     def enqueue_due(self) -> float:
@@ -149,10 +152,10 @@ class Scheduler:
             )  # fmt: skip
 
     def _observe(self, database_now: datetime) -> None:
-        self._offset = database_now.timestamp() - time.time()
+        self._offset = database_now.timestamp() - time.monotonic()
 
     def _now(self) -> datetime:
-        return datetime.fromtimestamp(time.time() + self._offset, UTC)
+        return datetime.fromtimestamp(time.monotonic() + self._offset, UTC)
 
 
 # New schedules start counting from now. An existing row takes the declaration's task, cron and

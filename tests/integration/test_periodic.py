@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -159,3 +160,15 @@ def test_schedules_in_the_admin_are_read_only_with_their_next_tick(admin_client,
     assert reverse("admin:pgjobs_schedule_add") not in page
     detail = admin_client.get(reverse("admin:pgjobs_schedule_change", args=["report"]))
     assert detail.status_code == 200 and 'name="_save"' not in detail.content.decode()
+
+
+def test_a_step_back_of_the_machines_wall_clock_does_not_move_the_schedulers_now(monkeypatch):
+    # The scheduler's "now" was the wall clock plus the database's offset, read again only when
+    # it thought a tick was due: a step back (NTP after a VM's resume) made every tick look
+    # that much further away: 40 s of per-second ticks enqueued late, or dropped.
+    scheduler = Scheduler("default", [schedule()])
+    scheduler.enqueue_due()  # it has read the database's clock
+    before = scheduler._now()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 3 * 365 * 86400)  # three years back
+    assert abs((scheduler._now() - before).total_seconds()) < 60
