@@ -230,7 +230,7 @@ class NatsWorker(Stoppable):
         limit = Queue.objects.using(self.db).filter(name=queue.queue).values_list(
             "max_running", flat=True
         ).first()  # fmt: skip
-        return limit or queue.max_ack_pending
+        return queue.max_ack_pending if limit is None else max(limit, 1)
 
     def _take(self, batch: list[Msg]) -> None:
         jobs = []

@@ -31,7 +31,13 @@ class QueueControls:
             return False
         self._next_at = now + self.interval
         controls = Queue.objects.using(db).filter(name__in=self.queues)
-        paused = {queue.name for queue in controls if queue.paused}
+        # A max_running of 0 runs nothing: as paused, whatever carries the queue (for NATS, no
+        # consumer can be limited to 0 messages: it is not fetched from at all).
+        paused = {
+            queue.name
+            for queue in controls
+            if queue.paused or (queue.max_running is not None and queue.max_running <= 0)
+        }
         limited = {queue.name for queue in controls if queue.max_running is not None}
         before = set(self.open)
         self.open = [q for q in self.queues if q not in paused | limited]

@@ -227,6 +227,20 @@ def test_a_paused_queue_is_not_fetched_and_max_running_bounds_the_consumer(queue
     )
 
 
+def test_a_max_running_of_0_runs_nothing_on_a_nats_queue_as_on_any_queue(queue: str) -> None:
+    # max_ack_pending = max_running or the default: 0 became "no limit" on a NATS queue, while
+    # a PostgreSQL queue with it runs nothing.
+    limit = Queue.objects.create(name=queue, max_running=0)
+    jobs = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
+    relay().round()
+    with WorkerThread(queue):
+        time.sleep(1.5)  # a few turns of the worker: it must not fetch from the queue
+        assert not ChaosExecution.objects.exists()
+        Queue.objects.filter(pk=limit.pk).update(max_running=None)
+        wait_until(lambda: ChaosExecution.objects.count() >= 3, timeout=30)
+    assert len(jobs) == 3
+
+
 def _consumer(reader: Any, queue: Any) -> Any:
     try:
         return reader.call(reader.js.consumer_info(queue.stream, queue.consumer))
