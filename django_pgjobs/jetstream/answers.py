@@ -27,6 +27,12 @@ class Answer(NamedTuple):
     outcome: Outcome
 
 
+#: The longest delay a NAK carries: JetStream takes it in nanoseconds, in 64 bits (292 years);
+#: one longer, though a delay pgjobs accepts (up to 1000 years), came back at once, again and
+#: again. The stream's MAX_AGE ends such a message long before either.
+MAX_NAK_DELAY = 100 * 365 * 86400.0
+
+
 def answer(jobs: JobManager, job: Job, handled: Handled) -> Answer:
     """Success acks; Retry naks with its delay; an error is recorded by the worker's own rule
     (JobManager.write_back): attempts left nak with the backoff, a dead letter terms. May
@@ -34,11 +40,11 @@ def answer(jobs: JobManager, job: Job, handled: Handled) -> Answer:
     if handled.verdict is Verdict.SUCCEEDED:
         return Answer(Reply.ACK, 0.0, Outcome.SUCCEEDED)
     if handled.verdict is Verdict.RETRY:
-        return Answer(Reply.NAK, handled.delay, Outcome.RETRIED)
+        return Answer(Reply.NAK, min(handled.delay, MAX_NAK_DELAY), Outcome.RETRIED)
     assert handled.failure is not None
     status = jobs.write_back(job, handled.failure, permanent=handled.permanent, delay=handled.delay)
     if status == Status.READY:
-        return Answer(Reply.NAK, handled.delay, Outcome.RETRIED)
+        return Answer(Reply.NAK, min(handled.delay, MAX_NAK_DELAY), Outcome.RETRIED)
     if status == IN_OUTBOX:  # its relay has not committed yet: after that, this is recorded
         return Answer(Reply.NAK, OUTBOX_DELAY, Outcome.LOST)
     if status == WRITTEN:  # an earlier delivery wrote it, or it was replayed since
