@@ -35,23 +35,23 @@ def cancel_requested() -> bool:
         now = time.monotonic()
         if now - _checked_at.get(job, 0.0) >= CHECK_INTERVAL:
             _checked_at[job] = now
-            if _asked(job):
+            if _asked_now(job):
                 job.cancel_requested = True
     return job.cancel_requested
 
 
-def _asked(job: Job) -> bool:
+def _asked_now(job: Job) -> bool:
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # a plain handler: ask on this thread's connection
-        return _ask(job)
+        return asked(job)
     # An async handler's event loop may not run queries (SynchronousOnlyOperation): ask from a
     # short-lived thread with its own connection. A primary-key lookup, once a second at most.
     answer: list[bool] = []
 
     def ask() -> None:
         try:
-            answer.append(_ask(job))
+            answer.append(asked(job))
         finally:
             connections.close_all()  # this thread's own connection
 
@@ -61,7 +61,8 @@ def _asked(job: Job) -> bool:
     return bool(answer and answer[0])
 
 
-def _ask(job: Job) -> bool:
+def asked(job: Job) -> bool:
+    """Whether a cancellation of `job` was requested, asked of the database on this thread."""
     # The write database, where the request was written: a replica behind a router may lag.
     jobs = Job.objects.db_manager(router.db_for_write(Job))
     asked: bool = jobs.filter(pk=job.pk, cancel_requested=True).exists()

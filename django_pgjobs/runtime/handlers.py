@@ -13,10 +13,15 @@ from collections.abc import Callable
 from django.db import close_old_connections, connections
 
 from django_pgjobs import signals
+from django_pgjobs.errors import JobCancelled
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled
-from django_pgjobs.runtime import execute
+from django_pgjobs.runtime import cancellation, execute
 from django_pgjobs.runtime.timeouts import Deadlines
+
+#: A job that waited longer than this for a thread (claimed beyond the threads, or behind slow
+#: jobs) is looked up once before it starts: cancelled meanwhile, it is not started.
+CANCEL_CHECK_AFTER = 0.1
 
 
 class HandlerPool:
@@ -35,12 +40,14 @@ class HandlerPool:
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._count = 0
         self._since: dict[int, float] = {}  # id(job) → when its handler started (perf_counter)
+        self._submitted: dict[int, float] = {}  # id(job) → when it was handed over (perf_counter)
 
     def start(self) -> None:
         for _ in range(self.size):
             self._start_thread()
 
     def submit(self, job: Job) -> None:
+        self._submitted[id(job)] = time.perf_counter()
         self._todo.put(job)
 
     def unstarted(self) -> list[Job]:
@@ -52,7 +59,19 @@ class HandlerPool:
             except queue.Empty:
                 return jobs
             if job is not None:
+                self._submitted.pop(id(job), None)
                 jobs.append(job)
+
+    def _cancelled_before(self, job: Job, started: float) -> bool:
+        """Whether `job`, about to start, was cancelled while it waited for this thread: the
+        heartbeats bring the news; one that waited longer than CANCEL_CHECK_AFTER asks too."""
+        waited = started - self._submitted.pop(id(job), started)
+        if job.cancel_requested:
+            return True
+        if waited > CANCEL_CHECK_AFTER and cancellation.asked(job):
+            job.cancel_requested = True
+            return True
+        return False
 
     def held_up(self, longer_than: float) -> int:
         """How many threads have been running their current job for more than `longer_than`
@@ -101,10 +120,13 @@ class HandlerPool:
                 # taken again only when the thread waited for its job.
                 if aged:
                     close_old_connections()
-                signals.send(signals.job_started, Job, job=job)
-                handled = execute.run(job)  # never raises; its duration is the handler's own
-                close_old_connections()
-                aged = False
+                if self._cancelled_before(job, started):
+                    handled = execute.refused(JobCancelled("cancelled before its handler started"))
+                else:
+                    signals.send(signals.job_started, Job, job=job)
+                    handled = execute.run(job)  # never raises; its duration is the handler's own
+                    close_old_connections()
+                    aged = False
             except BaseException as error:
                 handled = execute.raised(job, error, None, (), started)
                 aged = True

@@ -627,3 +627,28 @@ def test_a_handler_saving_its_job_may_save_its_own_fields_not_its_workers():
     row = Job.objects.get(pk=job.pk)
     assert (row.payload, row.status, row.worker) == ({"cursor": 7}, Status.RUNNING, worker.id)
     Job.objects.get(pk=job.pk).save()  # a Job the worker does not hold saves as any model
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_cancelled_while_it_waits_for_a_thread_is_not_started():
+    # Claimed and waiting behind a slow job (prefetch, a turn's batch), it showed as running: the
+    # operator's cancel was told "running ones stop if their handler checks", and the handler,
+    # started after the cancel had committed, ran in full.
+    from tests.models import Execution
+
+    slow = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 0.8}, priority=10)
+    waiting = Job.objects.enqueue("tests.tasks.record", {"n": 2})
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    worker.learn_durations([0.001] * 10)  # fast handlers so far: it claims beyond its thread
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=10)
+        assert Job.objects.get(pk=waiting.pk).status == Status.RUNNING  # claimed, not started
+        assert Job.objects.filter(pk=waiting.pk).cancel() == [waiting.pk]
+        wait_until(lambda: Job.objects.get(pk=waiting.pk).status == Status.CANCELLED, timeout=10)
+    finally:
+        worker.stop()
+        thread.join(15)
+    assert not Execution.objects.filter(n=2).exists()
+    assert Job.objects.get(pk=slow.pk).status == Status.SUCCEEDED
