@@ -6,6 +6,7 @@ from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
+from django.db import DatabaseError, transaction
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
@@ -42,7 +43,11 @@ class ReplayForm(ActionForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.served = sorted(stats.served_queues(stats.worker_stats()))
+        try:  # a hint only: a statistics row it cannot read must not cost the replay
+            with transaction.atomic():
+                self.served = sorted(stats.served_queues(stats.worker_stats()))
+        except DatabaseError:
+            self.served = []
         help_text = _("Leave empty to replay each job into its own queue.")
         if self.served:
             served = format_html_join(", ", "<code>{}</code>", ((q,) for q in self.served))

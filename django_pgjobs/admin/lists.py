@@ -73,9 +73,12 @@ class RegisteredValueFilter(admin.SimpleListFilter):
         return [(value, value) for value in sorted(v for v in values if v)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value() is None:
+        value = self.value()
+        if value is None:
             return queryset
-        return queryset.filter(**{str(self.parameter_name): self.value()})
+        if "\x00" in value:  # no text column holds one (PostgreSQL refuses it in a query)
+            return queryset.none()
+        return queryset.filter(**{str(self.parameter_name): value})
 
 
 class TaskFilter(RegisteredValueFilter):

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.models import CHANGE
 from django.core.exceptions import PermissionDenied
+from django.db import DatabaseError, transaction
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.safestring import SafeString
@@ -52,7 +53,10 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         return request.user.has_perm("pgjobs.pause_queue")
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [] if self.has_pause_permission(request) else ["paused"]
+        # The name is the row's key: changed, Django would save a copy under the new name and
+        # leave the old row, paused or limited, in place.
+        fields = [] if obj is None else ["name"]
+        return fields if self.has_pause_permission(request) else [*fields, "paused"]
 
     def get_changelist_form(self, request: HttpRequest, **kwargs: Any) -> type[ModelForm]:
         form: type[ModelForm] = super().get_changelist_form(request, **kwargs)
@@ -94,7 +98,15 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         """The health report: what `jobstats` prints, for staff who may view queues."""
         if not self.has_view_permission(request):
             raise PermissionDenied
-        report = reports.collect()
+        try:
+            with transaction.atomic():
+                report = reports.collect()
+        except DatabaseError as error:  # what jobstats says UNKNOWN for (exit status 3)
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            self.message_user(
+                request, _("The health report could not be taken: %s") % first, messages.ERROR
+            )
+            return HttpResponseRedirect(reverse("admin:pgjobs_queue_changelist"))
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from django.db import ProgrammingError, connections, transaction
 from django.db.models.functions import Now
@@ -24,6 +24,9 @@ from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
 
+
+#: Seconds until a schedule whose row another session held locked is looked at again.
+LOCKED_RETRY = 1.0
 
 class Scheduler:
     """Enqueues the due ticks of the declared schedules on one database; a worker calls
@@ -115,7 +118,18 @@ class Scheduler:
             # An enqueue is durable at its commit, also on the worker's own connection.
             with connections[self.db].cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit = on")
-            row = schedule.annotate(now=Now()).values_list("last_tick", "now").first()
+            # Locked, never waited for: another worker is ticking it (and will have enqueued the
+            # tick when this one looks again), or an operator's transaction holds it. The wait
+            # would be on the worker's main loop, with its claims and outcomes behind it.
+            row = (
+                schedule.select_for_update(skip_locked=True)
+                .annotate(now=Now())
+                .values_list("last_tick", "now")
+                .first()
+            )
+            if row is None and schedule.exists():
+                self._next[periodic.name] = self._now() + timedelta(seconds=LOCKED_RETRY)
+                return
             if row is None:  # the row was deleted: create it again, counting from now
                 self._synced = False
                 return

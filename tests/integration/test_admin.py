@@ -18,7 +18,7 @@ from django.urls import reverse
 
 from django_pgjobs.admin import actions as admin_actions
 from django_pgjobs.admin import lists as admin_lists
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, Queue
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
 
@@ -445,3 +445,39 @@ def test_a_page_whose_table_is_missing_says_to_run_migrate(table, url):
         "run `manage.py migrate`"
     ) in page
     assert "<pre>python manage.py migrate</pre>" in page
+
+
+def test_a_statistics_row_that_cannot_be_read_costs_neither_replay_nor_the_report_page(
+    admin_client,
+):
+    # A stray row (by hand, from a restored dump) made the report page and every Replay action
+    # an HTTP 500 for as long as the row was recent.
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO pgjobs_queuestat (seconds, worker, queue, claimed, succeeded, retried, "
+            "failed, latency_buckets) VALUES ('NaN', 'w', 'default', 0, 0, 0, 0, '[]')"
+        )
+    job = JobFactory(dead=True)
+    response = act(admin_client, DEAD, "replay", [job])
+    assert messages_of(response) == ["1 job replayed."]
+    response = admin_client.get(reverse("admin:pgjobs_queue_report"), follow=True)
+    assert response.status_code == 200
+    [message] = messages_of(response)
+    assert message.startswith("The health report could not be taken: ")
+
+
+def test_a_queue_keeps_its_name_on_its_change_page(admin_client):
+    # Renamed there, Django saved a copy under the new name and said "changed"; the old row
+    # stayed, paused.
+    Queue.objects.create(name="billing", paused=True)
+    url = reverse("admin:pgjobs_queue_change", args=["billing"])
+    admin_client.post(url, {"name": "billing-renamed", "paused": "on", "max_running": ""})
+    assert list(Queue.objects.values_list("name", flat=True)) == ["billing"]
+
+
+@pytest.mark.parametrize("parameter", ["queue", "task"])
+def test_a_nul_in_a_list_filter_finds_nothing_rather_than_failing(admin_client, parameter):
+    response = admin_client.get(reverse("admin:pgjobs_job_changelist"), {parameter: "a\x00b"})
+    assert response.status_code == 200

@@ -172,3 +172,25 @@ def test_a_step_back_of_the_machines_wall_clock_does_not_move_the_schedulers_now
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() - 3 * 365 * 86400)  # three years back
     assert abs((scheduler._now() - before).total_seconds()) < 60
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_schedule_row_locked_elsewhere_is_looked_at_again_not_waited_for(other_connection):
+    # The tick's compare-and-set waited its lock_timeout (5 s) on the worker's main loop, every
+    # look, for as long as an operator's transaction held the row: claims and outcomes waited.
+    scheduler = Scheduler("default", [schedule()])
+    scheduler.enqueue_due()  # in sync with the row
+    rewind("report", timedelta(days=400))
+    scheduler._next["report"] = scheduler._now()  # this year's tick is due: it looks
+    with connection.cursor() as cursor:  # this session's wait, should there be one, fails
+        cursor.execute("SET lock_timeout = '2s'")
+    try:
+        with other_connection.transaction():
+            other_connection.execute("SELECT FROM pgjobs_schedule WHERE name = 'report' FOR UPDATE")
+            assert scheduler.enqueue_due() <= 1.0  # looked at again within a second
+            assert ticks() == []
+        scheduler._next["report"] = scheduler._now()  # that second has passed
+        scheduler.enqueue_due()
+        assert ticks() == [this_years_tick()]
+    finally:
+        connection.close()
