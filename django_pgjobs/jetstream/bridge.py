@@ -105,6 +105,11 @@ class Bridge:
 
         self.call(touch(), self.servers.publish_timeout)
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called: nothing can be sent any more."""
+        return self._closing
+
     def close(self) -> None:
         """Close the connection and stop the loop (once; later calls do nothing)."""
         if self._closing:

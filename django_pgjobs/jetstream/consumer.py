@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 #: Seconds a fetch waits for messages while handlers run (their outcomes wait for it).
 BUSY_FETCH = 0.05
 
+#: The longest a worker goes without reading its consumers' ack waits (another worker may have
+#: shortened them) and acknowledging its running messages as in progress.
+ACK_WAIT_CHECK = 1.0
+
 #: While its fetches come back empty, a worker asks this often whether its queue's consumer is
 #: still there.
 CONSUMER_CHECK = 5.0
@@ -317,12 +321,19 @@ class NatsWorker(Stoppable):
     # ---- leases --------------------------------------------------------------------------------
 
     def _keep_in_progress(self) -> None:
-        """Every lease/3, an in-progress acknowledgement for each message whose handler runs.
+        """Every third of the shortest ack wait of its consumers (at most every ACK_WAIT_CHECK
+        seconds), an in-progress acknowledgement for each message whose handler runs.
         The thread lives until the worker stops, whatever a round raises or its logging does
         (runtime/logs.py, quietly): without it every ack wait would run out under the handlers,
         and their messages would be delivered again."""
-        while not self._stopping or self._in_flight:
-            time.sleep(self.lease / 3)
+        ack_wait = self.lease  # the shortest of its consumers' ack waits, as last read
+        while True:
+            time.sleep(min(ack_wait / 3, ACK_WAIT_CHECK))
+            # Stopped with nothing running, or gone (what still runs is left to its ack wait).
+            if (self._stopping and not self._in_flight) or self.bridge.closed:
+                return
+            with contextlib.suppress(BaseException):  # NATS away: the last one read stands
+                ack_wait = self._ack_wait(ack_wait)
             try:
                 with self._lock:
                     finished = {id(job) for job, _ in self._done}
@@ -333,6 +344,31 @@ class NatsWorker(Stoppable):
                     self.bridge.in_progress(running)
             except BaseException as error:
                 quietly(logger.warning, "could not extend the ack wait of running jobs: %s", error)
+
+    def _ack_wait(self, last: float) -> float:
+        """The shortest ack wait of this worker's consumers, as the server has them now: they
+        are shared, and a worker of the queue started with a shorter --lease sets its own
+        (this one's in-progress acknowledgements must then come as often, or every message it
+        runs is delivered again to another worker while it runs)."""
+        waits = [self.lease]
+        if self._stopping:  # its grace: the last ack wait read stands
+            return last
+        for queue in self.queues:
+            if queue.queue in self._subscriptions:
+                info = self.bridge.call(
+                    self.bridge.js.consumer_info(queue.stream, queue.consumer),
+                    self.bridge.servers.publish_timeout,
+                )
+                waits.append(float(info.config.ack_wait or self.lease))
+        shortest = min(waits)
+        if shortest < self.lease and shortest != last:
+            quietly(
+                logger.warning,
+                "worker %s: a consumer of its queues has an ack wait of %gs, under its lease of "
+                "%gs (set by a worker started with a shorter --lease): in-progress "
+                "acknowledgements every %.2gs", self.id, shortest, self.lease, shortest / 3,
+            )  # fmt: skip
+        return shortest
 
     def _check_limits(self) -> None:
         """Stop when the supervisor is gone; stop to be replaced (Exit.RECYCLE) past

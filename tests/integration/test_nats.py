@@ -285,6 +285,24 @@ def test_a_handler_longer_than_the_lease_keeps_its_message_by_in_progress_acks(
     assert info.num_ack_pending == 0 and info.num_redelivered == 0
 
 
+def test_a_worker_keeps_its_messages_when_another_shortens_the_shared_ack_wait(
+    queue: str,
+) -> None:
+    # A worker started with a shorter --lease sets the queue's consumer's ack wait for all: a
+    # worker with a longer one acknowledged in progress every lease/3 (10 s), and every message
+    # it ran was delivered again, and run again, while it ran.
+    from django_pgjobs.jetstream import streams
+
+    job = tasks.ledger.using(queue=queue).enqueue(n=1, seconds=4.5)
+    relay().round()
+    nats_queue_ = transports.nats_queues()[queue]
+    with WorkerThread(queue, lease=30.0):
+        wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+        streams.ensure_consumer(bridge(), nats_queue_, 1.5, nats_queue_.max_ack_pending)
+        time.sleep(5.0)  # past three of the new ack waits; the handler returns meanwhile
+    assert list(ChaosExecution.objects.values_list("job_id", "attempt")) == [(job.pk, 1)]
+
+
 def _shaped(queue: str, **fields: Any) -> bytes:
     """A message of our shape for tests.tasks.ledger, with `fields` changed."""
     now = timezone.now().isoformat()
