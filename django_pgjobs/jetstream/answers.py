@@ -7,6 +7,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from django_pgjobs.data.jobs import IN_OUTBOX, WRITTEN, JobManager
+from django_pgjobs.data.records import Failure
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.status import Status
@@ -39,6 +40,14 @@ def answer(jobs: JobManager, job: Job, handled: Handled) -> Answer:
     raise DatabaseError (the attempt is then answered later)."""
     if handled.verdict is Verdict.SUCCEEDED:
         return Answer(Reply.ACK, 0.0, Outcome.SUCCEEDED)
+    if handled.verdict is Verdict.RETRY and job.attempts >= job.max_attempts:
+        # A Retry is a delivery, so an attempt: on the last one it is the job's end, said so
+        # now (delivered again, it would be dead-lettered unrun as a lost worker's).
+        handled = Handled(Verdict.ERROR, failure=Failure(
+            "django_pgjobs.RetryExhausted",
+            f"asked to run again (Retry) on its last attempt ({job.attempts} of "
+            f"{job.max_attempts}); on a NATS queue each Retry is an attempt",
+        ), permanent=True, duration=handled.duration)  # fmt: skip
     if handled.verdict is Verdict.RETRY:
         return Answer(Reply.NAK, min(handled.delay, MAX_NAK_DELAY), Outcome.RETRIED)
     assert handled.failure is not None

@@ -362,3 +362,14 @@ def test_a_worker_whose_consumer_is_deleted_makes_it_again_and_runs_on(queue: st
         relay().round()
         wait_until(lambda: ChaosExecution.objects.filter(job_id=second.pk).exists(), timeout=30)
     assert _consumer(reader, stream) is not None
+
+
+def test_a_retry_on_the_last_attempt_ends_the_job_saying_so(queue: str) -> None:
+    # Announced as retried, it was delivered again and dead-lettered unrun as "WorkerLost:
+    # delivered 2 times without an outcome": no worker was lost.
+    job = tasks.asks_to_retry.using(queue=queue, max_attempts=1).enqueue(seconds=0.1)
+    relay().round()
+    with WorkerThread(queue):
+        dead = wait_until(lambda: DeadLetter.objects.filter(pk=job.pk).first(), timeout=30)
+    assert dead.last_error.startswith("django_pgjobs.RetryExhausted: asked to run again (Retry)")
+    assert dead.attempts == 1
