@@ -30,7 +30,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.dispatch import Signal
 from django.utils import timezone
 
-from django_pgjobs import registry, validation
+from django_pgjobs import registry, transports, validation
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, PermanentError, UnknownTask
@@ -164,13 +164,27 @@ class PgJobsBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(f"{result_id}: {error}") from None
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        if apps.is_installed("django_pgjobs"):
+        if not apps.is_installed("django_pgjobs"):
+            return [
+                checks.Error(
+                    f"TASKS[{self.alias!r}] uses PgJobsBackend, but django_pgjobs is not "
+                    "installed.",
+                    hint="Add 'django_pgjobs' to INSTALLED_APPS and run migrate.",
+                    id="pgjobs.E002",
+                )
+            ]
+        on_nats = sorted(set(self.queues) & set(transports.nats_queues()))
+        if not on_nats:
             return []
         return [
-            checks.Error(
-                f"TASKS[{self.alias!r}] uses PgJobsBackend, but django_pgjobs is not installed.",
-                hint="Add 'django_pgjobs' to INSTALLED_APPS and run migrate.",
-                id="pgjobs.E002",
+            checks.Warning(
+                f"TASKS[{self.alias!r}] enqueues into {', '.join(map(repr, on_nats))}, carried by "
+                "NATS JetStream: a Task run there keeps no result (its row leaves the database "
+                "when relayed), so get_result() raises TaskResultDoesNotExist for it once "
+                "relayed, however it ended, unless it failed for good (a dead letter).",
+                hint="Keep Tasks whose results you read on PostgreSQL queues; see "
+                "docs/explanation/graduating.md.",
+                id="pgjobs.W042",
             )
         ]
 

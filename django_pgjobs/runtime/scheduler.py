@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 #: Seconds until a schedule whose row another session held locked is looked at again.
 LOCKED_RETRY = 1.0
 
+
 class Scheduler:
     """Enqueues the due ticks of the declared schedules on one database; a worker calls
     `enqueue_due()` when the seconds it last returned have passed.

@@ -101,6 +101,19 @@ def test_a_misconfigured_backend_says_what_is_wrong(params, message):
         PgJobsBackend("broken", {"BACKEND": "django_pgjobs.backend.PgJobsBackend", **params})
 
 
+def test_the_check_says_a_tasks_results_are_not_kept_on_a_nats_queue(settings):
+    # get_result() of a Task that succeeded on a NATS queue raised TaskResultDoesNotExist, and
+    # nothing had said so.
+    settings.PGJOBS = {**settings.PGJOBS, "QUEUES": {"jetstream": {"TRANSPORT": "nats"}}}
+    backend = PgJobsBackend(
+        "mixed", {"BACKEND": "django_pgjobs.backend.PgJobsBackend", "QUEUES": ["a", "jetstream"]}
+    )
+    [warning] = backend.check()
+    assert warning.id == "pgjobs.W042" and "'jetstream'" in warning.msg
+    plain = PgJobsBackend("plain", {"BACKEND": "django_pgjobs.backend.PgJobsBackend"})
+    assert plain.check() == []
+
+
 def test_the_check_asks_for_django_pgjobs_in_installed_apps(settings):
     settings.INSTALLED_APPS = [app for app in settings.INSTALLED_APPS if app != "django_pgjobs"]
 
