@@ -53,6 +53,7 @@ class Scheduler:
                 quietly(logger.error, "%s (not scheduled; %s)", error, error.id)
         self.schedules = {each.name: each for each in schedules}
         self._next: dict[str, datetime] = {}  # each schedule's next tick after its last one
+        self._last: dict[str, datetime] = {}  # each schedule's last tick, as last read
         # The database's clock minus this process's monotonic clock, in seconds: the time of
         # day is the database's, and a step of this machine's wall clock (NTP after a VM's
         # resume) changes nothing in when the schedules are looked at.
@@ -103,6 +104,7 @@ class Scheduler:
             rows = cursor.fetchall()
         for name, last_tick, now in rows:
             self._observe(now)
+            self._last[name] = last_tick
             self._next[name] = self.schedules[name].next_tick(last_tick)
         self._synced = True
         quietly(
@@ -122,17 +124,19 @@ class Scheduler:
             # Locked, never waited for: another worker is ticking it (and will have enqueued the
             # tick when this one looks again), or an operator's transaction holds it. The wait
             # would be on the worker's main loop, with its claims and outcomes behind it.
-            row = (
-                schedule.select_for_update(skip_locked=True)
-                .annotate(now=Now())
-                .values_list("last_tick", "now")
-                .first()
-            )
-            if row is None and schedule.exists():
+            locked = schedule.select_for_update(skip_locked=True).annotate(now=Now())
+            row = locked.values_list("last_tick", "now").first()
+            if row is None and not schedule.exists():
+                # Deleted: made again from the last tick this worker knew of, so that the tick
+                # due now is enqueued (made again from now, it was lost, silently).
+                with connections[self.db].cursor() as cursor:
+                    cursor.execute(_RECREATE, [
+                        periodic.name, periodic.task, periodic.cron, periodic.timezone.key,
+                        self._last[periodic.name],
+                    ])  # fmt: skip
+                row = locked.values_list("last_tick", "now").first()
+            if row is None:
                 self._next[periodic.name] = self._now() + timedelta(seconds=LOCKED_RETRY)
-                return
-            if row is None:  # the row was deleted: create it again, counting from now
-                self._synced = False
                 return
             last, now = row
             self._observe(now)
@@ -157,6 +161,7 @@ class Scheduler:
                 latest = schedule.values_list("last_tick", flat=True).first() or last
         for job in enqueued:
             self.enqueued([job])
+        self._last[periodic.name] = latest
         self._next[periodic.name] = periodic.next_tick(latest)
         if won and ticks != [periodic.next_tick(last)]:
             quietly(
@@ -192,6 +197,15 @@ _UPSERT = """
         updated_at = excluded.updated_at
     WHERE (s.task, s.cron, s.timezone)
         IS DISTINCT FROM (excluded.task, excluded.cron, excluded.timezone)
+"""
+
+
+# A schedule's row deleted while workers run, made again by one that finds a tick due, from the
+# last tick it knew of.
+_RECREATE = """
+    INSERT INTO pgjobs_schedule (name, task, cron, timezone, last_tick, updated_at)
+    VALUES (%s, %s, %s, %s, %s, statement_timestamp())
+    ON CONFLICT (name) DO NOTHING
 """
 
 

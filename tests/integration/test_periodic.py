@@ -194,3 +194,17 @@ def test_a_schedule_row_locked_elsewhere_is_looked_at_again_not_waited_for(other
         assert ticks() == [this_years_tick()]
     finally:
         connection.close()
+
+
+def test_a_schedule_row_deleted_while_workers_run_loses_no_tick():
+    # Made again "from now" by the worker that found the tick due, the row's new last tick was
+    # past that tick: it was never enqueued, and nothing said so (a daily 03:00 job: that day's).
+    scheduler = Scheduler("default", [schedule()])
+    scheduler.enqueue_due()  # knows the row's last tick
+    Schedule.objects.filter(name="report").update(last_tick=Now() - timedelta(days=400))
+    scheduler._sync()  # ... as a year ago: this year's tick is due next
+    Schedule.objects.filter(name="report").delete()
+    scheduler._next["report"] = scheduler._now()
+    scheduler.enqueue_due()
+    assert ticks() == [this_years_tick()]
+    assert Schedule.objects.get().last_tick.isoformat() == this_years_tick()
