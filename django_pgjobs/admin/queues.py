@@ -23,6 +23,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
+from django_pgjobs import schema
 from django_pgjobs.admin import charts, times
 from django_pgjobs.admin.actions import apply
 from django_pgjobs.admin.missing import MigrateFirst
@@ -102,6 +103,8 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
             with transaction.atomic():
                 report = reports.collect()
         except DatabaseError as error:  # what jobstats says UNKNOWN for (exit status 3)
+            if schema.is_not_migrated(error):
+                raise  # the "run manage.py migrate" page (MigrateFirst)
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             self.message_user(
                 request, _("The health report could not be taken: %s") % first, messages.ERROR

@@ -265,7 +265,7 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
         _in_flight={1: (None, "a message")},
         _done=[],
         _lock=threading.Lock(),
-        bridge=SimpleNamespace(in_progress=in_progress),
+        bridge=SimpleNamespace(in_progress=in_progress, closed=False),
     )
     thread = threading.Thread(target=NatsWorker._keep_in_progress, args=(worker,), daemon=True)
     thread.start()
