@@ -61,15 +61,13 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
 
     def get_changelist_form(self, request: HttpRequest, **kwargs: Any) -> type[ModelForm]:
         form: type[ModelForm] = super().get_changelist_form(request, **kwargs)
-        if self.has_pause_permission(request):
-            return form
+        return form if self.has_pause_permission(request) else _without_pause(form)
 
-        class WithoutPause(form):  # type: ignore[valid-type,misc]
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                self.fields["paused"].disabled = True  # shown, not changeable
-
-        return WithoutPause
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> type[ModelForm]:
+        form: type[ModelForm] = super().get_form(request, obj, change, **kwargs)
+        return form if self.has_pause_permission(request) else _without_pause(form)
 
     @admin.action(description=gettext_lazy("Pause selected queues"), permissions=["pause"])
     def pause(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
@@ -129,3 +127,27 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
             "load": report.load,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)
+
+
+def _without_pause(form: type[ModelForm]) -> type[ModelForm]:
+    """`form` for a user who may not pause queues: `paused` shown, not changeable, and no
+    max_running of 0, which stops the queue as a pause does."""
+
+    class WithoutPause(form):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if "paused" in self.fields:
+                self.fields["paused"].disabled = True
+
+        def clean_max_running(self) -> int | None:
+            value: int | None = self.cleaned_data.get("max_running")
+            if value is not None and value <= 0:
+                raise forms.ValidationError(
+                    _(
+                        "A max_running of 0 stops the queue as a pause does: it needs the "
+                        "permission to pause queues."
+                    )
+                )
+            return value
+
+    return WithoutPause

@@ -63,5 +63,6 @@ class ScheduleAdmin(MigrateFirst, ModelAdmin):
 
     @admin.display(description=_("declared"), boolean=True)
     def declared(self, schedule: Schedule) -> bool:
-        """Whether the settings and tasks still declare it (workers ignore other rows)."""
-        return schedule.name in periodic.declared_names()
+        """Whether the settings and tasks still declare it, in a form workers can schedule
+        (they ignore other rows, and do not start with a declaration they cannot read)."""
+        return schedule.name in {each.name for each in periodic.declared()[0]}

@@ -102,3 +102,23 @@ def test_the_list_edits_limits_but_pauses_only_with_the_pause_permission():
     assert (queue.paused, queue.max_running) == (False, 4)
     staff("view_queue", "change_queue", "pause_queue").post(QUEUES, form)
     assert Queue.objects.get().paused
+
+
+@pytest.mark.django_db
+def test_a_limit_of_0_stops_a_queue_as_a_pause_does_and_needs_the_pause_permission():
+    # max_running = 0 runs nothing: set by a user without pgjobs.pause_queue, it was a pause
+    # the permission was meant to keep from them, logged as no pause.
+    Queue.objects.create(name="emails")
+    form = {
+        "form-TOTAL_FORMS": "1", "form-INITIAL_FORMS": "1", "form-0-name": "emails",
+        "form-0-max_running": "0", "_save": "Save",
+    }  # fmt: skip
+    changer = staff("view_queue", "change_queue")
+    response = changer.post(QUEUES, form)
+    assert response.status_code == 200  # the list again, with the error
+    assert "needs the permission to pause queues" in response.content.decode()
+    assert Queue.objects.get().max_running is None
+    changer.post(reverse("admin:pgjobs_queue_change", args=["emails"]), {"max_running": "0"})
+    assert Queue.objects.get().max_running is None
+    staff("view_queue", "change_queue", "pause_queue").post(QUEUES, form)
+    assert Queue.objects.get().max_running == 0

@@ -157,6 +157,11 @@ def test_schedules_in_the_admin_are_read_only_with_their_next_tick(admin_client,
     assert "report" in page and "retired" in page and YEARLY in page
     next_year = datetime.now(UTC).year + 1
     assert f"Jan. 1, {next_year}" in page  # the next tick of the declared one
+    # A declaration no worker can schedule (its task is gone) is not declared, has no next tick.
+    settings.PGJOBS = {"PERIODIC": {"report": {"task": "tests.tasks.no_such_task",
+                                               "cron": YEARLY}}}  # fmt: skip
+    gone = admin_client.get(reverse("admin:pgjobs_schedule_changelist")).content.decode()
+    assert f"Jan. 1, {next_year}" not in gone
     assert reverse("admin:pgjobs_schedule_add") not in page
     detail = admin_client.get(reverse("admin:pgjobs_schedule_change", args=["report"]))
     assert detail.status_code == 200 and 'name="_save"' not in detail.content.decode()
