@@ -18,6 +18,12 @@ def text_of(error: BaseException) -> str:
         return f"<{type(error).__qualname__} that could not be shown: {type(broken).__qualname__}>"
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s text (a database error's detail and hint follow on lines of
+    their own), or its type's name when it has none."""
+    return (text_of(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 class PermanentError(Exception):
     """Raise from a handler to fail the job at once, with no further attempts."""
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from django.db import ProgrammingError, connections
 from django.db.migrations.loader import MigrationLoader
 
-from django_pgjobs.errors import NotMigrated
+from django_pgjobs.errors import NotMigrated, first_line
 
 #: The app label whose migrations build the tables (models.py's app_label).
 APP_LABEL = "pgjobs"
@@ -32,7 +32,7 @@ def is_not_migrated(error: BaseException) -> bool:
 
 def explained(error: BaseException) -> str:
     """One line for a missing table or column: what is wrong and what to do."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = first_line(error)
     if isinstance(error, NotMigrated):
         return first
     return f"the pgjobs tables are missing or out of date ({first}): run `manage.py migrate`"

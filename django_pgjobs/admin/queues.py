@@ -28,6 +28,7 @@ from django_pgjobs.admin import charts, times
 from django_pgjobs.admin.actions import apply
 from django_pgjobs.admin.missing import MigrateFirst
 from django_pgjobs.data.queues import QueueQuerySet
+from django_pgjobs.errors import first_line
 from django_pgjobs.models import Queue
 from django_pgjobs.observability import report as reports
 
@@ -103,9 +104,10 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         except DatabaseError as error:  # what jobstats says UNKNOWN for (exit status 3)
             if schema.is_not_migrated(error):
                 raise  # the "run manage.py migrate" page (MigrateFirst)
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             self.message_user(
-                request, _("The health report could not be taken: %s") % first, messages.ERROR
+                request,
+                _("The health report could not be taken: %s") % first_line(error),
+                messages.ERROR,
             )
             return HttpResponseRedirect(reverse("admin:pgjobs_queue_changelist"))
         context = {

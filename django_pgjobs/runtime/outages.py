@@ -11,7 +11,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError
 
 from django_pgjobs import schema
 from django_pgjobs.data import rows
-from django_pgjobs.errors import text_of
+from django_pgjobs.errors import first_line
 from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.logs import quietly
 
@@ -54,7 +54,7 @@ class Outage:
     @staticmethod
     def describe(error: Exception) -> str:
         """One line saying what is wrong and, where we know, what to do."""
-        first = (text_of(error).strip().splitlines() or [type(error).__name__])[0]
+        first = first_line(error)
         if not isinstance(error, DatabaseError):
             return f"error in the worker loop: {type(error).__qualname__}: {first}"
         # An undefined table or column: the schema is older than the code.

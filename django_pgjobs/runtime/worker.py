@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from django.db import DatabaseError, connections, router
 
 from django_pgjobs.conf import get_settings
-from django_pgjobs.errors import text_of
+from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
@@ -366,7 +366,7 @@ class Worker(Stoppable):
                 quietly(
                     logger.error,
                     "could not release %d jobs (%s); they return when their leases expire",
-                    len(left), (text_of(error).strip().splitlines() or [type(error).__name__])[0],
+                    len(left), first_line(error),
                 )  # fmt: skip
         reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
         seconds = max(1e-3, time.monotonic() - reporter.since)

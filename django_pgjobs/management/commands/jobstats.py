@@ -16,6 +16,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import DatabaseError, InterfaceError, OperationalError
 
 from django_pgjobs import schema
+from django_pgjobs.errors import first_line
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability.health import Level
 from django_pgjobs.observability.report import Report
@@ -137,7 +138,7 @@ def no_report(error: DatabaseError) -> NoReport:
     """Why the report could not be taken, and how bad that is: the queue cannot work without
     its database or its tables (critical); a probe without the right to read the figures
     knows nothing (unknown)."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = first_line(error)
     alias = job_database()
     if schema.is_not_migrated(error):
         return NoReport(Level.CRITICAL, f"{schema.explained(error)} on the database {alias!r}")
