@@ -57,13 +57,10 @@ logger = logging.getLogger(__name__)
 #: Seconds a fetch waits for messages while handlers run (their outcomes wait for it).
 BUSY_FETCH = 0.05
 
-#: The longest a worker goes without reading its consumers' ack waits (another worker may have
-#: shortened them) and acknowledging its running messages as in progress.
+#: The longest a worker goes without reading its consumers as the server has them (another
+#: worker may have shortened their ack wait; one may be gone) and acknowledging its running
+#: messages as in progress.
 ACK_WAIT_CHECK = 1.0
-
-#: While its fetches come back empty, a worker asks this often whether its queue's consumer is
-#: still there.
-CONSUMER_CHECK = 5.0
 
 
 class NatsWorker(Stoppable):
@@ -88,7 +85,7 @@ class NatsWorker(Stoppable):
         self._subscriptions: dict[str, object] = {}
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
         self._fetched_nothing = False
-        self._consumers_checked: dict[str, float] = {}  # queue → when (see _consumer_gone)
+        self._gone: set[str] = set()  # queues whose consumer was found gone (_read_consumers)
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._recorded = 0  # outcomes answered, for --max-jobs-per-child
         self._limits_at = 0.0  # when to look at the supervisor and the limits next
@@ -175,38 +172,13 @@ class NatsWorker(Stoppable):
             batch = self.bridge.fetch(subscription, min(free, self.options.batch_size), wait)
             waited = waited or wait > BUSY_FETCH
             fetched += len(batch)
-            if batch:
-                self._take(batch)
-            elif self._consumer_gone(queue):  # a pull from a consumer gone only times out
-                self._subscriptions.pop(queue.queue, None)  # made and bound again next turn
+            self._take(batch)
         self._fetched_nothing = not fetched
         if not (fetched or waited or self._done):
             # Full, paused, or nothing came while handlers run: until one finishes (it wakes
             # the loop), a chore or a time limit is due, or the next poll.
             self._wake.wait(min(self.options.poll_interval, self._chore_wait()))
             self._wake.clear()
-
-    def _consumer_gone(self, queue: NatsQueue) -> bool:
-        """After an empty fetch, at most every CONSUMER_CHECK seconds: whether the queue's
-        durable consumer is gone (deleted by hand, or the server restarted without its
-        storage), which its pulls cannot tell from an empty queue."""
-        now = time.monotonic()
-        if now - self._consumers_checked.get(queue.queue, now) < CONSUMER_CHECK:
-            return False
-        self._consumers_checked[queue.queue] = now
-        try:
-            self.bridge.call(
-                self.bridge.js.consumer_info(queue.stream, queue.consumer),
-                self.bridge.servers.publish_timeout,
-            )
-        except NotFoundError:
-            quietly(
-                logger.warning,
-                "worker %s: the consumer %s of queue %r is gone (deleted, or the server lost "
-                "its storage); making it again", self.id, queue.consumer, queue.queue,
-            )  # fmt: skip
-            return True
-        return False
 
     def _free_slots(self) -> int:
         """The handler threads, plus a prefetch of what they start within a moment (the
@@ -218,6 +190,9 @@ class NatsWorker(Stoppable):
         return options.concurrency + extra - len(self._in_flight)
 
     def _subscription(self, queue: NatsQueue) -> object:
+        if queue.queue in self._gone:  # a pull from a consumer gone only times out
+            self._gone.discard(queue.queue)
+            self._subscriptions.pop(queue.queue, None)  # made and bound again here
         subscription = self._subscriptions.get(queue.queue)
         if subscription is None:
             streams.ensure_stream(self.bridge, queue)
@@ -225,7 +200,6 @@ class NatsWorker(Stoppable):
                 self.bridge, queue, self.lease, self._max_ack_pending(queue)
             )
             self._subscriptions[queue.queue] = subscription
-            self._consumers_checked[queue.queue] = time.monotonic()
         return subscription
 
     def _max_ack_pending(self, queue: NatsQueue) -> int:
@@ -333,7 +307,7 @@ class NatsWorker(Stoppable):
             if (self._stopping and not self._in_flight) or self.bridge.closed:
                 return
             with contextlib.suppress(BaseException):  # NATS away: the last one read stands
-                ack_wait = self._ack_wait(ack_wait)
+                ack_wait = self._read_consumers(ack_wait)
             try:
                 with self._lock:
                     finished = {id(job) for job, _ in self._done}
@@ -345,21 +319,33 @@ class NatsWorker(Stoppable):
             except BaseException as error:
                 quietly(logger.warning, "could not extend the ack wait of running jobs: %s", error)
 
-    def _ack_wait(self, last: float) -> float:
-        """The shortest ack wait of this worker's consumers, as the server has them now: they
-        are shared, and a worker of the queue started with a shorter --lease sets its own
-        (this one's in-progress acknowledgements must then come as often, or every message it
-        runs is delivered again to another worker while it runs)."""
+    def _read_consumers(self, last: float) -> float:
+        """Read this worker's consumers as the server has them now; returns the shortest ack
+        wait. They are shared: a worker of the queue started with a shorter --lease sets its
+        own (this one's in-progress acknowledgements must then come as often, or every message
+        it runs is delivered again to another worker while it runs). One found gone (deleted
+        by hand, or the server restarted without its storage, which its pulls cannot tell from
+        an empty queue) is made again at the main loop's next fetch (`_gone`)."""
         waits = [self.lease]
         if self._stopping:  # its grace: the last ack wait read stands
             return last
         for queue in self.queues:
-            if queue.queue in self._subscriptions:
+            if queue.queue not in self._subscriptions or queue.queue in self._gone:
+                continue
+            try:
                 info = self.bridge.call(
                     self.bridge.js.consumer_info(queue.stream, queue.consumer),
                     self.bridge.servers.publish_timeout,
                 )
-                waits.append(float(info.config.ack_wait or self.lease))
+            except NotFoundError:
+                self._gone.add(queue.queue)
+                quietly(
+                    logger.warning,
+                    "worker %s: the consumer %s of queue %r is gone (deleted, or the server "
+                    "lost its storage); making it again", self.id, queue.consumer, queue.queue,
+                )  # fmt: skip
+                continue
+            waits.append(float(info.config.ack_wait or self.lease))
         shortest = min(waits)
         if shortest < self.lease and shortest != last:
             quietly(
