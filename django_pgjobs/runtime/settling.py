@@ -38,7 +38,7 @@ class Settler:
         self._first_at = 0.0  # when the oldest unsettled outcome came in
         self._lock = threading.Lock()
         # Outcomes whose rows another session held locked, and when to try them again; the
-        # main thread's alone. Their claims are still running ones: the lease keeper renews them.
+        # main thread's alone. The lease keeper renews their claims, as it does every claim held.
         self._held: list[tuple[Job, Handled]] = []
         self._held_until = 0.0
 
@@ -52,12 +52,6 @@ class Settler:
                 self._first_at = time.monotonic()
             self._done.append((job, handled))
             return first or self._due()
-
-    def unfinished(self, claims: list[Job]) -> list[Job]:
-        """Those of `claims` whose handlers are still running."""
-        with self._lock:
-            done = {id(job) for job, _ in self._done}
-        return [job for job in claims if id(job) not in done]
 
     def due_in(self) -> float:
         held = self._held_until - time.monotonic() if self._held else float("inf")

@@ -255,10 +255,13 @@ class Worker(Stoppable):
         self._mean_duration = policy.mean_duration(self._mean_duration, durations)
 
     def running_claims(self) -> list[Job]:
-        """The claims whose handlers have not finished (the lease keeper renews these)."""
+        """Every claim this worker holds: waiting for a thread, running, or finished with its
+        outcome not recorded yet (the lease keeper renews them all; this worker's reaper spares
+        them). A finished job's outcome is usually recorded within moments, but not while the
+        main loop's turns fail and the lease keeper's connection works: its lease must last
+        until the outcome is written, or another worker would run the job again."""
         with self._lock:
-            claims = list(self._in_flight.values())
-        return self._settler.unfinished(claims)
+            return list(self._in_flight.values())
 
     def timeout_of(self, job: Job) -> float | None:
         return execute.limits_of(job, self.lease)[1]

@@ -356,6 +356,45 @@ def test_while_the_lease_keeper_cannot_renew_leases_the_main_loop_renews_them(ca
     assert "the worker's main loop renews them" in caplog.text
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_finished_job_keeps_its_lease_until_its_outcome_is_recorded(monkeypatch):
+    # The lease keeper renewed only the claims whose handlers still ran: a job that had
+    # finished while the main loop could not record (its turns failing, the lease keeper's
+    # connection fine) ran out its lease; another worker's reaper took it back and it ran
+    # again, its first outcome then refused as lost.
+    job = Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(
+        Options(queues=["default"], concurrency=1, listen=False, lease=3.0, poll_interval=0.2)
+    )
+    cut_off, restored = threading.Event(), threading.Event()
+    settle = worker._settler.settle_and_fetch
+
+    def failing() -> None:
+        if worker._in_flight and not restored.is_set():
+            cut_off.set()
+            raise OperationalError("server closed the connection unexpectedly")
+        settle()
+
+    monkeypatch.setattr(worker._settler, "settle_and_fetch", failing)
+    monkeypatch.setattr(policy, "outage_pause", lambda failures: 0.5)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    reaped: list[tuple[int, int]] = []
+    try:
+        cut_off.wait(10)
+        until = time.monotonic() + 7.0  # two leases and more
+        while time.monotonic() < until:
+            reaped.append(Job.objects.reap())  # another worker's reaper, all along
+            time.sleep(0.3)
+        restored.set()
+        wait_until(lambda: Job.objects.get(pk=job.pk).status == Status.SUCCEEDED, 10)
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert set(reaped) == {(0, 0)}
+    assert Job.objects.get(pk=job.pk).attempts == 1
+
+
 # ---- the loop in an outage ---------------------------------------------------------------------
 
 
