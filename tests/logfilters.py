@@ -12,3 +12,11 @@ class RequestUser(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.user = record.request.user  # type: ignore[attr-defined]
         return True
+
+
+class Exits(logging.Filter):
+    """A filter that calls sys.exit (an application's "stop if logging is misconfigured" guard,
+    say): SystemExit is not an Exception."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        raise SystemExit(f"logging refused {record.name}")

@@ -19,8 +19,9 @@ def quietly(log: Callable[..., object], *args: Any, **kwargs: Any) -> None:
     it. Python's logging calls filters outside its own guard, so a filter that raises (one that
     reads `record.request`, say, on a record that has none) raises in the thread that logs: a
     line about a job, or about an error being handled, must not stop a worker's loop or end one
-    of its threads. The line is lost; the application's filter is what drops it."""
-    with contextlib.suppress(Exception):
+    of its threads. The line is lost; the application's filter is what drops it. SystemExit too
+    (a filter that calls sys.exit): a worker stops when it is told to, not from a log line."""
+    with contextlib.suppress(Exception, SystemExit):
         log(*args, **kwargs)
 
 

@@ -559,14 +559,19 @@ def test_a_progress_report_set_by_hand_that_jsonb_refuses_costs_no_outcome(repor
     assert not worker._in_flight
 
 
-@pytest.fixture
-def every_line_raises():
+class Discarding(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+@pytest.fixture(params=["RequestUser", "Exits"])
+def every_line_raises(request):
     """An application's logging filter that raises on every worker line (tests.logfilters), on a
     handler that sees all of them."""
-    from tests.logfilters import RequestUser
+    from tests import logfilters
 
-    handler = logging.NullHandler()
-    handler.addFilter(RequestUser())
+    handler = Discarding()  # not logging.NullHandler, whose handle() looks at no filter
+    handler.addFilter(getattr(logfilters, request.param)())
     pgjobs = logging.getLogger("django_pgjobs")
     level = pgjobs.level
     pgjobs.addHandler(handler)
