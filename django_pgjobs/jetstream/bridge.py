@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Sequence
+from enum import Enum
 from typing import Any, TypeVar
 
 import nats
@@ -23,6 +24,14 @@ T = TypeVar("T")
 
 #: A message to publish: subject, body, headers.
 Outgoing = tuple[str, bytes, dict[str, str]]
+
+
+class Sent(Enum):
+    """What became of an acknowledgement sent with Bridge.acknowledge."""
+
+    CONFIRMED = "confirmed"  # the server processed it
+    UNSENT = "unsent"  # it never left: not connected, or too late to send (see `until`)
+    UNCERTAIN = "uncertain"  # sent, but no confirmation came: processed or lost, unknown
 
 
 class Bridge:
@@ -78,9 +87,13 @@ class Bridge:
         first; none when none came."""
 
         async def fetch() -> list[Msg]:
+            client = self._client  # on the loop: the `client` property would wait for the loop
+            if client is None or not client.is_connected:  # a pull request would only fail
+                await asyncio.sleep(timeout)
+                return []
             try:
                 return list(await subscription.fetch(batch, timeout=timeout))
-            except (TimeoutError, nats.errors.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError, nats.errors.OutboundBufferLimitError):
                 return []
 
         return self.call(fetch(), timeout + self.servers.publish_timeout)
@@ -97,13 +110,50 @@ class Bridge:
 
         self.call(settle(), self.servers.publish_timeout)
 
-    def in_progress(self, messages: Sequence[Msg]) -> None:
-        """Tell the server these messages' handlers still run: their ack wait starts again."""
+    def acknowledge(self, answers: Sequence[tuple[Msg, bytes, float]]) -> list[Sent]:
+        """Send each message's acknowledgement (`+ACK`, `-NAK ...`, `+TERM`, `+WPI`) unless
+        the monotonic clock is past its `until` when it would leave; returns what became of
+        each, in order. Each is a request, so that the server says it processed it (a
+        fire-and-forget one on a broken connection is lost without a word).
 
-        async def touch() -> None:
-            await asyncio.gather(*(msg.in_progress() for msg in messages))
+        The server processes an acknowledgement of any delivery of a message it still holds
+        unacknowledged, whichever delivery's reply subject carries it (nats-server's
+        consumer.go: processNak, progressUpdate and processAckMsg find the message by its
+        stream sequence, never by its delivery count), so an acknowledgement must not leave
+        late: `until` is looked at on the connection's own loop, just before it is written."""
 
-        self.call(touch(), self.servers.publish_timeout)
+        async def send_all() -> list[Sent]:
+            return list(await asyncio.gather(*(self._acknowledge(*answer) for answer in answers)))
+
+        return self.call(send_all(), self.servers.publish_timeout)
+
+    def in_progress(self, messages: Sequence[tuple[Msg, float]]) -> list[float | None]:
+        """Tell the server these messages' handlers still run (their ack wait starts again),
+        each unless the monotonic clock is past its `until` (as `acknowledge`); returns, for
+        each, when the server's confirmation came back (monotonic), or None."""
+
+        async def touch(msg: Msg, until: float) -> float | None:
+            sent = await self._acknowledge(msg, b"+WPI", until)
+            return time.monotonic() if sent is Sent.CONFIRMED else None
+
+        async def touch_all() -> list[float | None]:
+            return list(await asyncio.gather(*(touch(*pair) for pair in messages)))
+
+        return self.call(touch_all(), self.servers.publish_timeout)
+
+    async def _acknowledge(self, msg: Msg, payload: bytes, until: float) -> Sent:
+        client = self._client  # on the loop: the `client` property would wait for the loop
+        if client is None or not client.is_connected or time.monotonic() >= until:
+            return Sent.UNSENT
+        try:
+            await client.request(msg.reply, payload, timeout=self.servers.publish_timeout)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return Sent.UNCERTAIN
+        except nats.errors.Error:
+            # Not connected (nothing is kept to be sent later: see _connect), or no consumer
+            # took it (the server still recovering its streams): not processed.
+            return Sent.UNSENT
+        return Sent.CONFIRMED
 
     @property
     def closed(self) -> bool:
@@ -144,8 +194,13 @@ class Bridge:
         async def reconnected() -> None:
             logger.info("NATS: reconnected")
 
+        # pending_size 0: what is sent while the connection is down fails at once instead of
+        # waiting in nats-py's buffer to be written after the reconnection, perhaps minutes
+        # later: an acknowledgement (or a pull request) must reach the server while it still
+        # means what it meant, or not at all (the worker then knows, and decides again).
+        options = {**self.servers.options, "pending_size": 0}
         connecting = nats.connect(
-            **self.servers.options,
+            **options,
             servers=list(self.servers.servers),
             connect_timeout=self.servers.connect_timeout,
             max_reconnect_attempts=-1,

@@ -14,7 +14,13 @@ How an attempt ends (runtime/execute.py classifies it as for any job) becomes th
   (its workers died) is dead-lettered without running again, as the reaper does.
 
 While a handler runs, its message gets an in-progress acknowledgement every lease/3 on a
-thread of its own: the lease is the consumer's ack wait.
+thread of its own: the lease is the consumer's ack wait. Every acknowledgement is a request the
+server confirms, sent only while the delivery is still the worker's (jetstream/deliveries.py);
+one not confirmed is sent again until then, and said in the log if it never was.
+
+A message fetched and never started (the worker stops, or every handler thread is held up by
+a long job) goes back without spending an attempt: a copy counting the attempts it counted is
+published, then the delivery acknowledged (_give_back).
 
 A little over 300 lines: the loop and the state its parts share (fetching, answering, the
 in-progress acknowledgements, stopping), as runtime/worker.py is for PostgreSQL queues.
@@ -37,7 +43,8 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages, streams
 from django_pgjobs.jetstream.answers import Reply, answer
-from django_pgjobs.jetstream.bridge import Bridge
+from django_pgjobs.jetstream.bridge import Bridge, Sent
+from django_pgjobs.jetstream.deliveries import Delivery
 from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
@@ -80,8 +87,13 @@ class NatsWorker(Stoppable):
         self._handlers = HandlerPool(options.concurrency, self._handed_in, self._timeout_of)
         self._announcer = Announcer()  # outcome signals, off the main thread
         self._lock = threading.Lock()  # guards _in_flight and _done
-        self._in_flight: dict[int, tuple[Job, Msg]] = {}  # by claim (the Job object)
+        self._in_flight: dict[int, Delivery] = {}  # by claim (the Job object)
         self._done: list[tuple[Job, Handled]] = []
+        self._unanswered: list[Delivery] = []  # decided, not confirmed (the main thread's)
+        # Held by whoever sends acknowledgements: an in-progress one sent after a NAK would
+        # undo the NAK's delay.
+        self._sending = threading.Lock()
+        self._ack_wait = self.lease  # the shortest of its consumers' ack waits, as last read
         self._subscriptions: dict[str, object] = {}
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
         self._fetched_nothing = False
@@ -151,7 +163,17 @@ class NatsWorker(Stoppable):
         finally:
             self._announcer.flush()
         if self._stopping:
+            self._give_back_unstarted()
             return
+        # Nothing will start the messages fetched for the threads before long: other workers
+        # may (as a PostgreSQL worker gives back its unstarted claims).
+        held_up = self._handlers.held_up(policy.HELD_UP) >= self.options.concurrency
+        if held_up and (given_back := self._give_back_unstarted()):
+            quietly(
+                logger.info,
+                "worker %s gave back %d fetched messages: every handler thread is busy with a "
+                "job that has run for more than %gs", self.id, given_back, policy.HELD_UP,
+            )  # fmt: skip
         for chore in self._chores:
             chore.run_if_due()
         self._fetch()
@@ -169,10 +191,11 @@ class NatsWorker(Stoppable):
             busy = bool(self._in_flight) or len(self.queues) > 1
             wait = BUSY_FETCH if busy else min(self.options.poll_interval, self._chore_wait())
             wait = max(wait, BUSY_FETCH)
+            sent_at = time.monotonic()  # the server holds what comes from this on from then
             batch = self.bridge.fetch(subscription, min(free, self.options.batch_size), wait)
             waited = waited or wait > BUSY_FETCH
             fetched += len(batch)
-            self._take(batch)
+            self._take(batch, sent_at)
         self._fetched_nothing = not fetched
         if not (fetched or waited or self._done):
             # Full, paused, or nothing came while handlers run: until one finishes (it wakes
@@ -210,7 +233,7 @@ class NatsWorker(Stoppable):
         ).first()  # fmt: skip
         return queue.max_ack_pending if limit is None else max(limit, 1)
 
-    def _take(self, batch: list[Msg]) -> None:
+    def _take(self, batch: list[Msg], sent_at: float) -> None:
         jobs = []
         for msg in batch:
             try:
@@ -223,7 +246,7 @@ class NatsWorker(Stoppable):
                 self.bridge.settle([], [], [msg])
                 continue
             with self._lock:
-                self._in_flight[id(job)] = (job, msg)
+                self._in_flight[id(job)] = Delivery(job, msg, held_at=sent_at)
             if job.attempts > job.max_attempts:
                 # Delivered again and again without an outcome: its workers died, as a job
                 # whose lease expired with no attempts left (the reaper's rule).
@@ -235,6 +258,55 @@ class NatsWorker(Stoppable):
         for job in jobs:
             self._handlers.submit(job)
 
+    def _give_back_unstarted(self) -> int:
+        """Give back the messages no handler thread has started; returns how many. Those that
+        cannot be given back now stay, to be started (or, stopping, negatively acknowledged:
+        their next delivery then counts as an attempt)."""
+        unstarted = self._handlers.unstarted()
+        if not unstarted:
+            return 0
+        try:
+            return self._give_back(unstarted)
+        except Exception as error:
+            if not self._stopping:
+                for job in unstarted:  # in the order they came
+                    self._handlers.submit(job)
+                raise
+            quietly(
+                logger.warning,
+                "worker %s: could not give back %d unstarted messages (%s): they are delivered "
+                "again, each counting as an attempt", self.id, len(unstarted), error,
+            )  # fmt: skip
+            for job in unstarted:
+                if (delivery := self._in_flight.get(id(job))) and not delivery.reply:
+                    delivery.decide(Reply.NAK)
+                    self._unanswered.append(delivery)
+            self._acknowledge()
+            return 0
+
+    def _give_back(self, jobs: list[Job]) -> int:
+        """Give back messages fetched and never started, without spending an attempt: a copy
+        of each, counting the attempts it counted (messages.given_back), is published, and
+        only once the stream has stored it is the delivery acknowledged. A worker that dies
+        between the two leaves both: the delivery comes back after its ack wait (counting an
+        attempt, as before this), the copy is delivered too, and the job may run twice, never
+        not at all. A delivery no longer the worker's is left to the one that replaced it.
+        Returns how many went back; raises what publishing raises (nothing given back then)."""
+        deliveries = [self._in_flight[id(job)] for job in jobs]
+        ours = [delivery for delivery in deliveries if delivery.ours(self._ack_wait)]
+        with self._lock:
+            for delivery in deliveries:
+                if delivery.lost:
+                    self._in_flight.pop(id(delivery.job), None)
+        if not ours:
+            return 0
+        self.bridge.publish([messages.given_back(d.job, d.msg) for d in ours])
+        for delivery in ours:
+            delivery.decide(Reply.ACK)
+            self._unanswered.append(delivery)
+        self._acknowledge()
+        return len(ours)
+
     def _handed_in(self, job: Job, handled: Handled) -> None:
         self._finished(job, handled)
         self._wake.set()
@@ -244,45 +316,96 @@ class NatsWorker(Stoppable):
             self._done.append((job, handled))
 
     def _settle(self) -> None:
-        """Turn finished attempts into acknowledgements (and dead letters)."""
+        """Turn finished attempts into acknowledgements (and dead letters), and send those
+        not confirmed yet. An attempt whose delivery is no longer the worker's is not
+        answered: another delivery decides its job's outcome."""
         with self._lock:
             done, self._done = self._done, []
-        if not done:
-            return
-        durations = [handled.duration for _, handled in done]
-        self._mean_duration = policy.mean_duration(self._mean_duration, durations)
-        replies: dict[Reply, list[tuple[Msg, float]]] = {reply: [] for reply in Reply}
-        outcomes: list[tuple[Job, Handled, Outcome]] = []
-        left = list(done)  # what is not answered yet
+        if done:
+            durations = [handled.duration for _, handled in done]
+            self._mean_duration = policy.mean_duration(self._mean_duration, durations)
         try:
-            while left:
-                job, handled = left[0]
-                reply, delay, outcome = answer(self.jobs, job, handled)
-                replies[reply].append((self._in_flight[id(job)][1], delay))
-                outcomes.append((job, handled, outcome))
-                left.pop(0)
+            while done:
+                job, handled = done[0]
+                delivery = self._in_flight[id(job)]
+                if delivery.ours(self._ack_wait):
+                    reply, delay, outcome = answer(self.jobs, job, handled)
+                    delivery.decide(reply, delay, handled, outcome)
+                    self._unanswered.append(delivery)
+                else:
+                    self._not_acknowledged(delivery, handled)
+                done.pop(0)
         except DatabaseError:
             with self._lock:  # what was not written back is tried again
-                self._done[:0] = left
+                self._done[:0] = done
             raise
         finally:
-            try:
-                self.bridge.settle(
-                    [msg for msg, _ in replies[Reply.ACK]],
-                    replies[Reply.NAK],
-                    [msg for msg, _ in replies[Reply.TERM]],
-                )
-            except Exception as error:
-                quietly(
-                    logger.warning,
-                    "worker %s: could not acknowledge %d messages (%s); they are delivered "
-                    "again after their ack wait", self.id, len(outcomes), error,
-                )  # fmt: skip
-                outcomes = [(job, handled, Outcome.LOST) for job, handled, _ in outcomes]
-            for job, handled, outcome in outcomes:
-                self._settled(job, handled, outcome)
+            self._acknowledge()
 
-    def _settled(self, job: Job, handled: Handled, outcome: Outcome) -> None:
+    def _acknowledge(self) -> None:
+        """Send the acknowledgements decided and not confirmed yet; keep those that may be
+        sent again while their deliveries are the worker's."""
+        if not self._unanswered:
+            return
+        pending, self._unanswered = self._unanswered, []
+        for delivery in pending:
+            if not delivery.ours(self._ack_wait):
+                self._not_acknowledged(delivery, delivery.handled)
+        sending = [delivery for delivery in pending if not delivery.lost]
+        answers = [(d.msg, d.payload(), d.until(self._ack_wait)) for d in sending]
+        try:
+            with self._sending:
+                sent = self.bridge.acknowledge(answers)
+        except Exception as error:  # the connection's loop did not finish in time
+            quietly(logger.warning, "worker %s: acknowledging %d messages: %s", self.id,
+                    len(answers), error)  # fmt: skip
+            sent = [Sent.UNCERTAIN] * len(sending)
+        for delivery, result in zip(sending, sent, strict=True):
+            # A NAK is never sent twice: the first may have been processed, and its
+            # redelivery have gone to another worker, whose delivery a second one would end.
+            uncertain_nak = result is Sent.UNCERTAIN and delivery.reply is Reply.NAK
+            if result is Sent.CONFIRMED or uncertain_nak:
+                self._answered(delivery)
+            else:
+                self._unanswered.append(delivery)
+
+    def _answered(self, delivery: Delivery) -> None:
+        job = delivery.job
+        with self._lock:
+            self._in_flight.pop(id(job), None)
+        if delivery.handled is not None and delivery.outcome is not None:
+            self._settled(job, delivery.handled, delivery.outcome)
+
+    def _not_acknowledged(self, delivery: Delivery, handled: Handled | None) -> None:
+        """The delivery stopped being the worker's before the server confirmed its answer
+        (or before it was decided): say what that means for the job, once."""
+        job, reply = delivery.job, delivery.reply
+        with self._lock:
+            self._in_flight.pop(id(job), None)
+        if handled is None:
+            said = "given back unstarted, but NATS did not confirm it: the message is also "
+            said += "delivered again after its ack wait, and that delivery counts as an attempt"
+        elif reply is None:
+            said = f"its outcome ({handled.verdict.value}) is not acknowledged: no in-progress "
+            said += "acknowledgement reached NATS within its ack wait (the worker was stopped, "
+            said += "or cut off from NATS), so another worker may run it now; that run decides"
+        elif reply is Reply.ACK:
+            said = "succeeded, but NATS did not confirm its acknowledgement within its ack "
+            said += "wait: it is delivered and run again"
+        elif reply is Reply.NAK:
+            said = "failed, and NATS did not confirm its negative acknowledgement within its "
+            said += "ack wait: it is delivered again after the ack wait, not its delay"
+        else:
+            said = "is ended (written back to PostgreSQL), but NATS did not confirm its "
+            said += "message's termination: its next delivery finds it ended and is terminated"
+        quietly(logger.warning, "worker %s: job %s (%s) %s", self.id, job.pk, job.task,
+                said)  # fmt: skip
+        if handled is not None:
+            outcome = delivery.outcome if reply in (Reply.NAK, Reply.TERM) else None
+            outcome = outcome or Outcome.LOST  # LOST: said above, not in log_outcome's words
+            self._settled(job, handled, outcome, logged=outcome is Outcome.LOST)
+
+    def _settled(self, job: Job, handled: Handled, outcome: Outcome, logged: bool = False) -> None:
         with self._lock:
             self._in_flight.pop(id(job), None)
         self._recorded += 1
@@ -290,34 +413,47 @@ class NatsWorker(Stoppable):
             self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
         self.activity.finished(job, outcome)
         self._announcer.announce(job, handled, outcome)
-        log_outcome(job, handled, outcome)
+        if not logged:
+            log_outcome(job, handled, outcome)
 
     # ---- leases --------------------------------------------------------------------------------
 
     def _keep_in_progress(self) -> None:
         """Every third of the shortest ack wait of its consumers (at most every ACK_WAIT_CHECK
-        seconds), an in-progress acknowledgement for each message whose handler runs.
+        seconds), an in-progress acknowledgement for each message the worker holds, sent while
+        its delivery is the worker's (and not once a NAK is decided for it: it would undo the
+        NAK's delay); each one the server confirms in time extends the worker's hold.
         The thread lives until the worker stops, whatever a round raises or its logging does
         (runtime/logs.py, quietly): without it every ack wait would run out under the handlers,
         and their messages would be delivered again."""
-        ack_wait = self.lease  # the shortest of its consumers' ack waits, as last read
         while True:
-            time.sleep(min(ack_wait / 3, ACK_WAIT_CHECK))
+            time.sleep(min(self._ack_wait / 3, ACK_WAIT_CHECK))
             # Stopped with nothing running, or gone (what still runs is left to its ack wait).
             if (self._stopping and not self._in_flight) or self.bridge.closed:
                 return
             with contextlib.suppress(BaseException):  # NATS away: the last one read stands
-                ack_wait = self._read_consumers(ack_wait)
+                self._ack_wait = self._read_consumers(self._ack_wait)
             try:
-                with self._lock:
-                    finished = {id(job) for job, _ in self._done}
-                    running = [
-                        msg for key, (_, msg) in self._in_flight.items() if key not in finished
-                    ]
-                if running:
-                    self.bridge.in_progress(running)
+                self._hold()
             except BaseException as error:
                 quietly(logger.warning, "could not extend the ack wait of running jobs: %s", error)
+
+    def _hold(self) -> None:
+        ack_wait = self._ack_wait
+        with self._sending:
+            with self._lock:
+                holding = [
+                    delivery
+                    for delivery in self._in_flight.values()
+                    if delivery.reply is not Reply.NAK and delivery.ours(ack_wait)
+                ]
+            if not holding:
+                return
+            sent_at = time.monotonic()
+            confirmed = self.bridge.in_progress([(d.msg, d.until(ack_wait)) for d in holding])
+        for delivery, confirmed_at in zip(holding, confirmed, strict=True):
+            if confirmed_at is not None:
+                delivery.held(sent_at, confirmed_at, ack_wait)
 
     def _read_consumers(self, last: float) -> float:
         """Read this worker's consumers as the server has them now; returns the shortest ack
@@ -402,15 +538,18 @@ class NatsWorker(Stoppable):
     def _shutdown(self) -> Exit:
         """Messages still running are left to their ack wait; the others are given back."""
         self._handlers.stop()
-        unstarted = self._handlers.unstarted()
         try:
             self._settle()
-            with self._lock:
-                back = [self._in_flight.pop(id(job))[1] for job in unstarted]
-            self.bridge.settle([], [(msg, 0.0) for msg in back], [])
+            self._give_back_unstarted()
         except Exception as error:
             quietly(logger.warning, "worker %s: could not settle every message at shutdown: %s",
                     self.id, error)  # fmt: skip
+        while self._unanswered and time.monotonic() < self._deadline:  # what the grace allows
+            self._wake.wait(0.1)
+            self._acknowledge()
+        for delivery in self._unanswered:
+            self._not_acknowledged(delivery, delivery.handled)
+        self._unanswered = []
         if self._in_flight:
             quietly(
                 logger.warning,

@@ -7,11 +7,13 @@ and `Pgjobs-Task`, for other consumers that filter by task.
 
 The message id is the job's id and its claim count (`<id>:<claims>`). A job written back as a
 dead letter counts one claim more than the message it came from, so its replay goes out under a
-new id, which the stream's duplicate window cannot mistake for the first one.
+new id, which the stream's duplicate window cannot mistake for the first one. A message given
+back unstarted is replaced by a copy under an id of its own (given_back).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from datetime import datetime
@@ -47,7 +49,8 @@ def body(job: Job) -> bytes:
             "priority": job.priority,
             "run_at": job.run_at.isoformat(),
             "created_at": job.created_at.isoformat(),
-            # Attempts made before the job entered the stream (in a PostgreSQL queue).
+            # Attempts made before this message: in a PostgreSQL queue, or by the deliveries
+            # of the message it replaces (given_back).
             "attempts": job.attempts,
             "max_attempts": job.max_attempts,
             "claims": job.claims,
@@ -68,6 +71,18 @@ def headers(job: Job) -> dict[str, str]:
         if _HEADER_NAME.fullmatch(name) and not _LINE_BREAK.search(value)
     }
     return carried | {"Nats-Msg-Id": message_id(job), "Pgjobs-Task": job.task}
+
+
+def given_back(job: Job, msg: Msg) -> tuple[str, bytes, dict[str, str]]:
+    """A copy of the delivered message `msg` of `job` (as job_of read it), to publish in its
+    place when it goes back unstarted: its next delivery counts the attempts this one counted,
+    so a delivery that never ran spends none. Its message id names the delivery it replaces
+    (`<id>:<claims>:<stream sequence>.<delivery>`): published twice, it is stored once."""
+    unstarted = copy.copy(job)
+    unstarted.attempts, unstarted.claims = job.attempts - 1, job.claims - 1
+    meta = msg.metadata
+    given_id = f"{message_id(unstarted)}:{meta.sequence.stream}.{meta.num_delivered}"
+    return msg.subject, body(unstarted), headers(unstarted) | {"Nats-Msg-Id": given_id}
 
 
 def job_of(msg: Msg, worker: str) -> Job:

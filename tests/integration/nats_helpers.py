@@ -5,6 +5,7 @@ unique to that test, and deleted after it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -103,3 +104,88 @@ class WorkerThread:
         self.worker.stop()
         self.thread.join(30)
         assert not self.thread.is_alive(), "the worker stops within its grace"
+
+
+class Proxy:
+    """A TCP proxy in front of the NATS server, to cut a worker off from it as a dead link
+    does: frozen, it carries nothing either way and what the client sends meanwhile is lost
+    (the client, writing into its socket, notices nothing); `thaw()` closes the connections
+    it froze (the client then reconnects, as after noticing the dead link) and carries again."""
+
+    def __init__(self) -> None:
+        host, port = NATS_URL.rsplit("/", 1)[-1].rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"nats://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._frozen = threading.Event()
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def freeze(self) -> None:
+        self._frozen.set()
+
+    def thaw(self) -> None:
+        with self._lock:
+            cut, self._open = self._open, []
+            self._frozen.clear()
+        for sock in cut:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
+        self.thaw()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._target)
+            with self._lock:
+                self._open += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+                if not data:
+                    break
+                if not self._frozen.is_set():
+                    sink.sendall(data)
+            except OSError:
+                break
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def nats_proxy() -> Iterator[Proxy]:
+    """A Proxy; ask for it before the test's queue, so that it outlives the queue's cleanup."""
+    proxy = Proxy()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def direct_bridge() -> Bridge:
+    """A bridge straight to the NATS server, whatever the settings say (a proxy)."""
+    opened = Bridge(transports.NatsServers(servers=(NATS_URL,)))
+    _bridges.append(opened)
+    return opened
+
+
+def consumer_info(reader: Bridge, queue: str) -> Any:
+    """The queue's consumer as the server has it (None: there is none)."""
+    stream = transports.nats_queues()[queue]
+    try:
+        return reader.call(reader.js.consumer_info(stream.stream, stream.consumer))
+    except nats.js.errors.NotFoundError:
+        return None

@@ -1,0 +1,92 @@
+"""A NATS worker's deliveries against a real nats-server: acknowledgements that reach the
+server or are said not to, and messages given back unstarted without spending an attempt."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from django_pgjobs.jetstream.consumer import NatsWorker
+from django_pgjobs.models import DeadLetter, Job
+from tests import tasks
+from tests.conftest import wait_until
+from tests.integration.nats_helpers import (
+    Proxy,
+    WorkerThread,
+    consumer_info,
+    direct_bridge,
+    nats_proxy,
+    nats_queue,
+    relay,
+)
+from tests.models import ChaosExecution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+__all__ = ["nats_proxy"]  # a fixture
+
+
+@pytest.fixture
+def queue(settings: Any) -> Iterator[str]:
+    with nats_queue(settings) as name:
+        yield name
+
+
+def through(proxy: Proxy, settings: Any) -> None:
+    """Workers made from now on reach NATS through `proxy` (the test's own readers do not)."""
+    settings.PGJOBS = {**settings.PGJOBS, "NATS": {"SERVERS": proxy.url}}
+
+
+def settled(worker: NatsWorker) -> bool:
+    """No handler runs, and every attempt that ended has its acknowledgement sent, or waiting
+    to be sent again."""
+    answered = all(getattr(held, "reply", None) for held in worker._in_flight.values())
+    return not worker._handlers.held_up(0) and not worker._done and answered
+
+
+def test_an_acknowledgement_sent_while_cut_off_from_nats_is_sent_again_after(
+    nats_proxy: Proxy, queue: str, settings: Any
+) -> None:
+    # Sent and forgotten into a dead link, it was lost without a word: the job was delivered
+    # again after its ack wait and ran twice.
+    job = tasks.ledger.using(queue=queue).enqueue(n=1, seconds=0.5)
+    relay().round()
+    through(nats_proxy, settings)
+    reader = direct_bridge()
+    with WorkerThread(queue, lease=20.0) as worker:
+        wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+        nats_proxy.freeze()
+        wait_until(lambda: settled(worker), timeout=30)
+        nats_proxy.thaw()
+        wait_until(lambda: consumer_info(reader, queue).num_ack_pending == 0, timeout=15)
+    assert list(ChaosExecution.objects.values_list("job_id", "attempt")) == [(job.pk, 1)]
+    assert consumer_info(reader, queue).num_redelivered == 0
+
+
+def test_an_acknowledgement_that_never_reaches_nats_is_said_naming_the_job(
+    nats_proxy: Proxy, queue: str, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = tasks.ledger.using(queue=queue).enqueue(n=1, seconds=0.5)
+    relay().round()
+    through(nats_proxy, settings)
+
+    def said() -> bool:
+        return any(
+            record.levelno == logging.WARNING
+            and f"job {job.pk} (tests.tasks.ledger) succeeded, but NATS did not confirm"
+            in record.getMessage()
+            for record in caplog.records
+        )
+
+    with caplog.at_level(logging.WARNING, "django_pgjobs"), WorkerThread(queue, lease=3.0):
+        wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+        nats_proxy.freeze()
+        wait_until(said, timeout=30)
+        nats_proxy.thaw()
+        # As it said: delivered and run again.
+        wait_until(lambda: ChaosExecution.objects.filter(attempt=2).exists(), timeout=30)
+    assert not DeadLetter.objects.filter(pk=job.pk).exists()
+    assert Job.objects.filter(pk=job.pk).count() == 0
