@@ -15,9 +15,17 @@ from tests.models import ChaosExecution
 
 pytest.importorskip("nats", reason="the NATS tests need nats-py (the nats extra)")
 
-from django_pgjobs.models import Job
+from django_pgjobs.models import DeadLetter, Job
 from tests import tasks
-from tests.integration.nats_helpers import NATS_URL, nats_queue, stream_messages
+from tests.integration.nats_helpers import (
+    NATS_URL,
+    WorkerThread,
+    bridge,
+    consumer_info,
+    nats_queue,
+    relay,
+    stream_messages,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -91,3 +99,38 @@ def test_nats_workers_run_under_a_supervisor_and_are_recycled_after_max_jobs(
         assert len(set(ChaosExecution.objects.values_list("pid", flat=True))) > 2  # replaced
         supervisor.signal(signal.SIGTERM)
         assert supervisor.wait(60) == 0
+
+
+def test_a_worker_stopped_past_its_ack_wait_does_not_answer_the_delivery_another_runs(
+    settings: Any, start_worker: Any
+) -> None:
+    # Worker A is stopped (SIGSTOP) while it runs attempt 1; past the ack wait the message goes
+    # to worker B, which runs attempt 2 (for 1.5 s, within its time limit). A, resumed, met
+    # attempt 1's time limit of 2 s and NAKed its old delivery: the server took it as B's and
+    # delivered the message a third time while B ran it (dead-lettered at once as "WorkerLost:
+    # delivered 3 times", and B's success was lost).
+    with nats_queue(settings) as queue:
+        job = tasks.overruns_then_retries_quietly.using(queue=queue).enqueue(seconds=1.5)
+        relay().round()
+        reader = bridge()
+        a = start_worker("--queue", queue, "--concurrency", "1", "--lease", "3", "--no-relay",
+                         env=_env(queue))  # fmt: skip
+        # Stopped well within attempt 1's time limit of 2 s.
+        wait_until(lambda: delivered(reader, queue) >= 1, timeout=60, interval=0.01)
+        a.signal(signal.SIGSTOP)
+        with WorkerThread(queue, concurrency=2, lease=3.0):
+            wait_until(lambda: delivered(reader, queue) >= 2, timeout=30)  # B runs attempt 2
+            a.signal(signal.SIGCONT)
+            wait_until(lambda: "passed its time limit" in a.log(), timeout=30)
+            wait_until(lambda: consumer_info(reader, queue).num_ack_pending == 0, timeout=60)
+            assert delivered(reader, queue) == 2
+        assert not DeadLetter.objects.filter(pk=job.pk).exists()
+        assert f"job {job.pk} ({job.task}) its outcome (error) is not acknowledged" in a.log()
+        a.signal(signal.SIGTERM)
+        assert a.wait(30) == 0
+
+
+def delivered(reader: Any, queue: str) -> int:
+    """How many deliveries the queue's consumer made (redeliveries too)."""
+    info = consumer_info(reader, queue)
+    return int(info.delivered.consumer_seq) if info else 0
