@@ -90,3 +90,55 @@ def test_an_acknowledgement_that_never_reaches_nats_is_said_naming_the_job(
         wait_until(lambda: ChaosExecution.objects.filter(attempt=2).exists(), timeout=30)
     assert not DeadLetter.objects.filter(pk=job.pk).exists()
     assert Job.objects.filter(pk=job.pk).count() == 0
+
+
+def warmed_up(queue: str) -> None:
+    """Run quick jobs first, so that the worker prefetches beyond its threads (as many as it
+    expects them to start within a moment: runtime/policy.prefetch)."""
+    tasks.ledger.using(queue=queue)  # the task's module is loaded
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(20)], queue=queue)
+    relay().round()
+    wait_until(lambda: ChaosExecution.objects.count() >= 20, timeout=30)
+
+
+def behind_a_long_job(queue: str, seconds: float, **options: Any) -> tuple[Job, Job]:
+    """A job of `seconds` started on the worker's one thread, and one fetched with it (relayed
+    after it, `options` for its enqueue), not started."""
+    reader = direct_bridge()
+    long = tasks.ledger.using(queue=queue).enqueue(n=100, seconds=seconds)
+    waiting = tasks.ledger.using(queue=queue, **options).enqueue(n=101)
+    relay().round()
+    wait_until(lambda: ChaosExecution.objects.filter(job_id=long.pk).exists(), timeout=30)
+    wait_until(lambda: consumer_info(reader, queue).num_ack_pending == 2, timeout=30)
+    return long, waiting
+
+
+def test_a_stopping_worker_gives_back_a_fetched_message_without_spending_an_attempt(
+    queue: str,
+) -> None:
+    # NAKed, its next delivery counted as an attempt: a job of max_attempts=1 fetched behind a
+    # long one was dead-lettered unrun ("WorkerLost: delivered 2 times without an outcome").
+    with WorkerThread(queue, concurrency=1):
+        warmed_up(queue)
+        long, waiting = behind_a_long_job(queue, 2.0, max_attempts=1)
+    assert not ChaosExecution.objects.filter(job_id=waiting.pk).exists()
+
+    with WorkerThread(queue, concurrency=1):
+        run = wait_until(lambda: ChaosExecution.objects.filter(job_id=waiting.pk).first(), 30)
+    assert run.attempt == 1
+    assert not DeadLetter.objects.filter(pk=waiting.pk).exists()
+    assert ChaosExecution.objects.filter(job_id=long.pk).count() == 1
+
+
+def test_messages_fetched_behind_held_up_threads_go_to_an_idle_worker(queue: str) -> None:
+    # Kept, in-progress acknowledgements and all, until the long job ended, while another
+    # worker of the queue idled.
+    with WorkerThread(queue, concurrency=1) as busy:
+        warmed_up(queue)
+        long, waiting = behind_a_long_job(queue, 4.0, max_attempts=1)
+        with WorkerThread(queue, concurrency=1) as idle:
+            run = wait_until(
+                lambda: ChaosExecution.objects.filter(job_id=waiting.pk).first(), timeout=30
+            )
+    assert (run.worker, run.attempt) == (idle.id, 1)
+    assert ChaosExecution.objects.filter(job_id=long.pk).get().worker == busy.id
