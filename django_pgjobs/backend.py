@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib
+import inspect
 import json
 import logging
 import sys
@@ -36,7 +37,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, PermanentError, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
-from django_pgjobs.runtime import execute
+from django_pgjobs.runtime import awaiting, execute
 from django_pgjobs.status import Status
 
 if TYPE_CHECKING:
@@ -207,7 +208,10 @@ def run(job: Job) -> Handled:
     with execute.running(job):
         began = time.perf_counter()
         try:
-            value = task.call(*args, **result.kwargs)
+            if inspect.iscoroutinefunction(task.func):  # as Task.call, without its hang
+                value = awaiting.awaited(job, task.func, *args, **result.kwargs)
+            else:
+                value = task.func(*args, **result.kwargs)
             try:
                 kept = result_json(value)
             except EnqueueError as error:

@@ -40,6 +40,16 @@ async def add_async(a: int, b: int) -> int:
     return a + b
 
 
+@task
+async def add_async_leaving_a_stubborn_task(a: int, b: int) -> int:
+    """add_async, leaving a task that ignores its cancellation (tests/hostile.py)."""
+    from tests.hostile import _ignores_cancellation
+
+    asyncio.get_running_loop().create_task(_ignores_cancellation())
+    await asyncio.sleep(0)
+    return a + b
+
+
 @task(priority=10, queue_name="queue-1")
 def important(n: int = 0) -> int:
     return n

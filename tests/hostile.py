@@ -7,6 +7,8 @@ text). Whatever they do, a worker must record an outcome for them and keep servi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -225,6 +227,25 @@ async def checks_for_cancellation_asynchronously() -> None:
 
     if cancel_requested():
         raise JobCancelled("asked to stop")
+
+
+#: Ends the tasks `leaves_a_task_that_ignores_cancellation` leaves (a test's teardown sets it).
+stubborn_tasks_end = threading.Event()
+
+
+async def _ignores_cancellation() -> None:
+    while not stubborn_tasks_end.is_set():
+        # A library's loop that swallows its cancellation and goes on.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.05)
+
+
+@task(max_attempts=1)
+async def leaves_a_task_that_ignores_cancellation() -> None:
+    """Succeeds, leaving a task running that catches its cancellation and goes on (asyncio.run
+    cancels it, then waits for it to end)."""
+    asyncio.get_running_loop().create_task(_ignores_cancellation())
+    await asyncio.sleep(0)
 
 
 @task(max_attempts=1)

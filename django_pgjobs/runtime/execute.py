@@ -8,8 +8,6 @@ from contextvars import ContextVar
 from types import CodeType
 from typing import TYPE_CHECKING
 
-from asgiref.sync import async_to_sync
-
 from django_pgjobs import registry
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
@@ -17,6 +15,7 @@ from django_pgjobs.data.records import Failure
 from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask, text_of
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.retry import BACKOFF_PATIENCE, ExponentialBackoff, backoff_seconds, is_permanent
+from django_pgjobs.runtime import awaiting
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
@@ -60,7 +59,7 @@ def _run(job: Job) -> Handled:
         started = time.perf_counter()
         try:
             if task.is_async:
-                async_to_sync(task.func)(**job.payload)
+                awaiting.awaited(job, task.func, **job.payload)
             else:
                 task.func(**job.payload)
         except BaseException as error:

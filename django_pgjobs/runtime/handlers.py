@@ -16,7 +16,7 @@ from django_pgjobs import signals
 from django_pgjobs.errors import JobCancelled
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled
-from django_pgjobs.runtime import cancellation, execute
+from django_pgjobs.runtime import awaiting, cancellation, execute
 from django_pgjobs.runtime.timeouts import Deadlines
 
 #: A job that waited longer than this for a thread (claimed beyond the threads, or behind slow
@@ -138,4 +138,5 @@ class HandlerPool:
             if timeout is not None and not self.deadlines.end(job):
                 break  # timed out: recorded already, and this thread was replaced
             self.finished(job, handled)
+        awaiting.release()
         connections.close_all()

@@ -21,7 +21,7 @@ from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
-from django_pgjobs.runtime import execute, listener, locks, policy, served
+from django_pgjobs.runtime import awaiting, execute, listener, locks, policy, served
 from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
@@ -174,8 +174,12 @@ class Worker(Stoppable):
             self._settler.settle_and_fetch()
         finally:
             self._announcer.flush()
-        if self._handlers.deadlines.abandoned_alive() >= self.options.concurrency:
-            self._recycle("as many handler threads as it has were abandoned past their limit")
+        abandoned = self._handlers.deadlines.abandoned_alive() + awaiting.lingering()
+        if abandoned >= self.options.concurrency:
+            self._recycle(
+                "as many handler threads as it has were abandoned past their time limit or "
+                "left with an async handler's tasks that ignore cancellation"
+            )
         if self._stopping:
             self._release_unstarted()
             return

@@ -145,6 +145,52 @@ def test_cancel_requested_works_in_an_async_handler():
     assert handled.failure.type == "django_pgjobs.errors.JobCancelled", handled.failure
 
 
+@pytest.fixture
+def stubborn_tasks_ended():
+    from tests import hostile
+
+    hostile.stubborn_tasks_end.clear()
+    yield
+    hostile.stubborn_tasks_end.set()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stubborn_tasks_ended")
+def test_an_async_handler_leaving_a_task_that_ignores_cancellation_has_its_own_outcome(caplog):
+    # asyncio.run cancels the tasks a coroutine left and waits for them to end: the handler
+    # thread waited for good, the job stayed running (or was recorded as timed out under a time
+    # limit) and the jobs behind it waited for that thread.
+    stubborn = Job.objects.enqueue("tests.hostile.leaves_a_task_that_ignores_cancellation")
+    after = [Job.objects.enqueue("tests.hostile.checks_for_cancellation_asynchronously")]
+    after += [Job.objects.enqueue("tests.tasks.noop") for _ in range(3)]
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False, poll_interval=0.1))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(
+            lambda: set(Job.objects.values_list("status", flat=True)) == {Status.SUCCEEDED}, 20
+        )
+        assert not worker._stopping  # one companion thread left: fewer than the two threads
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert "leaving tasks that did not end within" in caplog.text
+    assert str(stubborn.pk) in caplog.text
+    assert Job.objects.get(pk=stubborn.pk).attempts == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stubborn_tasks_ended")
+def test_an_async_handlers_leftovers_recycle_the_worker_once_they_pile_up():
+    # Like threads abandoned past their time limits: each left companion holds a thread, its
+    # event loop and maybe a connection; as many as the worker has threads and it is replaced.
+    for _ in range(2):
+        Job.objects.enqueue("tests.hostile.leaves_a_task_that_ignores_cancellation")
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False, once=True))
+    assert worker.run() == Exit.RECYCLE
+    assert list(Job.objects.values_list("status", flat=True)) == [Status.SUCCEEDED] * 2
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_outcome_the_database_refuses_is_dead_lettered_and_the_others_are_recorded():
     for _ in range(3):

@@ -367,6 +367,22 @@ def test_a_run_task_is_successful_and_keeps_its_return_value_as_json(task, args,
     assert result.worker_ids == [job_of(result).worker]
 
 
+def test_an_async_task_leaving_a_task_that_ignores_cancellation_keeps_its_return_value():
+    # Task.call's async_to_sync waited for good for the task left running (asyncio.run cancels
+    # the leftovers, then waits for each to end).
+    from tests import hostile
+
+    hostile.stubborn_tasks_end.clear()
+    try:
+        result = tasks.add_async_leaving_a_stubborn_task.enqueue(2, 3)
+        assert len(run_jobs()) == 1
+    finally:
+        hostile.stubborn_tasks_end.set()
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 5
+
+
 def test_a_task_that_raises_fails_with_its_exception_and_traceback():
     result = tasks.failing_value_error.enqueue()
 
