@@ -255,17 +255,18 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
 
     tries: list[int] = []
 
-    def in_progress(messages: list[object]) -> None:
-        tries.append(len(messages))
+    def hold() -> None:  # a round's in-progress acknowledgements
+        tries.append(1)
         raise ConnectionError("NATS is gone")
 
     worker = SimpleNamespace(
         lease=0.15,
+        _ack_wait=0.15,
         _stopping=False,
-        _in_flight={1: (None, "a message")},
-        _done=[],
-        _lock=threading.Lock(),
-        bridge=SimpleNamespace(in_progress=in_progress, closed=False),
+        _in_flight={1: "a delivery"},
+        _read_consumers=lambda last: last,
+        _hold=hold,
+        bridge=SimpleNamespace(closed=False),
     )
     thread = threading.Thread(target=NatsWorker._keep_in_progress, args=(worker,), daemon=True)
     thread.start()
