@@ -15,7 +15,7 @@ from typing import Any
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.db import connections, router
 
-from django_pgjobs import registry, schema, transports
+from django_pgjobs import registry, schema, transports, validation
 from django_pgjobs.conf import get_settings, unknown_keys
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
@@ -73,9 +73,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 
 def _positive(name: str, value: Any, whole: bool = False) -> list[str]:
     kind: Any = int if whole else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+    most = validation.MAX_ATTEMPTS if whole else validation.MAX_SECONDS
+    if isinstance(value, bool) or not isinstance(value, kind) or not 0 < value <= most:
         number = "a whole number" if whole else "a number"
-        return [f"PGJOBS[{name!r}] must be {number} greater than 0, not {value!r}."]
+        return [
+            f"PGJOBS[{name!r}] must be {number} greater than 0 and at most {most:.0f}, "
+            f"not {value!r}."
+        ]
     return []
 
 

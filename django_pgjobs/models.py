@@ -143,12 +143,16 @@ class Job(models.Model):
         return f"{self.task} [{self.short_id}] {self.status}"
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        """As Django's, but a claimed job's worker columns are its worker's alone: a handler's
-        `current_job().save()` would write its claim-time lease, status and claim count over
-        the row (the lease as it was at the claim, perhaps run out; after a lost lease, a claim
-        another worker holds now). Save the fields you changed with `update_fields`."""
+        """As Django's, but a stored job is saved by the fields that changed (`update_fields`).
+
+        A save of the whole row writes every column as this object last read it: the job
+        enqueue returned, saved after a worker ran it, was `ready` again with its claim count
+        (the fencing token of its claims) back at 0, and ran a second time, or twice at once.
+        And a claimed job's worker columns are its worker's alone: a handler's
+        `current_job().save(update_fields=[...])` may not name them (the lease as it was at the
+        claim, perhaps run out; after a lost lease, a claim another worker holds now)."""
+        fields = kwargs.get("update_fields")
         if claimed(self):
-            fields = kwargs.get("update_fields")
             owned = sorted(WORKER_FIELDS & set(fields)) if fields is not None else None
             if owned is None or owned:
                 raise ValueError(
@@ -156,6 +160,15 @@ class Job(models.Model):
                     f"{', '.join(owned or sorted(WORKER_FIELDS))}: save only the fields you "
                     "changed, e.g. current_job().save(update_fields=['payload'])"
                 )
+        elif fields is None and not self._state.adding:
+            raise ValueError(
+                f"job {self.pk} is stored: save only the fields you changed, e.g. "
+                "job.save(update_fields=['priority']). A save of the whole row would write "
+                "back its status, attempts, claims and lease as this object last read them, "
+                "over what workers wrote since (a finished job would run again). A job's state "
+                "changes through its queryset: Job.objects.filter(pk=job.pk).cancel(), "
+                ".replay(), .run_now()."
+            )
         super().save(*args, **kwargs)
 
     @classmethod

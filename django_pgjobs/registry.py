@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, overload
 
 from django.apps import apps
 
+from django_pgjobs import validation
 from django_pgjobs.cron import check_cron
 from django_pgjobs.errors import EnqueueError, UnknownTask
-from django_pgjobs.validation import check_queue
+from django_pgjobs.validation import MAX_SECONDS, check_queue
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
@@ -140,16 +141,25 @@ def task(
     def register(func: Callable[..., Any]) -> Task:
         if queue is not None:
             check_queue(queue)
-        if lease is not None and not lease > 0:
-            raise ValueError(
-                f"@task(lease=...) must be a positive number of seconds, got {lease!r}."
-            )
-        if timeout is not None and not (isinstance(timeout, int | float) and 0 < timeout < 1e9):
-            raise ValueError(
-                f"@task(timeout=...) must be a positive number of seconds, got {timeout!r}."
-            )
-        if max_attempts is not None and max_attempts < 1:
-            raise ValueError(f"@task(max_attempts=...) must be 1 or more, got {max_attempts!r}.")
+        for option, seconds in (("lease", lease), ("timeout", timeout)):
+            if seconds is not None and not (
+                isinstance(seconds, int | float)
+                and not isinstance(seconds, bool)
+                and 0 < seconds < MAX_SECONDS
+            ):
+                raise ValueError(
+                    f"@task({option}=...) must be a positive number of seconds below "
+                    f"{MAX_SECONDS:g}, got {seconds!r}."
+                )
+        if max_attempts is not None:
+            try:
+                validation.check_max_attempts(max_attempts)
+            except EnqueueError as error:
+                raise ValueError(f"@task(max_attempts=...): {error}") from None
+        try:
+            validation.check_task_name(name or f"{func.__module__}.{func.__qualname__}")
+        except EnqueueError as error:
+            raise ValueError(f"@task: {error}") from None
         if cron is not None:
             check_cron(cron, "@task(cron=...)")
         registered = Task(

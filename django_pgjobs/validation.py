@@ -12,6 +12,19 @@ from django_pgjobs.delays import as_seconds
 from django_pgjobs.errors import EnqueueError
 
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
+#: The most attempts a job may have: its column is an int4.
+MAX_ATTEMPTS = 2**31 - 1
+#: The longest lease or time limit, in seconds (about 31 years): intervals beyond a few hundred
+#: thousand years overflow PostgreSQL's, and a lease that fails the heartbeat statement fails it
+#: for every job of its worker.
+MAX_SECONDS = 1e9
+#: The longest task name: the job's `task` column.
+MAX_TASK_NAME = 200
+#: The earliest and latest run_at: the years 1 to 9999 with a day's margin at each end, so that
+#: the time loads in Python whatever time zone a connection reads it in (DATABASES' TIME_ZONE):
+#: datetime.min in UTC is a year before 1 in New York.
+EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+LATEST = datetime(9999, 12, 30, tzinfo=UTC)
 #: How deeply lists and objects may nest in a payload (or a kept result).
 MAX_DEPTH = 64
 #: The largest integer a payload may hold, in bits (Python prints at most 4,300 digits).
@@ -41,9 +54,25 @@ def check_priority(priority: Any) -> int:
 
 
 def check_max_attempts(max_attempts: Any) -> int:
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise EnqueueError(f"max_attempts={max_attempts!r} must be an integer of 1 or more.")
+    if (
+        isinstance(max_attempts, bool)
+        or not isinstance(max_attempts, int)
+        or not 1 <= max_attempts <= MAX_ATTEMPTS
+    ):
+        raise EnqueueError(
+            f"max_attempts={max_attempts!r} must be an integer from 1 to {MAX_ATTEMPTS}."
+        )
     return max_attempts
+
+
+def check_task_name(name: str) -> str:
+    if len(name) > MAX_TASK_NAME:
+        raise EnqueueError(
+            f"the task name {name[:60]!r}... is {len(name)} characters long; a job's task "
+            f"holds at most {MAX_TASK_NAME}: register the task under a shorter name "
+            "(@task(name=...))."
+        )
+    return name
 
 
 def check_run_at(run_at: Any) -> datetime:
@@ -55,12 +84,15 @@ def check_run_at(run_at: Any) -> datetime:
             "(django.utils.timezone.now() + ..., or datetime(..., tzinfo=...))."
         )
     try:
-        run_at.astimezone(UTC)
+        in_range = EARLIEST <= run_at.astimezone(UTC) <= LATEST
     except OverflowError:
-        # Stored, it would be a time Python cannot load again (after the year 9999 in UTC).
+        in_range = False
+    if not in_range:
+        # Stored, it would be a time Python cannot load again, in some time zone at least.
         raise EnqueueError(
-            f"run_at={run_at!r} is out of range: it must fall within the years 1 to 9999 in UTC."
-        ) from None
+            f"run_at={run_at!r} is out of range: it must fall between {EARLIEST.isoformat()} "
+            f"and {LATEST.isoformat()}."
+        )
     return run_at
 
 

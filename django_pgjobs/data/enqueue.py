@@ -62,7 +62,7 @@ def options_of(
         id=uuid7(),
         # An empty name is an error, not "the default queue" (`_first`, not `or`).
         queue=validation.check_queue(_first(queue, task.queue, settings.DEFAULT_QUEUE)),
-        task=task.name,
+        task=validation.check_task_name(task.name),
         payload_json="{}",
         priority=validation.check_priority(
             _first(priority, task.priority, settings.DEFAULT_PRIORITY)

@@ -123,6 +123,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         caller's, else its own). Every payload is checked before anything is written. For
         1,000 jobs or more, Python's cyclic garbage collector is paused meanwhile (see
         data.enqueue.collector_paused)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise EnqueueError(f"batch_size={batch_size!r} must be an integer of 1 or more.")
         # The options are the same for every job: check them once, then each payload.
         registered, options = enqueue.options_of(
             task, queue=queue, priority=priority, run_at=run_at, delay=delay,

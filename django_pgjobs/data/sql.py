@@ -211,12 +211,12 @@ _SETTLE = """
 """
 
 # A claimed job's columns (JOB_COLUMNS), as the worker reads them. run_at inside the years
-# Python can hold: an operator may set '-infinity' (to the front of the queue) or a far year by
-# hand, and a row the worker cannot read would make its claim fail after it committed.
+# Python can hold, in any time zone the connection reads it in (validation.EARLIEST, LATEST):
+# an operator may set '-infinity' (to the front of the queue) or a far year by hand, and a row
+# the worker cannot read would make its claim fail after it committed.
 _CLAIMED = """
     j.id, j.queue, j.task, j.payload, j.status, j.priority,
-    LEAST(GREATEST(j.run_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59.999999+00')
-        AS run_at,
+    LEAST(GREATEST(j.run_at, '0001-01-02 00:00:00+00'), '9999-12-30 00:00:00+00') AS run_at,
     j.attempts, j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors, j.created_at,
     j.finished_at, j.unique_key, j.started_at, j.cancel_requested, j.result, j.claims,
     j.scheduled, j.progress, j.headers

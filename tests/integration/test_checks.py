@@ -42,7 +42,12 @@ def test_the_default_settings_pass_every_check():
 @pytest.mark.parametrize(
     ("pgjobs", "message"),
     [
-        ({"LEASE": 0}, "PGJOBS['LEASE'] must be a number greater than 0, not 0."),
+        (
+            {"LEASE": 0},
+            "PGJOBS['LEASE'] must be a number greater than 0 and at most 1000000000, not 0.",
+        ),
+        ({"LEASE": float("inf")}, "PGJOBS['LEASE'] must be a number greater than 0 and at most"),
+        ({"MAX_ATTEMPTS": 2**31}, "at most 2147483647, not 2147483648."),
         ({"PRUNE_BATCH": 10.5}, "PGJOBS['PRUNE_BATCH'] must be a whole number greater than 0"),
         ({"RETENTION": 3600}, "PGJOBS['RETENTION'] must be a timedelta or a dict by status"),
         ({"RETENTION": {"ready": timedelta(1)}}, "has the key 'ready'; the final statuses"),

@@ -224,7 +224,8 @@ def test_check_deploy_without_a_database_points_at_the_database_checks():
             "argument --lease: must be at least 1 second, got 0.5: heartbeats renew a lease "
             "every lease/3 seconds, so a shorter lease is lost while its job still runs",
         ),
-        (["--lease", "inf"], "must be at least 1 second, got inf"),
+        (["--lease", "inf"], r"must be below 1e\+09 seconds, got inf"),
+        (["--lease", "nan"], "must be at least 1 second, got nan"),
         (
             ["--grace", "-1"],
             "argument --grace: must be 0 or more seconds, got -1: the time running jobs get "

@@ -15,7 +15,7 @@ import pytest
 from django.db import InternalError, OperationalError, connection, connections, transaction
 from django.db.models import F
 
-from django_pgjobs import Retry
+from django_pgjobs import Retry, validation
 from django_pgjobs.data.records import Failure
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
@@ -45,6 +45,10 @@ def _nested(depth: int) -> dict[str, Any]:
         ({"run_at": datetime.max.replace(tzinfo=timezone(-timedelta(hours=23)))}, "out of range"),
         ({"payload": {"deep": _nested(100)}}, "levels deep"),
         ({"payload": {"n": 10**5000}}, "bits"),
+        ({"run_at": datetime.min.replace(tzinfo=UTC)}, "out of range"),
+        ({"run_at": datetime.max.replace(tzinfo=UTC)}, "out of range"),
+        ({"max_attempts": 2**32 + 3}, "from 1 to 2147483647"),
+        ({"max_attempts": 2**31}, "from 1 to 2147483647"),
     ],
     ids=[
         "delay 1e17 s",
@@ -52,6 +56,10 @@ def _nested(depth: int) -> dict[str, Any]:
         "run_at past 9999 in UTC",
         "nested 100 deep",
         "huge int",
+        "run_at year 1 in UTC (year 0 in New York)",
+        "run_at 9999-12-31 in UTC (year 10000 in Tokyo)",
+        "max_attempts past an int4, wrapped by a COPY",
+        "max_attempts just past an int4",
     ],
 )
 def test_input_no_query_could_load_again_is_refused_and_the_transaction_goes_on(options, words):
@@ -62,6 +70,53 @@ def test_input_no_query_could_load_again_is_refused_and_the_transaction_goes_on(
         assert Job.objects.count() == 0
         Job.objects.enqueue("tests.tasks.noop")
     assert Job.objects.count() == 1
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, "100", True])
+def test_bulk_enqueue_refuses_a_batch_size_that_is_not_a_count(batch_size):
+    # -1 wrote nothing and returned []; 0 raised range()'s ValueError after a statement ran.
+    with pytest.raises(EnqueueError, match=r"batch_size=.* must be an integer of 1 or more"):
+        Job.objects.bulk_enqueue("tests.tasks.noop", [{}, {}], batch_size=batch_size)
+
+
+@pytest.mark.django_db
+def test_bulk_enqueue_refuses_max_attempts_a_copy_would_wrap():
+    with pytest.raises(EnqueueError, match="from 1 to 2147483647"):
+        Job.objects.bulk_enqueue("tests.tasks.noop", [{}], max_attempts=2**32 + 3)
+    assert not Job.objects.exists()
+
+
+@pytest.fixture
+def zoned(request):
+    """The test's connection, reading times in `request.param`'s zone (DATABASES' TIME_ZONE,
+    which Django allows with USE_TZ)."""
+
+    def reconnect(zone: str | None) -> None:
+        connection.close()
+        connection.settings_dict["TIME_ZONE"] = zone
+        for cached in ("timezone", "timezone_name"):
+            connection.__dict__.pop(cached, None)
+
+    saved = connection.settings_dict.get("TIME_ZONE")
+    reconnect(request.param)
+    yield Job.objects
+    reconnect(saved)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("zoned", ["America/New_York", "Asia/Tokyo"], indirect=True)
+def test_the_earliest_and_latest_run_at_load_in_the_time_zone_a_connection_reads_them_in(zoned):
+    # run_at=datetime.min in UTC passed the check, then its row could not be read in New York
+    # (year 0): the enqueue raised after the INSERT committed, and a worker's claim that took
+    # the job committed, failed reading its rows, and every job of that batch ran out its lease.
+    for when in (validation.EARLIEST, validation.LATEST):
+        assert zoned.enqueue("tests.tasks.noop", run_at=when).run_at == when
+    early = zoned.enqueue("tests.tasks.noop")
+    with connection.cursor() as cursor:  # to the front of the queue, by hand
+        cursor.execute("UPDATE pgjobs_job SET run_at = '-infinity' WHERE id = %s", [early.pk])
+    claimed = zoned.claim(["default"], worker="w1", limit=10)
+    assert {job.run_at for job in claimed} == {validation.EARLIEST}
+    assert len(claimed) == 2
 
 
 def test_retry_refuses_a_delay_no_timestamp_can_hold():
@@ -716,7 +771,25 @@ def test_a_handler_saving_its_job_may_save_its_own_fields_not_its_workers():
         job.save(update_fields=["payload", "leased_until"])
     row = Job.objects.get(pk=job.pk)
     assert (row.payload, row.status, row.worker) == ({"cursor": 7}, Status.RUNNING, worker.id)
-    Job.objects.get(pk=job.pk).save()  # a Job the worker does not hold saves as any model
+    Job.objects.get(pk=job.pk).save(update_fields=["priority"])  # one the worker does not hold
+
+
+@pytest.mark.django_db(transaction=True)
+def test_saving_a_stored_job_whole_is_refused_and_by_its_fields_rewinds_nothing():
+    # `job.priority = 5; job.save()` on the Job enqueue returned, after a worker ran it: the
+    # row was ready again with claims back at 0, and the job ran a second time.
+    job = Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, once=True))
+    worker.run()
+    job.priority = 5
+    with pytest.raises(ValueError, match=r"job .* is stored: save only the fields you changed"):
+        job.save()
+    job.save(update_fields=["priority"])
+    row = Job.objects.get(pk=job.pk)
+    assert (row.status, row.claims, row.attempts, row.priority) == (Status.SUCCEEDED, 1, 1, 5)
+    new = Job(task="tests.tasks.noop", queue="default", max_attempts=1)
+    new.save()  # a new row saves whole, as any model's
+    assert Job.objects.filter(pk=new.pk).exists()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -92,7 +92,10 @@ def test_the_configured_backend_is_ours_and_supports_everything_the_framework_of
     ("params", "message"),
     [
         ({"OPTIONS": {"max_attempt": 3}}, "unknown keys ['max_attempt']"),
-        ({"OPTIONS": {"max_attempts": 0}}, "max_attempts=0 must be an integer of 1 or more"),
+        (
+            {"OPTIONS": {"max_attempts": 0}},
+            "max_attempts=0 must be an integer from 1 to 2147483647",
+        ),
         ({"QUEUES": ["default", "bad queue"]}, "queue='bad queue' is not a valid queue name"),
     ],
 )

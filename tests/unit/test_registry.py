@@ -49,6 +49,14 @@ def test_two_functions_under_one_name_are_refused():
         ({"queue": "bad queue"}, "not a valid queue name"),
         ({"lease": 0}, "lease"),
         ({"max_attempts": 0}, "max_attempts"),
+        # Past what an interval holds: every heartbeat of its worker failed, all its jobs'
+        # leases ran out and other workers ran them again.
+        ({"lease": float("inf")}, r"lease=\.\.\.\) must be a positive number of seconds below"),
+        ({"lease": 1e13}, "below 1e\\+09"),
+        ({"lease": True}, "lease"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"max_attempts": 2**32 + 2}, "from 1 to 2147483647"),  # a COPY wrapped it to 2
+        ({"name": "x" * 201}, "201 characters long"),
     ],
 )
 def test_bad_task_options_are_refused_at_decoration(options, message):

@@ -25,7 +25,7 @@ from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.supervisor import Supervisor
 from django_pgjobs.runtime.worker import Worker
-from django_pgjobs.validation import check_queue
+from django_pgjobs.validation import MAX_SECONDS, check_queue
 
 if TYPE_CHECKING:
     from django_pgjobs.jetstream.consumer import NatsWorker
@@ -66,7 +66,9 @@ def _lease(value: str) -> float:
         seconds = float(value)
     except ValueError:
         raise ArgumentTypeError(f"{value!r} is not a number") from None
-    if not MIN_LEASE <= seconds < 1e9:
+    if seconds >= MAX_SECONDS:
+        raise ArgumentTypeError(f"must be below {MAX_SECONDS:g} seconds, got {value}")
+    if not seconds >= MIN_LEASE:  # NaN too
         raise ArgumentTypeError(
             f"must be at least {MIN_LEASE:g} second, got {value}: heartbeats renew a lease "
             f"every lease/3 seconds, so a shorter lease is lost while its job still runs "
