@@ -28,6 +28,7 @@ from uuid import UUID
 from django.apps import apps
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
+from django.db import router
 from django.dispatch import Signal
 from django.utils import timezone
 
@@ -145,16 +146,21 @@ class PgJobsBackend(BaseTaskBackend):
         except EnqueueError as error:
             raise EnqueueError(f"{task.module_path}: {error}") from None
         result = to_task_result(job, task)
-        task_enqueued.send(type(self), task_result=result)
+        # Robust: the row is written (committed already, outside atomic()); a receiver's error
+        # raised here would tell the caller it was not, and a retry would enqueue it twice.
+        send(task_enqueued, result)
         return result
 
     def get_result(self, result_id: str) -> TaskResult[Any, Any]:
-        """The result of a Task enqueued through this backend alias, read in one query."""
+        """The result of a Task enqueued through this backend alias, read in one query, from
+        the database jobs are written to (a read replica behind a router may not have it yet:
+        not even right after the enqueue, in its own transaction)."""
         try:
             pk = UUID(str(result_id))
         except ValueError:
             raise TaskResultDoesNotExist(result_id) from None
-        job = Job.objects.filter(
+        jobs = Job.objects.db_manager(router.db_for_write(Job))
+        job = jobs.filter(
             pk=pk, task__startswith=registry.DJANGO_TASK_PREFIX, payload__backend=self.alias
         ).first()
         if job is None:
@@ -344,7 +350,7 @@ def context(result: TaskResult[Any, Any]) -> TaskContext[Any, Any]:
 
 
 def send(signal: Signal, result: TaskResult[Any, Any]) -> None:
-    """Send a task signal from the worker: a receiver that raises is logged, never propagated."""
+    """Send a task signal: a receiver that raises is logged, never propagated."""
     sender = type(task_backends[result.backend])
     responses: Sequence[tuple[object, object]]
     try:

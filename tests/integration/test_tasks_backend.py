@@ -29,6 +29,7 @@ from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
 from tests import framework_tasks as tasks
 from tests.factories import JobFactory
+from tests.integration.test_hardening import ReadReplicaRouter, replica  # noqa: F401
 
 try:
     from django.tasks import TaskResultStatus, default_task_backend, task_backends
@@ -384,6 +385,32 @@ def test_an_async_task_leaving_a_task_that_ignores_cancellation_keeps_its_return
     result.refresh()
     assert result.status == TaskResultStatus.SUCCESSFUL
     assert result.return_value == 5
+
+
+def test_a_task_enqueued_receiver_that_raises_does_not_undo_the_enqueue_for_its_caller(caplog):
+    # The row was committed (autocommit), then the receiver's error reached the caller, who
+    # took the enqueue for failed: a retry enqueued the Task twice.
+    def broken(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    task_enqueued.connect(broken)
+    try:
+        result = tasks.noop.enqueue()
+    finally:
+        task_enqueued.disconnect(broken)
+    assert job_of(result).status == Status.READY
+    assert "a receiver of a task signal raised" in caplog.text
+
+
+@pytest.mark.usefixtures("replica")
+def test_a_result_is_read_from_the_database_jobs_are_written_to(settings):
+    # Through a router's read replica, a Task enqueued a moment ago (or in this very
+    # transaction) was not there: get_result() raised TaskResultDoesNotExist.
+    with transaction.atomic():
+        result = tasks.noop.enqueue()
+        settings.DATABASE_ROUTERS = [ReadReplicaRouter()]
+        assert default_task_backend.get_result(result.id).id == result.id
+        result.refresh()
 
 
 def test_a_task_that_raises_fails_with_its_exception_and_traceback():
