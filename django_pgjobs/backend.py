@@ -123,6 +123,7 @@ class PgJobsBackend(BaseTaskBackend):
         """One job, written by a plain INSERT in the caller's transaction: it commits or rolls
         back with the caller's own writes (there is no waiting for on_commit)."""
         self.validate_task(task)
+        _unknown_to_workers(task)
         try:
             # As the worker will call it: a TaskContext first when the Task takes one.
             given = [_CONTEXT, *args] if task.takes_context else list(args)
@@ -264,10 +265,33 @@ def get_django_task(name: str) -> Task[Any, Any]:
 
 
 def _importable(module_name: str) -> bool:
-    return module_name in sys.modules or any(
+    return module_name in sys.modules or _of_an_installed_app(module_name)
+
+
+def _of_an_installed_app(module_name: str) -> bool:
+    return any(
         module_name == app.name or module_name.startswith(f"{app.name}.")
         for app in apps.get_app_configs()
     )
+
+
+_warned: set[str] = set()
+
+
+def _unknown_to_workers(task: Task[Any, Any]) -> None:
+    """Say once per Task defined outside the installed apps that a worker imports its module
+    only if something else did: else its jobs become dead letters (UnknownTask)."""
+    module = task.func.__module__
+    if not _of_an_installed_app(module) and task.module_path not in _warned:
+        _warned.add(task.module_path)
+        with contextlib.suppress(Exception):  # the application's logging: not the enqueue's end
+            logger.warning(
+                "the Task %s is defined in %s, which is not part of an installed app: a worker "
+                "imports a Task's module only from an installed app, so unless its start-up "
+                "imports %s anyway, its jobs become dead letters (UnknownTask). Define Tasks in "
+                "an installed app.",
+                task.module_path, module, module,
+            )  # fmt: skip
 
 
 def is_pgjobs_task(value: object) -> TypeGuard[Task[Any, Any]]:

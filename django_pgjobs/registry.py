@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, overload
@@ -43,6 +43,9 @@ class Task:
     redact: frozenset[str] = field(default_factory=frozenset)
     #: A cron expression: run periodically, in TIME_ZONE, with an empty payload (periodic.py).
     cron: str | None = None
+    #: Registered after start-up (django.setup()): from a module a view, a shell or a test
+    #: imported later, which a worker, importing what start-up imports, may never import.
+    late: bool = field(default=False, compare=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.func(*args, **kwargs)
@@ -176,6 +179,8 @@ def task(
             cron=cron,
         )
         existing = _registry.get(registered.name)
+        if apps.ready and (existing is None or existing.late):
+            registered = replace(registered, late=True)
         if (
             existing is not None
             and existing.func is not func

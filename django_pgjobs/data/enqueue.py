@@ -3,8 +3,10 @@ or many jobs (COPY)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -20,6 +22,8 @@ from django_pgjobs.data.records import NewJob
 from django_pgjobs.errors import EnqueueError, PayloadMismatch
 from django_pgjobs.ids import uuid7, uuid7_batch
 from django_pgjobs.status import Status
+
+logger = logging.getLogger("django_pgjobs.enqueue")
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
@@ -56,6 +60,8 @@ def options_of(
     the PGJOBS default."""
     settings = get_settings()
     task = registry.resolve(task_or_name)
+    if task.late:
+        _unknown_to_workers(task.name, task.func.__module__)
     if run_at is not None and delay is not None:
         raise EnqueueError("Pass run_at or delay, not both.")
     return task, NewJob(
@@ -74,6 +80,24 @@ def options_of(
         ),
         unique_key=None if unique_key is None else validation.check_unique_key(unique_key),
     )
+
+
+_warned: set[str] = set()
+
+
+def _unknown_to_workers(name: str, module: str) -> None:
+    """Say once per task that workers may not know it: its jobs would be dead letters
+    (UnknownTask) at their first claim."""
+    if name not in _warned:
+        _warned.add(name)
+        with contextlib.suppress(Exception):  # the application's logging: not the enqueue's end
+            logger.warning(
+                "task %s was registered after start-up, when %s was imported: a worker imports "
+                "each installed app's tasks module at its start-up (and what those import), so "
+                "unless it imports %s too, its jobs become dead letters (UnknownTask). Define "
+                "the task in a tasks.py, or import its module there or from AppConfig.ready().",
+                name, module, module,
+            )  # fmt: skip
 
 
 def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list[str]:

@@ -318,6 +318,23 @@ def test_bad_input_raises_a_clear_error_and_writes_nothing(options, error, messa
     assert Job.objects.count() == 0
 
 
+def test_a_task_registered_after_start_up_is_enqueued_with_a_warning_once(caplog):
+    # A @task in app/jobs.py imported by a view: enqueued fine, then dead-lettered by every
+    # worker (UnknownTask), which imports only what start-up imports.
+    from django_pgjobs import task
+
+    def late_job() -> None: ...
+
+    late = task(name="tests.registered_late")(late_job)
+    Job.objects.enqueue(late)
+    Job.objects.enqueue("tests.registered_late")
+    Job.objects.enqueue("tests.tasks.noop")  # discovered at start-up: nothing said
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1, said
+    assert said[0].startswith("task tests.registered_late was registered after start-up")
+    assert Job.objects.count() == 3
+
+
 def test_one_bad_payload_in_a_bulk_enqueue_writes_nothing():
     payloads = [{"to": "ok"}] * 10 + [{"to": float("inf")}]
     with pytest.raises(EnqueueError, match=r"payload\['to'\] is inf"):

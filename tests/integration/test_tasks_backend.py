@@ -402,6 +402,27 @@ def test_a_task_enqueued_receiver_that_raises_does_not_undo_the_enqueue_for_its_
     assert "a receiver of a task signal raised" in caplog.text
 
 
+def test_a_task_outside_the_installed_apps_is_enqueued_with_a_warning_once(
+    tmp_path, monkeypatch, caplog
+):
+    # A worker imports a Task's module only from an installed app: its jobs were dead letters
+    # at their first claim, and nothing said so at enqueue.
+    (tmp_path / "outside_apps.py").write_text(
+        "try:\n    from django.tasks import task\n"
+        "except ImportError:\n    from django_tasks import task\n\n\n"
+        "@task\ndef elsewhere() -> None:\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import outside_apps  # type: ignore[import-not-found]
+
+    outside_apps.elsewhere.enqueue()
+    outside_apps.elsewhere.enqueue()
+    tasks.noop.enqueue()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1, said
+    assert said[0].startswith("the Task outside_apps.elsewhere is defined in outside_apps")
+
+
 @pytest.mark.usefixtures("replica")
 def test_a_result_is_read_from_the_database_jobs_are_written_to(settings):
     # Through a router's read replica, a Task enqueued a moment ago (or in this very
