@@ -222,11 +222,29 @@ JSONB_OID = 3802
 BINARY = psycopg.pq.Format.BINARY
 
 
+class Unreadable:
+    """A jsonb value Python's JSON parser refused: an integer of more than 4,300 digits, or
+    nesting deeper than its recursion limit. Enqueue refuses both; a row written by other means
+    (SQL, another program) may hold one, and must not fail every claim that takes it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = f"{type(error).__name__}: {error}"[:300]
+
+    def __repr__(self) -> str:
+        return f"<unreadable JSON: {self.error}>"
+
+
 class _JsonbLoader(JsonbBinaryLoader):
     """psycopg's binary jsonb loader, with the values most rows hold (an empty payload, an
     empty error history) made without the JSON parser: at two per claimed job, parsing them
     was most of the cost of loading a job's row. Each load makes a new object. Used only where
-    psycopg's own loader would be (see cursor), and only with psycopg's default json.loads."""
+    psycopg's own loader would be (see cursor), and only with psycopg's default json.loads.
+
+    A value the parser refuses loads as Unreadable: a claim's rows are read after the claim
+    committed, so one row that fails its read would leave every job claimed with it to run
+    out its lease, claim after claim (the worker refuses the job itself: runtime/execute.py)."""
 
     def load(self, data: Buffer) -> Any:
         if self.loads is json.loads:  # not psycopg.types.json.set_json_loads()'s own
@@ -234,7 +252,10 @@ class _JsonbLoader(JsonbBinaryLoader):
                 return {}
             if data == b"\x01[]":
                 return []
-        return super().load(data)
+        try:
+            return super().load(data)
+        except (ValueError, RecursionError) as error:
+            return Unreadable(error)
 
 
 @lru_cache(maxsize=8)

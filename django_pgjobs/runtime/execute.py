@@ -12,6 +12,7 @@ from django_pgjobs import registry
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
+from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask, text_of
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.retry import BACKOFF_PATIENCE, ExponentialBackoff, backoff_seconds, is_permanent
@@ -46,6 +47,10 @@ def run(job: Job) -> Handled:
 
 
 def _run(job: Job) -> Handled:
+    if isinstance(job.payload, Unreadable):  # written by other means than enqueue
+        return refused(
+            PayloadMismatch(f"its payload cannot be read in Python ({job.payload.error})")
+        )
     runner = registry.runner_for(job.task)
     if runner is not None:
         return runner(job)

@@ -119,6 +119,35 @@ def test_the_earliest_and_latest_run_at_load_in_the_time_zone_a_connection_reads
     assert len(claimed) == 2
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "written",
+    [
+        "('{\"n\": ' || repeat('9', 5000) || '}')::jsonb",  # past Python's 4,300 digits
+        "('{\"deep\": ' || repeat('[', 5000) || repeat(']', 5000) || '}')::jsonb",
+    ],
+    ids=["5000-digit integer", "nested 5000 deep"],
+)
+def test_a_payload_python_cannot_read_fails_its_job_alone(written):
+    # Written by SQL (enqueue refuses both): the claim committed, then reading its rows failed,
+    # and every job claimed with it ran out its lease, an attempt spent, claim after claim.
+    poison = Job.objects.enqueue("tests.tasks.noop", priority=10)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE pgjobs_job SET payload = {written} WHERE id = %s", [poison.pk])
+    others = [Job.objects.enqueue("tests.tasks.noop") for _ in range(3)]
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False, once=True))
+    worker.run()
+    rows = Job.objects.values_list("pk", "status", "attempts", "last_error")  # not the payload
+    outcomes = {pk: (status, attempts, error) for pk, status, attempts, error in rows}
+    status, attempts, error = outcomes.pop(poison.pk)
+    assert (status, attempts) == (Status.FAILED, 1)
+    assert "its payload cannot be read in Python" in error
+    assert {(status, attempts) for status, attempts, _ in outcomes.values()} == {
+        (Status.SUCCEEDED, 1)
+    }
+    assert len(outcomes) == len(others)
+
+
 def test_retry_refuses_a_delay_no_timestamp_can_hold():
     for delay in (math.inf, 1e17, timedelta(days=100_000_000), "soon"):
         with pytest.raises(ValueError, match="Retry"):
