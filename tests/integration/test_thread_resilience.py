@@ -51,7 +51,7 @@ def raising_filter() -> Iterator[NeedsARequest]:
         for name in (
             "django_pgjobs.runtime.leases",
             "django_pgjobs.runtime.listener",
-            "django_pgjobs.jetstream.consumer",
+            "django_pgjobs.jetstream.acknowledging",
         )
     ]
     for logger in loggers:
@@ -251,7 +251,7 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
     """Its thread tells the server every lease/3 that running handlers still run; if it ended,
     their messages would be delivered again while they run."""
     pytest.importorskip("nats", reason="the NATS tests need nats-py (the nats extra)")
-    from django_pgjobs.jetstream.consumer import NatsWorker
+    from django_pgjobs.jetstream.acknowledging import Acknowledger
 
     tries: list[int] = []
 
@@ -259,21 +259,23 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
         tries.append(1)
         raise ConnectionError("NATS is gone")
 
-    worker = SimpleNamespace(
-        lease=0.15,
-        _ack_wait=0.15,
-        _stopping=False,
+    stopped = threading.Event()
+    acks = SimpleNamespace(
+        ack_wait=0.15,
+        _stopping=stopped.is_set,
         _in_flight={1: "a delivery"},
-        _read_consumers=lambda last: last,
         _hold=hold,
         bridge=SimpleNamespace(closed=False),
     )
-    thread = threading.Thread(target=NatsWorker._keep_in_progress, args=(worker,), daemon=True)
+    thread = threading.Thread(
+        target=Acknowledger.keep_in_progress, args=(acks, lambda last: last), daemon=True
+    )
     thread.start()
     try:
         wait_until(lambda: len(tries) >= 3, timeout=5)
         assert raising_filter.calls >= 1
         assert thread.is_alive()
     finally:
-        worker._stopping, worker._in_flight = True, {}
+        stopped.set()
+        acks._in_flight = {}
         thread.join(5)
