@@ -326,7 +326,7 @@ def test_a_hung_handler_is_timed_out_by_policy_and_its_worker_keeps_two_threads(
     # The second abandoned thread (never returning) made as many as it has threads: it stops
     # gracefully to be replaced.
     assert worker.wait(30) == Exit.RECYCLE
-    assert "abandoned past their limit" in worker.log()
+    assert "abandoned past their time limit" in worker.log()
     assert not Job.objects.filter(status=Status.RUNNING).exists()
 
 

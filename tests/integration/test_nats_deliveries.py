@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from django_pgjobs.jetstream.consumer import NatsWorker
-from django_pgjobs.models import DeadLetter, Job
+from django_pgjobs.models import DeadLetter, Job, Queue
 from tests import tasks
 from tests.conftest import wait_until
 from tests.integration.nats_helpers import (
@@ -101,13 +101,21 @@ def warmed_up(queue: str) -> None:
     wait_until(lambda: ChaosExecution.objects.count() >= 20, timeout=30)
 
 
-def behind_a_long_job(queue: str, seconds: float, **options: Any) -> tuple[Job, Job]:
+def behind_a_long_job(
+    worker: NatsWorker, queue: str, seconds: float, **options: Any
+) -> tuple[Job, Job]:
     """A job of `seconds` started on the worker's one thread, and one fetched with it (relayed
-    after it, `options` for its enqueue), not started."""
+    after it, `options` for its enqueue), not started. The queue is paused while both are
+    relayed, so that the worker fetches them in one pull once it is resumed: fetched one by
+    one, on a loaded machine the long job could run past policy.HELD_UP before the next pull,
+    which then fetched nothing for its thread."""
     reader = direct_bridge()
+    Queue.objects.update_or_create(name=queue, defaults={"paused": True})
+    wait_until(lambda: queue not in worker.controls.open, timeout=30)
     long = tasks.ledger.using(queue=queue).enqueue(n=100, seconds=seconds)
     waiting = tasks.ledger.using(queue=queue, **options).enqueue(n=101)
     relay().round()
+    Queue.objects.filter(name=queue).update(paused=False)
     wait_until(lambda: ChaosExecution.objects.filter(job_id=long.pk).exists(), timeout=30)
     wait_until(lambda: consumer_info(reader, queue).num_ack_pending == 2, timeout=30)
     return long, waiting
@@ -118,9 +126,9 @@ def test_a_stopping_worker_gives_back_a_fetched_message_without_spending_an_atte
 ) -> None:
     # NAKed, its next delivery counted as an attempt: a job of max_attempts=1 fetched behind a
     # long one was dead-lettered unrun ("WorkerLost: delivered 2 times without an outcome").
-    with WorkerThread(queue, concurrency=1):
+    with WorkerThread(queue, concurrency=1) as busy:
         warmed_up(queue)
-        long, waiting = behind_a_long_job(queue, 2.0, max_attempts=1)
+        long, waiting = behind_a_long_job(busy, queue, 2.0, max_attempts=1)
     assert not ChaosExecution.objects.filter(job_id=waiting.pk).exists()
 
     with WorkerThread(queue, concurrency=1):
@@ -135,7 +143,7 @@ def test_messages_fetched_behind_held_up_threads_go_to_an_idle_worker(queue: str
     # worker of the queue idled.
     with WorkerThread(queue, concurrency=1) as busy:
         warmed_up(queue)
-        long, waiting = behind_a_long_job(queue, 4.0, max_attempts=1)
+        long, waiting = behind_a_long_job(busy, queue, 4.0, max_attempts=1)
         with WorkerThread(queue, concurrency=1) as idle:
             run = wait_until(
                 lambda: ChaosExecution.objects.filter(job_id=waiting.pk).first(), timeout=30
