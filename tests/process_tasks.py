@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import threading
 
@@ -43,3 +44,15 @@ def stamp_version(n: int) -> None:
 
     version = sys.modules[os.environ["PGJOBS_TEST_RELOADABLE"]].VERSION
     Execution.objects.create(n=version * 1000 + n, pid=os.getpid())
+
+
+@task(max_attempts=7)
+def kills_its_worker() -> None:
+    """A poison job: its handler SIGKILLs the worker process running it, every attempt."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@task(max_attempts=2)
+def ends_its_worker_cleanly() -> None:
+    """Its handler ends the worker process with status 0, as if it had been asked to stop."""
+    os._exit(0)

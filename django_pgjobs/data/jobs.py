@@ -327,17 +327,22 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     def abandon(self, worker: str, reason: str) -> tuple[int, int]:
         """Take back every running job of `worker`, a worker known to be dead (e.g. its
-        supervisor saw its process exit), at once: to ready, or failed when no attempts remain,
-        recording the attempt as lost with `reason`; rows another session holds locked are
-        passed over (their leases bring them back). Returns (returned to ready, failed)."""
+        supervisor saw its process exit), at once: to ready after the task's backoff (as for a
+        reaped job: a job that kills its worker must not be taken at once by the next one, its
+        deaths counting towards the supervisor's crash limit faster than its attempts run out),
+        or failed when no attempts remain, recording the attempt as lost with `reason`; rows
+        another session holds locked are passed over (their leases bring them back). Returns
+        (returned to ready, failed)."""
+        settings = get_settings()
         params = {
             "worker": worker,
             "reason": reason,
+            "cap": settings.BACKOFF_MAX,
+            "base": settings.BACKOFF_BASE,
             "error": Failure("WorkerLost", reason).as_json(),
-            "errors_kept": sql.errors_kept(get_settings().ERRORS_KEPT),
+            "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
         }
-        statuses = [status for (status,) in rows.execute(self._write_db(), sql.ABANDON, params)]
-        return statuses.count(Status.READY), statuses.count(Status.FAILED)
+        return self._taken_back(rows.execute(self._write_db(), sql.ABANDON, params))
 
     def reap(self, *, limit: int = 1000, sparing: Sequence[Job] = ()) -> tuple[int, int]:
         """Take back running jobs whose lease expired: to ready (after the task's backoff, as
@@ -356,22 +361,28 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             "error": LEASE_EXPIRED.as_json(),
             "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
         }
-        reaped = rows.execute(db, sql.REAP, params)
+        return self._taken_back(rows.execute(db, sql.REAP, params))
+
+    def _taken_back(self, taken: list[tuple[Any, ...]]) -> tuple[int, int]:
+        """The jobs a reap or an abandon took back (id, claims, status, task, attempts), due
+        after the default backoff: those of tasks with a backoff of their own after that one
+        instead. Returns (returned to ready, failed)."""
         # The tasks' own backoffs, asked within BACKOFF_PATIENCE in all: a slow one, called for
-        # every job a dead worker held, must not hold up the caller (a worker's main thread)
-        # for minutes. The jobs it leaves keep REAP's default.
+        # every job a dead worker held, must not hold up the caller (a worker's main thread, a
+        # supervisor's loop) for minutes. The jobs it leaves keep the default.
         until = time.monotonic() + retry.BACKOFF_PATIENCE
         own = [
             (job_id, claims, delay)
-            for job_id, claims, status, task, attempts in reaped
+            for job_id, claims, status, task, attempts in taken
             if status == Status.READY
             and time.monotonic() < until
             and (delay := _own_backoff(task, attempts, until - time.monotonic())) is not None
         ]
         if own:
             ids, claims, delays = (list(column) for column in zip(*own, strict=True))
-            rows.execute(db, sql.REAP_BACKOFF, {"ids": ids, "claims": claims, "delays": delays})
-        statuses = [status for _, _, status, *_ in reaped]
+            params = {"ids": ids, "claims": claims, "delays": delays}
+            rows.execute(self._write_db(), sql.REAP_BACKOFF, params)
+        statuses = [status for _, _, status, *_ in taken]
         return statuses.count(Status.READY), statuses.count(Status.FAILED)
 
     # ---- the outbox of NATS queues (transports.py) -----------------------------------------

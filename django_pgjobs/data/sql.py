@@ -464,8 +464,9 @@ ABANDON = """
                       WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
         finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
                            THEN statement_timestamp() END,
-        run_at = statement_timestamp(),
-        scheduled = false,
+        run_at = statement_timestamp() + make_interval(
+            secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
+        scheduled = NOT (j.cancel_requested OR j.attempts >= j.max_attempts),
         leased_until = NULL,
         last_error = 'WorkerLost: ' || %(reason)s,
         errors = jsonb_path_query_array(
@@ -482,7 +483,7 @@ ABANDON = """
         FOR UPDATE SKIP LOCKED
     ) AS dead
     WHERE j.id = dead.id AND j.status = 'running' AND j.worker = %(worker)s
-    RETURNING j.status
+    RETURNING j.id, j.claims, j.status, j.task, j.attempts
 """
 
 # ---- queues with controls ---------------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -52,7 +51,6 @@ from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
 from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.stopping import Stoppable
-from django_pgjobs.runtime.worker import LIMITS_INTERVAL
 from django_pgjobs.transports import NatsQueue
 
 logger = logging.getLogger(__name__)
@@ -90,7 +88,6 @@ class NatsWorker(Stoppable):
         self._gone: set[str] = set()  # queues whose consumer was found gone (_read_consumers)
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._recorded = 0  # outcomes answered, for --max-jobs-per-child
-        self._limits_at = 0.0  # when to look at the supervisor and the limits next
         self._exit = Exit.OK
 
     # ---- control ---------------------------------------------------------------------------
@@ -142,9 +139,7 @@ class NatsWorker(Stoppable):
     # ---- the loop ----------------------------------------------------------------------------
 
     def _turn(self) -> None:
-        if time.monotonic() >= self._limits_at:  # first: it needs no database, nor NATS
-            self._limits_at = time.monotonic() + LIMITS_INTERVAL
-            self._check_limits()
+        self._check_limits()  # first: it needs no database, nor NATS
         self.controls.read_if_due(self.db)
         for job in self._handlers.time_out():
             timeout = self._timeout_of(job) or 0.0
@@ -337,30 +332,6 @@ class NatsWorker(Stoppable):
                 "acknowledgements every %.2gs", self.id, shortest, self.lease, shortest / 3,
             )  # fmt: skip
         return shortest
-
-    def _check_limits(self) -> None:
-        """Stop when the supervisor is gone; stop to be replaced (Exit.RECYCLE) past
-        --max-memory-per-child (and, in _settled, --max-jobs-per-child), as a PostgreSQL
-        worker does."""
-        options = self.options
-        if (
-            options.parent_pid is not None
-            and os.getppid() != options.parent_pid
-            and not (self._stopping)
-        ):
-            quietly(logger.warning, "worker %s: its supervisor %d is gone; stopping", self.id,
-                    options.parent_pid)  # fmt: skip
-            self.stop()
-        elif options.max_memory_mb and (used := policy.resident_mb()) > options.max_memory_mb:
-            self._recycle(
-                f"it uses {used:.0f} MB (--max-memory-per-child {options.max_memory_mb:g})"
-            )
-
-    def _recycle(self, why: str) -> None:
-        if not self._stopping:
-            quietly(logger.info, "worker %s stops to be replaced: %s", self.id, why)
-            self._exit = Exit.RECYCLE
-            self.stop()
 
     def _timeout_of(self, job: Job) -> float | None:
         return execute.limits_of(job, self.lease)[1]

@@ -14,7 +14,7 @@ from typing import Any
 
 from django.utils import autoreload
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from django_pgjobs.runtime.stopping import STOP_SIGNALS
 
 
 def run(run: Callable[[], int], stoppers: list[Callable[..., None]]) -> int:

@@ -1,43 +1,112 @@
-"""A worker's stop (SIGTERM, SIGINT, a limit reached): it stops taking jobs, gives those running
-its grace period, and cuts short whatever it waits for; a second stop ends the grace at once.
-Shared by the PostgreSQL worker and the NATS one."""
+"""A worker's stop (SIGTERM, SIGINT, its supervisor gone) and its recycle (a limit reached):
+it stops taking jobs, gives those running its grace period (a recycle: until they finish), and
+cuts short whatever it waits for; a second stop ends the grace at once. Shared by the
+PostgreSQL worker and the NATS one."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import time
 
-from django_pgjobs.runtime.options import Options
+from django_pgjobs.runtime import policy
+from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.wake import Wake
+
+logger = logging.getLogger("django_pgjobs.runtime.worker")
+
+#: The signals that stop a worker (and a supervisor, and the reloader, which pass them on).
+#: SIGHUP too: a closed terminal or an orchestrator's hang-up stops it as SIGTERM does, not at
+#: once with its jobs left running until their leases expire.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+#: Seconds between looks at the supervisor and the memory limit (also while paused after a
+#: failed turn: an orphaned worker stops during an outage too).
+LIMITS_INTERVAL = 1.0
 
 
 class Stoppable:
-    """What a worker's loop needs of its stop: `_stopping`, the grace's `_deadline`, and the
-    `_wake` that a stop sets."""
+    """What a worker's loop needs of its stop: `_stopping`, the grace's `_deadline`, the
+    `_wake` that a stop sets, and the looks at its limits (`_check_limits`)."""
 
     options: Options
+    id: str
+    _recorded: int  # outcomes recorded since it started
+    _exit: Exit
 
     def __init__(self) -> None:
         self._wake = Wake()  # set by signal handlers too: see wake.py
         self._stopping = False
+        self._finishing = False  # stopping to be recycled: its running jobs finish first
         self._deadline = float("inf")  # the grace's end, once stopping
+        self._limits_at = 0.0  # when to look at the supervisor and the memory limit next
+        self._memory_said = False
 
     def stop(self, immediately: bool = False) -> None:
         """Stop claiming; finish in-flight jobs within the grace period (or release them now).
+        A stop after another ends the grace at once; after a recycle, it gives the grace.
         Safe to call from a signal handler."""
         now = time.monotonic()
-        self._deadline = now if self._stopping or immediately else now + self.options.grace
-        self._stopping = True
+        again = self._stopping and not self._finishing
+        self._deadline = now if again or immediately else now + self.options.grace
+        self._stopping, self._finishing = True, False
         self._wake.set()
+
+    def _recycle(self, why: str) -> None:
+        """Stop to be replaced (Exit.RECYCLE): claim nothing more, give back what no thread has
+        started, and let the running jobs finish however long they take (their time limits
+        bound them). Released after a grace instead, a job would start again on the next
+        worker without an attempt spent, and again after each recycle: a job whose memory took
+        the worker past --max-memory-per-child, or a long one among short ones under
+        --max-jobs-per-child, ran for ever and never finished. A stop signal meanwhile gives
+        the usual grace."""
+        if not self._stopping:
+            quietly(logger.info, "worker %s stops to be replaced: %s", self.id, why)
+            self._exit = Exit.RECYCLE
+            self._stopping = self._finishing = True
+            self._wake.set()
+
+    def _check_limits(self) -> None:
+        """At most every LIMITS_INTERVAL: stop when the supervisor is gone; recycle past
+        --max-memory-per-child (--max-jobs-per-child is counted where outcomes are)."""
+        if time.monotonic() < self._limits_at:
+            return
+        self._limits_at = time.monotonic() + LIMITS_INTERVAL
+        parent = self.options.parent_pid
+        if parent is not None and os.getppid() != parent and not self._stopping:
+            quietly(
+                logger.warning, "worker %s: its supervisor %d is gone; stopping", self.id, parent
+            )
+            self.stop()
+        limit = self.options.max_memory_mb
+        if not limit or (used := policy.resident_mb()) <= limit:
+            return
+        if self._recorded:
+            self._recycle(f"it uses {used:.0f} MB (--max-memory-per-child {limit:g})")
+        elif not self._memory_said:
+            # Before its first outcome: a replacement would start as large and exit at once,
+            # again and again, running nothing.
+            self._memory_said = True
+            quietly(
+                logger.error,
+                "worker %s uses %.0f MB before its first job ended, over --max-memory-per-child "
+                "%g: a replacement would too, so it is not replaced until it has recorded an "
+                "outcome; raise the limit", self.id, used, limit,
+            )  # fmt: skip
 
     def _pause(self, seconds: float) -> None:
         """Wait `seconds` after a failed turn. Only a stop ends the wait sooner (while stopping,
         the stop's deadline): not the wake-ups of finished handlers, notifications or a claim
-        asked for again, which would make every failed turn the next one's cue."""
+        asked for again, which would make every failed turn the next one's cue. The limits are
+        looked at meanwhile: a worker orphaned during an outage stops within a second."""
         stopping = self._stopping
         until = time.monotonic() + seconds
         while self._stopping == stopping:
             left = (min(until, self._deadline) if stopping else until) - time.monotonic()
             if left <= 0:
                 return
-            self._wake.wait(left)
+            self._wake.wait(min(left, LIMITS_INTERVAL))
             self._wake.clear()
+            self._check_limits()

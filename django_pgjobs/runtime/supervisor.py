@@ -24,22 +24,29 @@ from types import FrameType
 from django.db import DatabaseError, connections, router
 
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import locks, policy
+from django_pgjobs.runtime import exiting, locks, policy
 from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, worker_id
+from django_pgjobs.runtime.stopping import STOP_SIGNALS
 from django_pgjobs.runtime.wake import Wake
 
 logger = logging.getLogger(__name__)
 
-#: Children that died within CRASH_WINDOW seconds, past which the supervisor gives up.
+#: Children that died within CRASH_WINDOW seconds holding no job, past which the supervisor
+#: gives up: a deployment whose workers cannot start or run at all. A child that died holding
+#: jobs is not counted (it is restarted after the same growing pause): a job that kills its
+#: worker is taken back after its backoff (JobManager.abandon) and becomes a dead letter once
+#: its attempts run out; counted, it stopped the supervisor first, its attempts left.
 CRASH_LIMIT = 5
 CRASH_WINDOW = 60.0
 
 #: A child still running this long after its grace ended (or after a second stop signal) cannot
 #: act on its SIGTERM (stopped, frozen, stuck in a call that ignores signals): it is killed and
-#: its jobs taken back, so that the supervisor's stop ends.
-KILL_MARGIN = 10.0
+#: its jobs taken back, so that the supervisor's stop ends. Longer than a child's own wait for
+#: what its handlers left running once its worker stopped (exiting.LINGER), so that a child
+#: that released everything is not killed on its way out.
+KILL_MARGIN = exiting.LINGER + 10.0
 
 
 @dataclass
@@ -60,7 +67,8 @@ class Supervisor:
     _stopping: int = 0  # stop signals received
     _kill_at: float = float("inf")  # when to kill the children still running, once stopping
     _killed: set[int] = field(default_factory=set)  # their pids
-    _crashes: list[float] = field(default_factory=list)
+    _crashes: list[float] = field(default_factory=list)  # deaths holding no job
+    _deaths: list[float] = field(default_factory=list)  # all of them: the restart pause
     _restart_at: dict[int, float] = field(default_factory=dict)  # slot → when to start again
     _wake: Wake = field(default_factory=Wake)  # set by signal handlers too
     _failed: bool = False
@@ -69,7 +77,7 @@ class Supervisor:
         """Until stopped; returns the exit code (0 when every child stopped cleanly)."""
         main = threading.current_thread() is threading.main_thread()  # not under --reload
         handlers = (
-            {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS} if main else {}
+            {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if main else {}
         )
         # Taking back a dead child's jobs must not hold up this loop (restarts, stop signals):
         # its statement skips rows locked elsewhere and waits for no lock on the table for long.
@@ -115,6 +123,18 @@ class Supervisor:
         self._wake.set()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self._stopping:
+            quietly(
+                logger.warning, "supervisor: %s again: the children release their jobs now", name
+            )
+        else:
+            quietly(
+                logger.info,
+                "supervisor: %s: stopping the worker processes (grace %gs)",
+                name,
+                self.grace,
+            )
         self.stop()
 
     def _kill_children(self) -> None:
@@ -136,7 +156,11 @@ class Supervisor:
             "--worker-id", child_id, "--supervised-by", str(os.getpid()),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        process = subprocess.Popen(command, env=env, start_new_session=True)
+        try:
+            process = subprocess.Popen(command, env=env, start_new_session=True)
+        except OSError as error:  # the interpreter gone in a deploy, no process left to fork
+            self._crashed(slot, f"worker process {child_id} could not be started ({error})")
+            return
         self.children[slot] = Child(slot, child_id, process)
         quietly(logger.info, "worker process %d started as %s", process.pid, child_id)
         if self._stopping:  # a stop signal came while it was being started: it missed it
@@ -159,32 +183,48 @@ class Supervisor:
                 )
                 self._restart_at[child.slot] = time.monotonic()
             elif not self._stopping:  # a clean exit nobody asked for: keep the slot filled
+                quietly(
+                    logger.warning,
+                    "worker process %d exited (code 0) though nobody asked it to; starting "
+                    "another", pid,
+                )  # fmt: skip
+                self._take_back(child, f"worker process {pid} exited unasked")
                 self._restart_at[child.slot] = time.monotonic()
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        self._take_back(child, f"worker process {pid} {how}")
+        held = self._take_back(child, f"worker process {pid} {how}")
         if self._stopping:
             # Our own SIGTERM ends a child still starting (before it could handle signals, so
             # before it claimed anything): that is a stop, not a failure.
             self._failed = self._failed or code != -signal.SIGTERM
             return
+        self._crashed(child.slot, f"worker process {pid} {how}", held)
+
+    def _crashed(self, slot: int, what: str, held: bool = False) -> None:
+        """A child of `slot` died (`held`: holding jobs) or could not be started: start another
+        after a pause that grows with the deaths of the last CRASH_WINDOW, or give up past
+        CRASH_LIMIT of them holding no job."""
         now = time.monotonic()
-        self._crashes = [at for at in self._crashes if at > now - CRASH_WINDOW] + [now]
+        self._deaths = [at for at in self._deaths if at > now - CRASH_WINDOW] + [now]
+        self._crashes = [at for at in self._crashes if at > now - CRASH_WINDOW]
+        if not held:
+            self._crashes.append(now)
         if len(self._crashes) > CRASH_LIMIT:
             quietly(
                 logger.error,
-                "worker processes died %d times in %gs; stopping them all",
-                len(self._crashes), CRASH_WINDOW,
+                "%s; worker processes died %d times in %gs; stopping them all",
+                what, len(self._crashes), CRASH_WINDOW,
             )  # fmt: skip
             self._failed = True
             self.stop()
             return
-        pause = policy.doubling(0.5, len(self._crashes), 30.0)
-        quietly(logger.error, "worker process %d %s; starting another in %.1fs", pid, how, pause)
-        self._restart_at[child.slot] = now + pause
+        pause = policy.doubling(0.5, len(self._deaths), 30.0)
+        quietly(logger.error, "%s; starting another in %.1fs", what, pause)
+        self._restart_at[slot] = now + pause
 
-    def _take_back(self, child: Child, reason: str) -> None:
-        """The dead child's running jobs are ready again now, the attempt recorded as lost."""
+    def _take_back(self, child: Child, reason: str) -> bool:
+        """The dead child's running jobs are ready again after their backoff, the attempt
+        recorded as lost; whether it held any (False when they could not be taken back)."""
         try:
             returned, failed = Job.objects.abandon(child.worker_id, reason)
         except DatabaseError as error:
@@ -194,13 +234,11 @@ class Supervisor:
                 child.worker_id, str(error).strip().splitlines()[0],
             )  # fmt: skip
             connections.close_all()
-            return
+            return False
         if returned or failed:
             quietly(
                 logger.warning,
                 "took back %d jobs of %s (%d dead-lettered): %s",
                 returned + failed, child.worker_id, failed, reason,
             )  # fmt: skip
-
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+        return bool(returned or failed)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -39,10 +38,6 @@ from django_pgjobs.runtime.stopping import Stoppable
 logger = logging.getLogger(__name__)
 
 
-#: How often a worker looks at its resident memory and whether its supervisor is still there.
-LIMITS_INTERVAL = 1.0
-
-
 class Worker(Stoppable):
     """One worker process's runtime. ``run()`` returns how it ended (an Exit)."""
 
@@ -65,7 +60,6 @@ class Worker(Stoppable):
         self.positions = Positions()  # where its claims got to in each queue
         self._exit = Exit.OK
         self._recorded = 0  # outcomes recorded, for --max-jobs-per-child
-        self._limits_at = 0.0  # when to look at memory and the supervisor next
         self._poll_now = True  # set by wake-ups: claim at the next turn of the loop
         self._next_poll = 0.0
         self._poll_delay = 0.0
@@ -157,9 +151,7 @@ class Worker(Stoppable):
     def _turn(self) -> None:
         # First what needs no database: a worker whose supervisor is gone stops during an
         # outage too.
-        if time.monotonic() >= self._limits_at:
-            self._limits_at = time.monotonic() + LIMITS_INTERVAL
-            self._check_limits()
+        self._check_limits()
         # Before claiming: never claim from a paused queue.
         if self.controls.read_if_due(self.db):
             self._poll_now = True  # a queue was resumed: look at once
@@ -269,23 +261,6 @@ class Worker(Stoppable):
 
     def timeout_of(self, job: Job) -> float | None:
         return execute.limits_of(job, self.lease)[1]
-
-    def _recycle(self, why: str) -> None:
-        if not self._stopping:
-            quietly(logger.info, "worker %s stops to be replaced: %s", self.id, why)
-            self._exit = Exit.RECYCLE
-            self.stop()
-
-    def _check_limits(self) -> None:
-        parent = self.options.parent_pid
-        if parent is not None and os.getppid() != parent and not self._stopping:
-            quietly(
-                logger.warning, "worker %s: its supervisor %d is gone; stopping", self.id, parent
-            )
-            self.stop()
-        limit = self.options.max_memory_mb
-        if limit and (used := policy.resident_mb()) > limit:
-            self._recycle(f"it uses {used:.0f} MB (--max-memory-per-child {limit:g})")
 
     def lease_of(self, job: Job) -> float:
         return execute.limits_of(job, self.lease)[0]

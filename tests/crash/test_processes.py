@@ -388,10 +388,16 @@ def test_children_are_replaced_after_max_jobs_and_every_job_runs_exactly_once(ru
 
 
 def test_a_worker_over_max_memory_exits_to_be_replaced(runjobs):
+    Job.objects.enqueue(RECORD, {"n": 1})
     worker = runjobs("--max-memory-per-child", "1")  # 1 MB: any Python process is over it
     wait_until(worker.started, timeout=30)
-    assert worker.wait(6) == Exit.RECYCLE  # checked every second (controls_interval)
-    assert "stops to be replaced: it uses" in worker.log()
+    assert worker.wait(10) == Exit.RECYCLE  # checked every second
+    log = worker.log()
+    # Over it before its first job: replaced then, it would have started as large, again and
+    # again, and run nothing. It runs the job first, saying so.
+    assert "before its first job ended, over --max-memory-per-child 1" in log
+    assert "stops to be replaced: it uses" in log
+    assert runs() == {1: 1}
 
 
 def test_children_stop_when_their_supervisor_is_killed(runjobs):
@@ -530,7 +536,7 @@ def test_a_child_that_cannot_act_on_sigterm_is_killed_and_the_supervisor_stops(r
     (frozen,) = [pid for pid in children_of(supervisor.pid) if option(pid, "--worker-id") == holder]
     os.kill(frozen, signal.SIGSTOP)
     supervisor.signal(signal.SIGTERM)
-    # Its grace and KILL_MARGIN (10 s), and time for a loaded machine.
+    # Its grace and KILL_MARGIN (20 s), and time for a loaded machine.
     assert supervisor.wait(40) == 1  # not a clean stop: a child had to be killed
     assert f"worker process {frozen} did not stop when asked" in supervisor.log()
     assert f"took back 1 jobs of {holder}" in supervisor.log()
@@ -538,6 +544,35 @@ def test_a_child_that_cannot_act_on_sigterm_is_killed_and_the_supervisor_stops(r
 
 
 # ---- a crash loop -------------------------------------------------------------------------------
+
+
+def test_a_job_that_kills_its_worker_is_dead_lettered_and_the_supervisor_serves_on(runjobs):
+    # Its deaths counted towards the supervisor's crash limit (5 in 60 s) and, taken back due at
+    # once, it was taken by the next child at once: the supervisor gave up after six, the job
+    # left ready with attempts to spare, instead of the dead letter the docs promise.
+    poison = Job.objects.enqueue("tests.process_tasks.kills_its_worker")  # max_attempts=7
+    supervisor = runjobs("--processes", "2", "--lease", "60")
+    wait_until(lambda: Job.objects.get(pk=poison.pk).status == Status.FAILED, timeout=120)
+    job = Job.objects.get(pk=poison.pk)
+    assert job.attempts == 7
+    assert job.last_error.startswith("WorkerLost: worker process")
+    Job.objects.enqueue(RECORD, {"n": 1})
+    wait_until(lambda: runs() == {1: 1}, timeout=60)  # it serves on
+    assert "stopping them all" not in supervisor.log()
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0
+
+
+def test_a_child_that_exits_unasked_has_its_jobs_taken_back_at_once(runjobs):
+    # Status 0 nobody asked for: replaced without a word, its running job left to its lease.
+    job = Job.objects.enqueue("tests.process_tasks.ends_its_worker_cleanly")  # max_attempts=2
+    supervisor = runjobs("--processes", "2", "--lease", "60")
+    wait_until(lambda: Job.objects.get(pk=job.pk).status == Status.FAILED, timeout=60)
+    log = supervisor.log()
+    assert "exited (code 0) though nobody asked it to" in log
+    assert "WorkerLost: worker process" in Job.objects.get(pk=job.pk).last_error
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0
 
 
 CRASHING = {"PGJOBS_TEST_CRASH_CHILDREN": "1"}  # children exit(3) while Django sets up

@@ -86,6 +86,23 @@ def test_a_second_sigterm_releases_the_running_job_at_once(start_worker):
     assert (row.status, row.attempts, row.leased_until) == (Status.READY, 0, None)
 
 
+def test_sighup_stops_a_worker_as_sigterm_does_and_each_signal_is_logged(start_worker):
+    # SIGHUP (a closed terminal, an orchestrator's hang-up) killed the worker at once, silently,
+    # its job left running until its lease expired; no line said which signal stopped it.
+    job = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 60})
+    worker = start_worker("--grace", "60")
+    wait_until(has_run(1), timeout=20)
+    worker.signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        worker.wait(0.5)  # in its grace, its job running
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(10) == 0
+    assert Job.objects.values_list("status", flat=True).get(pk=job.pk) == Status.READY
+    log = worker.log()
+    assert "SIGHUP: stopping; running jobs get 60s to finish" in log
+    assert "SIGTERM again: releasing the running jobs now" in log
+
+
 def test_jobs_claimed_but_not_started_are_released_on_sigterm(start_worker):
     Job.objects.bulk_enqueue("tests.tasks.record", ({"n": n, "seconds": 3} for n in range(3)))
     worker = start_worker("--concurrency", "1", "--grace", "30")

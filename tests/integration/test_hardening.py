@@ -568,6 +568,102 @@ def test_a_worker_whose_supervisor_is_gone_stops_during_an_outage_too(monkeypatc
 
 
 @pytest.mark.django_db(transaction=True)
+def test_an_orphaned_worker_stops_while_it_pauses_after_a_failed_turn(monkeypatch):
+    # The supervisor was looked for at the start of each turn only, and a failed turn's pause
+    # lasts up to 30 s: an orphan served on for that long during an outage.
+    from django_pgjobs.runtime import stopping
+
+    parent, gone = os.getppid(), threading.Event()
+    monkeypatch.setattr(stopping.os, "getppid", lambda: 1 if gone.is_set() else parent)
+    worker = Worker(Options(queues=["default"], listen=False, parent_pid=parent))
+
+    def unreachable() -> None:
+        worker._check_limits()
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(worker, "_turn", unreachable)
+    monkeypatch.setattr(policy, "outage_pause", lambda failures: 30.0)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    time.sleep(0.5)  # in its pause
+    gone.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert worker._stopping
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_child_that_cannot_be_started_is_a_crash_not_the_supervisors_end(monkeypatch, caplog):
+    # Popen's error (the interpreter gone in a deploy, no process left to fork) ended the
+    # supervisor with a traceback, its other children left running unsupervised.
+    from django_pgjobs.runtime import supervisor
+
+    monkeypatch.setattr(supervisor.sys, "executable", "/nonexistent/python3")
+    monkeypatch.setattr(supervisor.policy, "doubling", lambda *args: 0.01)  # restart at once
+    assert supervisor.Supervisor(2, []).run() == 1  # gave up, as for children that keep dying
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("could not be started" in line and "starting another in" in line for line in said)
+    assert "stopping them all" in said[-1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_recycled_worker_lets_its_running_jobs_finish_past_its_grace():
+    # A recycle released the running jobs after the grace, without spending an attempt: the
+    # next worker started the job again, and again at each recycle (a job whose memory made
+    # its worker pass --max-memory-per-child ran for ever, never finishing).
+    long = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 1.5}, priority=10)
+    for _ in range(6):
+        Job.objects.enqueue("tests.tasks.noop")
+    options = Options(
+        queues=["default"], concurrency=2, listen=False, once=True, max_jobs=3, grace=0.1
+    )
+    assert Worker(options).run() == Exit.RECYCLE
+    rows = dict(Job.objects.values_list("pk", "status"))
+    assert rows.pop(long.pk) == Status.SUCCEEDED
+    assert Status.RUNNING not in rows.values()
+    assert Job.objects.get(pk=long.pk).attempts == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_signal_during_a_recycle_gives_the_usual_grace():
+    long = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 4})
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, grace=0.5))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: Job.objects.filter(status=Status.RUNNING).exists(), 10)
+        worker._recycle("a test")
+        time.sleep(1.0)  # past the grace: a recycle waits for the job
+        assert thread.is_alive()
+        worker.stop()  # SIGTERM: the grace, then released
+        thread.join(5)
+        assert not thread.is_alive()
+    finally:
+        worker.stop(immediately=True)
+        thread.join(10)
+    assert Job.objects.values_list("status", flat=True).get(pk=long.pk) == Status.READY
+    # The released job's handler runs on, with its connection, until it returns.
+    wait_until(
+        lambda: not any(t.name.startswith("pgjobs-handler") for t in threading.enumerate()), 10
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_memory_limit_below_a_fresh_workers_size_runs_jobs_and_says_so(caplog):
+    # Recycled before its first claim, every replacement exited at once: a supervisor
+    # restarted children for ever at full CPU and ran none of the jobs, saying nothing.
+    for _ in range(3):
+        Job.objects.enqueue("tests.tasks.noop")
+    worker = Worker(
+        Options(queues=["default"], concurrency=1, listen=False, once=True, max_memory_mb=1)
+    )
+    worker.run()  # drained (its next look at its memory, a second later, would recycle it)
+    assert Job.objects.filter(status=Status.SUCCEEDED).count() == 3
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert sum("before its first job ended, over --max-memory-per-child 1" in s for s in said) == 1
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_locked_row_holds_back_its_outcome_alone_under_a_shorter_statement_timeout(
     other_connection,
 ):

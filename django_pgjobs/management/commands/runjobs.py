@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from django_pgjobs.runtime import exiting, reloading, served
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
+from django_pgjobs.runtime.stopping import STOP_SIGNALS
 from django_pgjobs.runtime.supervisor import Supervisor
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.validation import MAX_SECONDS, check_queue
@@ -30,7 +32,6 @@ from django_pgjobs.validation import MAX_SECONDS, check_queue
 if TYPE_CHECKING:
     from django_pgjobs.jetstream.consumer import NatsWorker
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 
@@ -211,6 +212,11 @@ class Command(BaseCommand):
             code = exiting.exit_code(exit.code)
             raise
         finally:
+            # Its work is done and its status known: a stop signal now (a second SIGTERM from
+            # an orchestrator) must not turn that status into the signal's.
+            for signum in STOP_SIGNALS:
+                with contextlib.suppress(ValueError):  # not the main thread
+                    signal.signal(signum, signal.SIG_IGN)
             exiting.bound(code, self._grace)
 
     #: --grace, once handle() has read it.
@@ -287,6 +293,7 @@ class Command(BaseCommand):
         )
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
+            said(signum, again=worker._stopping and not worker._finishing, grace=self._grace)
             worker.stop()
 
         # Signal handlers belong to the main thread (under --reload the worker runs on another:
@@ -302,6 +309,16 @@ class Command(BaseCommand):
             _stoppers.remove(worker.stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+
+def said(signum: int, *, again: bool, grace: float) -> None:
+    """The log line for a stop signal received (by a worker, or a supervisor for its
+    children): which one, and what it does."""
+    name = signal.Signals(signum).name
+    if again:
+        quietly(logger.warning, "%s again: releasing the running jobs now", name)
+    else:
+        quietly(logger.info, "%s: stopping; running jobs get %gs to finish", name, grace)
 
 
 def _worker(options: Options) -> Worker | NatsWorker:
