@@ -55,7 +55,7 @@ BAD_ENQUEUES: list[tuple[str, dict[str, Any], str]] = [
     ("run_at and delay", {"delay": 1, "run_at": datetime(2030, 1, 1)}, "not both"),
     ("priority out of range", {"priority": 1000}, "out of range"),
     ("priority not an integer", {"priority": "high"}, "must be an integer"),
-    ("max_attempts zero", {"max_attempts": 0}, "1 or more"),
+    ("max_attempts zero", {"max_attempts": 0}, "from 1 to 2147483647"),
 ]
 
 
