@@ -294,3 +294,9 @@ signals.job_enqueued.connect(hostile_enqueued_receiver, weak=False)
 @task(lease=120)
 def has_a_long_lease() -> None:
     """A task with a lease of its own, longer than a worker's."""
+
+
+@task(max_attempts=1)
+async def raises_in_its_coroutine() -> None:
+    await asyncio.sleep(0)
+    raise ValueError("raised in the coroutine")

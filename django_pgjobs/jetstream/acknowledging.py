@@ -115,7 +115,11 @@ class Acknowledger:
         job, reply = delivery.job, delivery.reply
         with self._lock:
             self._in_flight.pop(id(job), None)
-        if handled is None:
+        if handled is None and reply is Reply.NAK:
+            said = "was not started, and could not be given back (NATS unreachable): its "
+            said += "message is delivered again, and that delivery counts as an attempt (a "
+            said += "dead letter, WorkerLost, if it had none left)"
+        elif handled is None:
             said = "given back unstarted, but NATS did not confirm it: the message is also "
             said += "delivered again after its ack wait, and that delivery counts as an attempt"
         elif reply is None:
@@ -124,7 +128,8 @@ class Acknowledger:
             said += "or cut off from NATS), so another worker may run it now; that run decides"
         elif reply is Reply.ACK:
             said = "succeeded, but NATS did not confirm its acknowledgement within its ack "
-            said += "wait: it is delivered and run again"
+            said += "wait: it is delivered again, and run again (a dead letter, WorkerLost, if "
+            said += "it had no attempt left: it did succeed)"
         elif reply is Reply.NAK:
             said = "failed, and NATS did not confirm its negative acknowledgement within its "
             said += "ack wait: it is delivered again after the ack wait, not its delay"

@@ -153,6 +153,7 @@ class NatsWorker(Stoppable):
             self._announcer.flush()
         if self._stopping:
             self._acks.give_back_unstarted()
+            self._note_recycle(len(self._in_flight))
             return
         # Nothing will start the messages fetched for the threads before long: other workers
         # may (as a PostgreSQL worker gives back its unstarted claims).

@@ -127,16 +127,17 @@ class Awaiter:
 
 
 def _answering(func: AsyncFunction, answer: Future[Any]) -> AsyncFunction:
-    """`func`, which also puts its value or error in `answer` as soon as it has one (before
-    asyncio ends the tasks it left)."""
+    """`func`, which puts its value or error in `answer` as soon as it has one (before asyncio
+    ends the tasks it left). The error is not raised again here: the handler thread raises it,
+    and its traceback gets only that thread's frames after the coroutine's, not this
+    companion's too (one exception object raised in two threads collects both's frames)."""
 
-    async def answering(*args: Any, **kwargs: Any) -> Any:
+    async def answering(*args: Any, **kwargs: Any) -> None:
         try:
             value = await func(*args, **kwargs)
         except BaseException as error:
             answer.set_exception(error)
-            raise
-        answer.set_result(value)
-        return value
+        else:
+            answer.set_result(value)
 
     return answering

@@ -58,13 +58,17 @@ def run(run: Callable[[], int], stoppers: list[Callable[..., None]]) -> int:
 
 def _parent() -> int:
     """Start the reloading child again whenever it exits because a file changed (status 3),
-    passing SIGTERM and SIGINT on to it; return its exit status otherwise."""
+    passing stop signals on to it; return its exit status otherwise. Once a stop signal came,
+    the child is not started again (a file changed as it stopped would have), and the status is
+    0: the worker was stopped, as asked."""
     env = {**os.environ, autoreload.DJANGO_AUTORELOAD_ENV: "true"}
+    stopped: list[int] = []
     while True:
         # Its own session: a terminal's Ctrl-C reaches it once, through this process.
         child = subprocess.Popen(autoreload.get_child_arguments(), env=env, start_new_session=True)
 
         def forward(signum: int, frame: FrameType | None, child: Any = child) -> None:
+            stopped.append(signum)
             child.send_signal(signum)
 
         previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
@@ -73,5 +77,8 @@ def _parent() -> int:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+        if stopped:
+            # Ended by the signal passed on before it could handle it (still starting): a stop.
+            return 0 if code in (3, -stopped[0]) else code
         if code != 3:
             return code

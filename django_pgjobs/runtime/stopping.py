@@ -1,7 +1,7 @@
 """A worker's stop (SIGTERM, SIGINT, its supervisor gone) and its recycle (a limit reached):
-it stops taking jobs, gives those running its grace period (a recycle: until they finish), and
-cuts short whatever it waits for; a second stop ends the grace at once. Shared by the
-PostgreSQL worker and the NATS one."""
+it stops taking jobs, gives those running its grace period (a recycle: at least
+RECYCLE_PATIENCE), and cuts short whatever it waits for; a second stop ends the grace at once.
+Shared by the PostgreSQL worker and the NATS one."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ logger = logging.getLogger("django_pgjobs.runtime.worker")
 #: SIGHUP too: a closed terminal or an orchestrator's hang-up stops it as SIGTERM does, not at
 #: once with its jobs left running until their leases expire.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+#: The least a recycle waits for the running jobs to finish (or --grace, when longer), before
+#: it releases them as a stop does: a job that runs longer than both is started again by the
+#: next worker; one that never ends (no time limit) holds the recycle up only this long.
+RECYCLE_PATIENCE = 60.0
+#: Seconds between the lines saying what a recycle still waits for.
+RECYCLE_NOTE_EVERY = 10.0
 
 #: Seconds between looks at the supervisor and the memory limit (also while paused after a
 #: failed turn: an orphaned worker stops during an outage too).
@@ -43,30 +50,48 @@ class Stoppable:
         self._deadline = float("inf")  # the grace's end, once stopping
         self._limits_at = 0.0  # when to look at the supervisor and the memory limit next
         self._memory_said = False
+        self._noted_at = 0.0  # the last line saying what a recycle waits for
 
     def stop(self, immediately: bool = False) -> None:
         """Stop claiming; finish in-flight jobs within the grace period (or release them now).
-        A stop after another ends the grace at once; after a recycle, it gives the grace.
-        Safe to call from a signal handler."""
+        A stop after another ends the grace at once; one during a recycle makes it a stop, with
+        at most the grace. Safe to call from a signal handler."""
         now = time.monotonic()
         again = self._stopping and not self._finishing
-        self._deadline = now if again or immediately else now + self.options.grace
+        if self._finishing:
+            self._exit = Exit.OK  # stopped, not recycled
+        self._deadline = (
+            now if again or immediately else min(self._deadline, now + self.options.grace)
+        )
         self._stopping, self._finishing = True, False
         self._wake.set()
 
     def _recycle(self, why: str) -> None:
         """Stop to be replaced (Exit.RECYCLE): claim nothing more, give back what no thread has
-        started, and let the running jobs finish however long they take (their time limits
-        bound them). Released after a grace instead, a job would start again on the next
-        worker without an attempt spent, and again after each recycle: a job whose memory took
-        the worker past --max-memory-per-child, or a long one among short ones under
-        --max-jobs-per-child, ran for ever and never finished. A stop signal meanwhile gives
+        started, and let the running jobs finish within --grace or RECYCLE_PATIENCE, whichever
+        is longer, then release what still runs. Released after the grace alone, a job whose
+        memory took the worker past --max-memory-per-child, or a long one among short ones
+        under --max-jobs-per-child, started again on the next worker without an attempt spent,
+        and again after each recycle: it never finished. A stop signal meanwhile gives at most
         the usual grace."""
         if not self._stopping:
             quietly(logger.info, "worker %s stops to be replaced: %s", self.id, why)
             self._exit = Exit.RECYCLE
+            patience = max(self.options.grace, RECYCLE_PATIENCE)
+            self._deadline = time.monotonic() + patience
+            self._noted_at = time.monotonic()
             self._stopping = self._finishing = True
             self._wake.set()
+
+    def _note_recycle(self, running: int) -> None:
+        """While a recycle waits for running jobs: a line every RECYCLE_NOTE_EVERY seconds."""
+        if self._finishing and running and time.monotonic() >= self._noted_at + RECYCLE_NOTE_EVERY:
+            self._noted_at = time.monotonic()
+            quietly(
+                logger.info,
+                "worker %s waits for %d running jobs before it is replaced (%.0fs at most)",
+                self.id, running, max(0.0, self._deadline - time.monotonic()),
+            )  # fmt: skip
 
     def _check_limits(self) -> None:
         """At most every LIMITS_INTERVAL: stop when the supervisor is gone; recycle past

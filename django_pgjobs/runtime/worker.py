@@ -174,6 +174,7 @@ class Worker(Stoppable):
             )
         if self._stopping:
             self._release_unstarted()
+            self._note_recycle(len(self._in_flight))
             return
         # Nothing will start the jobs claimed for the threads before long: other workers may.
         held_up = self._handlers.held_up(policy.HELD_UP) >= self.options.concurrency

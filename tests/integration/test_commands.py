@@ -232,6 +232,7 @@ def test_check_deploy_without_a_database_points_at_the_database_checks():
             "to finish after a stop signal",
         ),
         (["--grace", "nan"], "must be 0 or more seconds, got nan"),
+        (["--max-jobs-per-child", "3"], "--once drains the queues and exits; --max-jobs-per"),
     ],
 )
 def test_runjobs_refuses_bad_options_with_a_clear_message(option, message, capsys):

@@ -264,6 +264,20 @@ def test_an_async_handler_leaving_a_task_that_ignores_cancellation_has_its_own_o
 
 
 @pytest.mark.django_db(transaction=True)
+def test_an_async_handlers_error_has_the_traceback_of_its_coroutine_not_of_two_threads():
+    # Raised again in the companion thread, the same exception object collected that thread's
+    # frames as well as the handler thread's: a traceback interleaving both.
+    Job.objects.enqueue("tests.hostile.raises_in_its_coroutine")
+    (job,) = Job.objects.claim(["default"], worker="w1")
+    handled = execute.run(job)
+    assert handled.failure is not None
+    trace = handled.failure.traceback
+    assert trace.rstrip().endswith("ValueError: raised in the coroutine"), trace
+    assert "in raises_in_its_coroutine" in trace
+    assert "in _serve" not in trace and "base_events.py" not in trace, trace
+
+
+@pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("stubborn_tasks_ended")
 def test_an_async_handlers_leftovers_recycle_the_worker_once_they_pile_up():
     # Like threads abandoned past their time limits: each left companion holds a thread, its
@@ -625,10 +639,37 @@ def test_a_recycled_worker_lets_its_running_jobs_finish_past_its_grace():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_recycle_waits_for_a_job_that_never_ends_only_so_long(monkeypatch, caplog):
+    # Waiting for every running job to end, a recycle held the whole worker up for good behind
+    # one that never returned (no time limit): no claims, no exit, its supervisor none the wiser.
+    from django_pgjobs.runtime import stopping
+
+    monkeypatch.setattr(stopping, "RECYCLE_PATIENCE", 1.0)
+    monkeypatch.setattr(stopping, "RECYCLE_NOTE_EVERY", 0.3)
+    never = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 4}, priority=10)
+    for _ in range(4):
+        Job.objects.enqueue("tests.tasks.noop")
+    options = Options(
+        queues=["default"], concurrency=2, listen=False, once=True, max_jobs=2, grace=0.1
+    )
+    began = time.monotonic()
+    assert Worker(options).run() == Exit.RECYCLE
+    assert time.monotonic() - began < 3.5  # before the job would have ended
+    row = Job.objects.get(pk=never.pk)
+    assert (row.status, row.attempts) == (Status.READY, 0)  # released: no attempt spent
+    assert "waits for 1 running jobs before it is replaced" in caplog.text
+    # The released job's handler runs on, with its connection, until it returns.
+    wait_until(
+        lambda: not any(t.name.startswith("pgjobs-handler") for t in threading.enumerate()), 10
+    )
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_stop_signal_during_a_recycle_gives_the_usual_grace():
     long = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 4})
     worker = Worker(Options(queues=["default"], concurrency=1, listen=False, grace=0.5))
-    thread = threading.Thread(target=worker.run)
+    ended: list[Exit] = []
+    thread = threading.Thread(target=lambda: ended.append(worker.run()))
     thread.start()
     try:
         wait_until(lambda: Job.objects.filter(status=Status.RUNNING).exists(), 10)
@@ -642,6 +683,7 @@ def test_a_stop_signal_during_a_recycle_gives_the_usual_grace():
         worker.stop(immediately=True)
         thread.join(10)
     assert Job.objects.values_list("status", flat=True).get(pk=long.pk) == Status.READY
+    assert ended == [Exit.OK]  # stopped, not recycled
     # The released job's handler runs on, with its connection, until it returns.
     wait_until(
         lambda: not any(t.name.startswith("pgjobs-handler") for t in threading.enumerate()), 10

@@ -237,6 +237,11 @@ class Command(BaseCommand):
             )  # fmt: skip
         if options["processes"] > 1 and options["once"]:
             raise CommandError("--once runs one worker; leave out --processes.")
+        if options["once"] and options["max_jobs_per_child"]:
+            raise CommandError(
+                "--once drains the queues and exits; --max-jobs-per-child would end it part "
+                "way, jobs left and status 75 (a failure to cron): leave one out."
+            )
         if options["processes"] > 1 and options["metrics_port"]:
             raise CommandError(
                 "--metrics-port serves one process's metrics; with --processes, scrape the "
