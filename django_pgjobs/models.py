@@ -160,7 +160,12 @@ class Job(models.Model):
                     f"{', '.join(owned or sorted(WORKER_FIELDS))}: save only the fields you "
                     "changed, e.g. current_job().save(update_fields=['payload'])"
                 )
-        elif fields is None and not self._state.adding:
+        elif (
+            fields is None
+            and not self._state.adding
+            and self.pk is not None  # a copy: saved as a new row
+            and not self.get_deferred_fields() >= WORKER_FIELDS  # .only(): its fields alone
+        ):
             raise ValueError(
                 f"job {self.pk} is stored: save only the fields you changed, e.g. "
                 "job.save(update_fields=['priority']). A save of the whole row would write "

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from django_pgjobs.runtime import awaiting
 from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
@@ -44,12 +45,14 @@ def bound(code: int, grace: float) -> None:
             if thread is not threading.main_thread() and thread is not threading.current_thread()
             and not thread.name.startswith("pgjobs")
         ]  # fmt: skip
+        loops = " (with the event loops of async handlers that left tasks ignoring their "
+        loops += "cancellation)" if awaiting.lingering() else ""
         quietly(
             logger.warning,
             "the process is still running after its worker stopped (%gs): threads its handlers "
-            "started have not ended (%s): Python's exit waits for threads that are not daemons "
+            "started have not ended (%s)%s: Python's exit waits for threads that are not daemons "
             "and for concurrent.futures pools; exiting without them",
-            within, ", ".join(repr(name) for name in left) or "none found",
+            within, ", ".join(repr(name) for name in left) or "none found", loops,
         )  # fmt: skip
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError, AttributeError):

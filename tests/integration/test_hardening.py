@@ -957,6 +957,16 @@ def test_saving_a_stored_job_whole_is_refused_and_by_its_fields_rewinds_nothing(
     new = Job(task="tests.tasks.noop", queue="default", max_attempts=1)
     new.save()  # a new row saves whole, as any model's
     assert Job.objects.filter(pk=new.pk).exists()
+    partial = Job.objects.only("priority").get(pk=job.pk)
+    partial.priority = 7
+    partial.save()  # Django saves the fields it loaded: none of the worker's
+    assert Job.objects.values_list("priority", "status").get(pk=job.pk) == (7, Status.SUCCEEDED)
+    with pytest.raises(ValueError, match="is stored"):
+        Job.objects.only("priority", "status").get(pk=job.pk).save()
+    copy = Job.objects.get(pk=job.pk)
+    copy.pk = None
+    copy.save()  # Django's way of copying a row: a new one
+    assert Job.objects.count() == 3
 
 
 @pytest.mark.django_db(transaction=True)
