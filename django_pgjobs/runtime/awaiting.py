@@ -114,14 +114,15 @@ class Awaiter:
         try:
             while (work := self._work.get()) is not None:
                 func, args, kwargs, context, answer = work
-                close_old_connections()  # as the handler thread does around each job
                 try:
+                    close_old_connections()  # as the handler thread does around each job
                     context.run(async_to_sync(_answering(func, answer)), *args, **kwargs)
-                except BaseException as error:  # the coroutine's, or raised before it ran:
-                    if not answer.done():  # the handler thread's to classify either way
+                    close_old_connections()
+                except BaseException as error:  # raised before the coroutine ran, or after:
+                    if not answer.done():  # the handler thread's to classify, never to wait on
                         answer.set_exception(error)
-                close_old_connections()
-                self._idle.set()
+                finally:
+                    self._idle.set()
         finally:
             connections.close_all()
 

@@ -12,7 +12,14 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from django.db import InternalError, OperationalError, connection, connections, transaction
+from django.db import (
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connection,
+    connections,
+    transaction,
+)
 from django.db.models import F
 
 from django_pgjobs import Retry, validation
@@ -275,6 +282,31 @@ def test_an_async_handlers_error_has_the_traceback_of_its_coroutine_not_of_two_t
     assert trace.rstrip().endswith("ValueError: raised in the coroutine"), trace
     assert "in raises_in_its_coroutine" in trace
     assert "in _serve" not in trace and "base_events.py" not in trace, trace
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_handler_whose_companion_fails_before_its_coroutine_still_ends(monkeypatch):
+    # Its companion thread's look at its connections raised before the coroutine ran: the
+    # companion ended, the answer never came, and the handler thread waited on it for good.
+    from django_pgjobs.runtime import awaiting
+
+    def unusable() -> None:
+        raise InterfaceError("connection already closed")
+
+    monkeypatch.setattr(awaiting, "close_old_connections", unusable)
+    Job.objects.enqueue("tests.tasks.async_noop", {"value": 1})
+    (job,) = Job.objects.claim(["default"], worker="w1")
+    handled: list[Handled] = []
+
+    def handler_thread() -> None:
+        handled.append(execute.run(job))
+        awaiting.release()  # as a handler thread does when it ends
+
+    thread = threading.Thread(target=handler_thread, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert handled and handled[0].failure is not None
+    assert handled[0].failure.type.endswith("InterfaceError")
 
 
 @pytest.mark.django_db(transaction=True)
