@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -10,6 +11,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, overload
 
 from django.apps import apps
+from django.conf import settings
 
 from django_pgjobs import validation
 from django_pgjobs.cron import check_cron
@@ -43,8 +45,8 @@ class Task:
     redact: frozenset[str] = field(default_factory=frozenset)
     #: A cron expression: run periodically, in TIME_ZONE, with an empty payload (periodic.py).
     cron: str | None = None
-    #: Registered after start-up (django.setup()): from a module a view, a shell or a test
-    #: imported later, which a worker, importing what start-up imports, may never import.
+    #: Registered after start-up (django.setup() and the URLconf's import: _starting_up): from
+    #: a module a view, a shell or a test imported later, which a worker may never import.
     late: bool = field(default=False, compare=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -179,7 +181,7 @@ def task(
             cron=cron,
         )
         existing = _registry.get(registered.name)
-        if apps.ready and (existing is None or existing.late):
+        if (existing is None or existing.late) and not _starting_up():
             registered = replace(registered, late=True)
         if (
             existing is not None
@@ -194,6 +196,16 @@ def task(
         return registered
 
     return register(func) if func is not None else register
+
+
+def _starting_up() -> bool:
+    """Whether what registers a task now is imported by every process's start-up: django.setup()
+    (each app's tasks module, models, AppConfig.ready) or the URLconf's first import, which
+    runjobs makes too (its system checks load the URLconf) and a web process makes later."""
+    if not apps.ready:
+        return True
+    urlconf = sys.modules.get(getattr(settings, "ROOT_URLCONF", None) or "")
+    return urlconf is not None and not hasattr(urlconf, "urlpatterns")  # still importing
 
 
 def _same_function(existing: Task, func: Callable[..., Any]) -> bool:

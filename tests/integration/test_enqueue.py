@@ -335,6 +335,26 @@ def test_a_task_registered_after_start_up_is_enqueued_with_a_warning_once(caplog
     assert Job.objects.count() == 3
 
 
+def test_a_task_the_urlconf_imports_is_known_to_workers_and_enqueued_without_a_warning(
+    tmp_path, monkeypatch, settings, caplog
+):
+    # A web process imports its URLconf (and the views' modules, and their tasks) after start-up,
+    # but runjobs imports it too, for its system checks: no warning for those.
+    (tmp_path / "urlconf_views.py").write_text(
+        "from django_pgjobs import task\n\n\n"
+        "@task(name='tests.from_a_view_module')\ndef from_a_view_module() -> None:\n    pass\n"
+    )
+    (tmp_path / "urlconf_of_views.py").write_text(
+        "import urlconf_views  # noqa\n\nurlpatterns = []\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings.ROOT_URLCONF = "urlconf_of_views"
+    import urlconf_of_views  # type: ignore[import-not-found]  # noqa: F401
+
+    Job.objects.enqueue("tests.from_a_view_module")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_one_bad_payload_in_a_bulk_enqueue_writes_nothing():
     payloads = [{"to": "ok"}] * 10 + [{"to": float("inf")}]
     with pytest.raises(EnqueueError, match=r"payload\['to'\] is inf"):
