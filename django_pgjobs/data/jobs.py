@@ -350,18 +350,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         as the attempt's error. Safe to run from every worker at once (SKIP LOCKED).
         `sparing`: the calling worker's claims whose handlers are running (never its to take).
         Returns (returned to ready, failed)."""
-        settings = get_settings()
-        db = self._write_db()
         params = {
             "limit": limit,
             "spared_ids": [claim_of(job)[0] for job in sparing],
             "spared_claims": [claim_of(job)[1] for job in sparing],
-            "cap": settings.BACKOFF_MAX,
-            "base": settings.BACKOFF_BASE,
-            "error": LEASE_EXPIRED.as_json(),
-            "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
+            **_taking_back(LEASE_EXPIRED),
         }
-        return self._taken_back(rows.execute(db, sql.REAP, params))
+        return self._taken_back(rows.execute(self._write_db(), sql.REAP, params))
 
     def _taken_back(self, taken: list[tuple[Any, ...]]) -> tuple[int, int]:
         """The jobs a reap or an abandon took back (id, claims, status, task, attempts), due
@@ -525,6 +520,18 @@ def _one_worker(workers: Iterable[str | None]) -> str:
     if len(distinct) != 1 or None in distinct:
         raise ValueError(f"jobs of one worker at a time, got {sorted(map(str, distinct))}")
     return str(distinct.pop())
+
+
+def _taking_back(error: Failure) -> dict[str, Any]:
+    """The parameters sql._TAKEN_BACK needs: the default backoff, and the lost attempt's
+    error for the job's history."""
+    settings = get_settings()
+    return {
+        "cap": settings.BACKOFF_MAX,
+        "base": settings.BACKOFF_BASE,
+        "error": error.as_json(),
+        "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
+    }
 
 
 def _own_backoff(task_name: str, attempts: int, within: float) -> float | None:

@@ -390,14 +390,35 @@ RELEASE = """
 
 # ---- every worker's housekeeping --------------------------------------------------------------
 
-# Take back running jobs whose lease expired: to ready after a backoff (full jitter, as
-# retry.ExponentialBackoff; REAP_BACKOFF then applies a task's own), or failed when no attempts
-# remain, or cancelled when that was asked; "lease expired" joins the error history. SKIP
+# What REAP and ABANDON do to a running job taken back from a worker: ready again after the
+# default backoff (full jitter, as retry.ExponentialBackoff; REAP_BACKOFF then applies a task's
+# own), or failed when no attempts remain, or cancelled when that was asked; the lost attempt
+# joins the error history (%(error)s).
+_TAKEN_BACK = """
+        status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
+        finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
+                           THEN statement_timestamp() END,
+        run_at = statement_timestamp() + make_interval(
+            secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
+        scheduled = NOT (j.cancel_requested OR j.attempts >= j.max_attempts),
+        leased_until = NULL,
+        errors = jsonb_path_query_array(
+            j.errors || jsonb_build_array(
+                jsonb_build_object(
+                    'attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker
+                ) || %(error)s::jsonb
+            ),
+            %(errors_kept)s::jsonpath
+        )
+""".strip()
+
+# Take back running jobs whose lease expired (_TAKEN_BACK), "lease expired" the cause. SKIP
 # LOCKED: every worker may reap at once. A worker spares its own claims whose handlers it knows
 # are running (%(spared_*)s): a lease that ran out while the row was locked (the handler locked
 # its own job) is renewed by the lease keeper once the lock is gone, and must not be taken by
 # the same worker meanwhile.
-REAP = """
+REAP = f"""
     WITH expired AS (
         SELECT id FROM pgjobs_job
         WHERE status = 'running' AND leased_until < statement_timestamp()
@@ -407,31 +428,17 @@ REAP = """
         FOR UPDATE SKIP LOCKED
     )
     UPDATE pgjobs_job AS j SET
-        status = CASE WHEN j.cancel_requested THEN 'cancelled'
-                      WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
-        finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
-                           THEN statement_timestamp() END,
-        run_at = statement_timestamp() + make_interval(
-            secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
-        scheduled = NOT (j.cancel_requested OR j.attempts >= j.max_attempts),
-        leased_until = NULL,
-        last_error = 'WorkerLost: lease expired while held by ' || j.worker,
-        errors = jsonb_path_query_array(
-            j.errors || jsonb_build_array(
-                jsonb_build_object(
-                    'attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker
-                ) || %(error)s::jsonb
-            ),
-            %(errors_kept)s::jsonpath
-        )
+        {_TAKEN_BACK},
+        last_error = 'WorkerLost: lease expired while held by ' || j.worker
     FROM expired
     WHERE j.id = expired.id AND j.status = 'running'
       AND j.leased_until < statement_timestamp()
     RETURNING j.id, j.claims, j.status, j.task, j.attempts
 """
 
-# Reaped jobs of tasks with a backoff of their own (`@task(backoff=...)`, computed in Python):
-# due after that backoff instead of REAP's default. Only while nobody claimed them since.
+# Jobs taken back (REAP, ABANDON) of tasks with a backoff of their own (`@task(backoff=...)`,
+# computed in Python): due after that backoff instead of the default. Only while nobody claimed
+# them since.
 REAP_BACKOFF = """
     UPDATE pgjobs_job AS j SET
         run_at = statement_timestamp() + make_interval(secs => mine.delay),
@@ -457,26 +464,11 @@ PROMOTE = """
 """
 
 # Take back every running job of one worker known to be dead (its supervisor saw the process
-# exit), without waiting for the leases: as REAP, but due again at once, and with the cause.
-ABANDON = """
+# exit), without waiting for the leases: as REAP, with the cause.
+ABANDON = f"""
     UPDATE pgjobs_job AS j SET
-        status = CASE WHEN j.cancel_requested THEN 'cancelled'
-                      WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
-        finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
-                           THEN statement_timestamp() END,
-        run_at = statement_timestamp() + make_interval(
-            secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
-        scheduled = NOT (j.cancel_requested OR j.attempts >= j.max_attempts),
-        leased_until = NULL,
-        last_error = 'WorkerLost: ' || %(reason)s,
-        errors = jsonb_path_query_array(
-            j.errors || jsonb_build_array(
-                jsonb_build_object(
-                    'attempt', j.attempts, 'at', statement_timestamp(), 'worker', j.worker
-                ) || %(error)s::jsonb
-            ),
-            %(errors_kept)s::jsonpath
-        )
+        {_TAKEN_BACK},
+        last_error = 'WorkerLost: ' || %(reason)s
     FROM (
         SELECT id FROM pgjobs_job
         WHERE status = 'running' AND worker = %(worker)s
