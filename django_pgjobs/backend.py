@@ -35,6 +35,7 @@ from django.utils import timezone
 from django_pgjobs import registry, transports, validation
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
+from django_pgjobs.data import enqueue
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, PermanentError, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
@@ -275,23 +276,19 @@ def _of_an_installed_app(module_name: str) -> bool:
     )
 
 
-_warned: set[str] = set()
-
-
 def _unknown_to_workers(task: Task[Any, Any]) -> None:
     """Say once per Task defined outside the installed apps that a worker imports its module
-    only if something else did: else its jobs become dead letters (UnknownTask)."""
+    only if something else did."""
     module = task.func.__module__
-    if not _of_an_installed_app(module) and task.module_path not in _warned:
-        _warned.add(task.module_path)
-        with contextlib.suppress(Exception):  # the application's logging: not the enqueue's end
-            logger.warning(
-                "the Task %s is defined in %s, which is not part of an installed app: a worker "
-                "imports a Task's module only from an installed app, so unless its start-up "
-                "imports %s anyway, its jobs become dead letters (UnknownTask). Define Tasks in "
-                "an installed app.",
-                task.module_path, module, module,
-            )  # fmt: skip
+    if not _of_an_installed_app(module):
+        enqueue.warn_unknown_to_workers(
+            task.module_path,
+            "the Task %s is defined in %s, which is not part of an installed app: a worker "
+            "imports a Task's module only from an installed app, so unless its start-up imports "
+            "%s anyway, its jobs become dead letters (UnknownTask). Define Tasks in an "
+            "installed app.",
+            module,
+        )
 
 
 def is_pgjobs_task(value: object) -> TypeGuard[Task[Any, Any]]:

@@ -61,7 +61,14 @@ def options_of(
     settings = get_settings()
     task = registry.resolve(task_or_name)
     if task.late:
-        _unknown_to_workers(task.name, task.func.__module__)
+        warn_unknown_to_workers(
+            task.name,
+            "task %s was registered after start-up, when %s was imported: a worker imports each "
+            "installed app's tasks module at its start-up (and what those import), so unless it "
+            "imports %s too, its jobs become dead letters (UnknownTask). Define the task in a "
+            "tasks.py, or import its module there or from AppConfig.ready().",
+            task.func.__module__,
+        )
     if run_at is not None and delay is not None:
         raise EnqueueError("Pass run_at or delay, not both.")
     return task, NewJob(
@@ -85,19 +92,13 @@ def options_of(
 _warned: set[str] = set()
 
 
-def _unknown_to_workers(name: str, module: str) -> None:
-    """Say once per task that workers may not know it: its jobs would be dead letters
-    (UnknownTask) at their first claim."""
+def warn_unknown_to_workers(name: str, message: str, module: str) -> None:
+    """Say once per task (`name`) that workers may not know it, its jobs becoming dead letters
+    (UnknownTask) at their first claim: `message`, with the name and its `module` (twice)."""
     if name not in _warned:
         _warned.add(name)
         with contextlib.suppress(Exception):  # the application's logging: not the enqueue's end
-            logger.warning(
-                "task %s was registered after start-up, when %s was imported: a worker imports "
-                "each installed app's tasks module at its start-up (and what those import), so "
-                "unless it imports %s too, its jobs become dead letters (UnknownTask). Define "
-                "the task in a tasks.py, or import its module there or from AppConfig.ready().",
-                name, module, module,
-            )  # fmt: skip
+            logger.warning(message, name, module, module)
 
 
 def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list[str]:
