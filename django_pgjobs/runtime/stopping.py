@@ -66,6 +66,13 @@ class Stoppable:
         self._stopping, self._finishing = True, False
         self._wake.set()
 
+    def signalled(self, signum: int) -> None:
+        """A stop signal came: say which, and what it does, then stop(). Safe to call from a
+        signal handler."""
+        again = self._stopping and not self._finishing
+        said_stop_signal(logger, signum, again=again, grace=self.options.grace)
+        self.stop()
+
     def _recycle(self, why: str) -> None:
         """Stop to be replaced (Exit.RECYCLE): claim nothing more, give back what no thread has
         started, and let the running jobs finish within --grace or RECYCLE_PATIENCE, whichever
@@ -135,3 +142,13 @@ class Stoppable:
             self._wake.wait(min(left, LIMITS_INTERVAL))
             self._wake.clear()
             self._check_limits()
+
+
+def said_stop_signal(log_to: logging.Logger, signum: int, *, again: bool, grace: float) -> None:
+    """The line for a stop signal received (by a worker, or by a supervisor for its children):
+    which one, and what it does."""
+    name = signal.Signals(signum).name
+    if again:
+        quietly(log_to.warning, "%s again: releasing the running jobs now", name)
+    else:
+        quietly(log_to.info, "%s: stopping; running jobs get %gs to finish", name, grace)

@@ -28,7 +28,7 @@ from django_pgjobs.runtime import exiting, locks, policy
 from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, worker_id
-from django_pgjobs.runtime.stopping import STOP_SIGNALS
+from django_pgjobs.runtime.stopping import STOP_SIGNALS, said_stop_signal
 from django_pgjobs.runtime.wake import Wake
 
 logger = logging.getLogger(__name__)
@@ -123,18 +123,7 @@ class Supervisor:
         self._wake.set()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        if self._stopping:
-            quietly(
-                logger.warning, "supervisor: %s again: the children release their jobs now", name
-            )
-        else:
-            quietly(
-                logger.info,
-                "supervisor: %s: stopping the worker processes (grace %gs)",
-                name,
-                self.grace,
-            )
+        said_stop_signal(logger, signum, again=self._stopping > 0, grace=self.grace)
         self.stop()
 
     def _kill_children(self) -> None:

@@ -298,8 +298,7 @@ class Command(BaseCommand):
         )
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            said(signum, again=worker._stopping and not worker._finishing, grace=self._grace)
-            worker.stop()
+            worker.signalled(signum)
 
         # Signal handlers belong to the main thread (under --reload the worker runs on another:
         # the reloader passes signals on, see runtime/reloading.py).
@@ -314,16 +313,6 @@ class Command(BaseCommand):
             _stoppers.remove(worker.stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-
-
-def said(signum: int, *, again: bool, grace: float) -> None:
-    """The log line for a stop signal received (by a worker, or a supervisor for its
-    children): which one, and what it does."""
-    name = signal.Signals(signum).name
-    if again:
-        quietly(logger.warning, "%s again: releasing the running jobs now", name)
-    else:
-        quietly(logger.info, "%s: stopping; running jobs get %gs to finish", name, grace)
 
 
 def _worker(options: Options) -> Worker | NatsWorker:
