@@ -300,3 +300,17 @@ def has_a_long_lease() -> None:
 async def raises_in_its_coroutine() -> None:
     await asyncio.sleep(0)
     raise ValueError("raised in the coroutine")
+
+
+#: What `awaits_past_its_time_limit` saw: "cancelled" when its coroutine was cancelled.
+async_time_limit_seen: list[str] = []
+
+
+@task(max_attempts=1, timeout=0.5)
+async def awaits_past_its_time_limit() -> None:
+    """An async handler that awaits for much longer than its time limit."""
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        async_time_limit_seen.append("cancelled")
+        raise

@@ -14,10 +14,16 @@ the coroutine's own result or error as soon as the coroutine returns. The compan
 LEFTOVERS_GRACE seconds to end what the coroutine left. One still busy after that is left to
 linger (counted with the threads abandoned past their time limits, which recycle the worker
 when they pile up: see Worker._turn), and the handler thread's next async job gets a new one.
+
+An attempt past its time limit has its coroutine cancelled (cancel): unlike a thread, a
+coroutine can be stopped, at its next await. One that catches its CancelledError and goes on
+runs on, as a sync handler past its limit does.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
 import logging
 import queue
@@ -41,11 +47,15 @@ logger = logging.getLogger("django_pgjobs.runtime.worker")
 LEFTOVERS_GRACE = 1.0
 
 AsyncFunction = Callable[..., Coroutine[Any, Any, Any]]
-_Work = tuple[AsyncFunction, tuple[Any, ...], dict[str, Any], contextvars.Context, "Future[Any]"]
+_Work = tuple[
+    "Job", AsyncFunction, tuple[Any, ...], dict[str, Any], contextvars.Context, "Future[Any]"
+]
 
 _local = threading.local()  # this handler thread's Awaiter
 _lingering: list[threading.Thread] = []  # companions left with tasks that ignore cancellation
 _lingering_lock = threading.Lock()
+_running: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = {}  # id(job) → its
+_running_lock = threading.Lock()  # coroutine's task, while it runs
 
 
 def awaited(job: Job, func: AsyncFunction, /, *args: Any, **kwargs: Any) -> Any:
@@ -55,7 +65,7 @@ def awaited(job: Job, func: AsyncFunction, /, *args: Any, **kwargs: Any) -> Any:
     if awaiter is None:
         awaiter = _local.awaiter = Awaiter(f"{threading.current_thread().name}-async")
     try:
-        return awaiter.call(func, args, kwargs)
+        return awaiter.call(job, func, args, kwargs)
     finally:
         if not awaiter.settled():
             _local.awaiter = None
@@ -69,6 +79,17 @@ def awaited(job: Job, func: AsyncFunction, /, *args: Any, **kwargs: Any) -> Any:
                 "own (the job's outcome is the handler's)",
                 job.pk, job.task, LEFTOVERS_GRACE,
             )  # fmt: skip
+
+
+def cancel(job: Job) -> None:
+    """Cancel `job`'s coroutine, if its async handler is running: CancelledError is raised in
+    it at its next await (an attempt past its time limit: HandlerPool.time_out)."""
+    with _running_lock:
+        running = _running.get(id(job))
+    if running is not None:
+        loop, task = running
+        with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: it has ended
+            loop.call_soon_threadsafe(task.cancel)
 
 
 def release() -> None:
@@ -95,12 +116,14 @@ class Awaiter:
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
-    def call(self, func: AsyncFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Await `func(*args, **kwargs)` on this companion, in the caller's context (its
-        current_job, its tracing span); the coroutine's value, or what it raised."""
+    def call(
+        self, job: Job, func: AsyncFunction, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Await `func(*args, **kwargs)`, `job`'s handler, on this companion, in the caller's
+        context (its current_job, its tracing span); the coroutine's value, or what it raised."""
         answer: Future[Any] = Future()
         self._idle.clear()
-        self._work.put((func, args, kwargs, contextvars.copy_context(), answer))
+        self._work.put((job, func, args, kwargs, contextvars.copy_context(), answer))
         return answer.result()
 
     def settled(self) -> bool:
@@ -113,10 +136,10 @@ class Awaiter:
     def _serve(self) -> None:
         try:
             while (work := self._work.get()) is not None:
-                func, args, kwargs, context, answer = work
+                job, func, args, kwargs, context, answer = work
                 try:
                     close_old_connections()  # as the handler thread does around each job
-                    context.run(async_to_sync(_answering(func, answer)), *args, **kwargs)
+                    context.run(async_to_sync(_answering(job, func, answer)), *args, **kwargs)
                     close_old_connections()
                 except BaseException as error:  # raised before the coroutine ran, or after:
                     if not answer.done():  # the handler thread's to classify, never to wait on
@@ -127,18 +150,26 @@ class Awaiter:
             connections.close_all()
 
 
-def _answering(func: AsyncFunction, answer: Future[Any]) -> AsyncFunction:
-    """`func`, which puts its value or error in `answer` as soon as it has one (before asyncio
-    ends the tasks it left). The error is not raised again here: the handler thread raises it,
-    and its traceback gets only that thread's frames after the coroutine's, not this
-    companion's too (one exception object raised in two threads collects both's frames)."""
+def _answering(job: Job, func: AsyncFunction, answer: Future[Any]) -> AsyncFunction:
+    """`func`, `job`'s handler, which puts its value or error in `answer` as soon as it has one
+    (before asyncio ends the tasks it left), and which `cancel(job)` cancels while it runs. The
+    error is not raised again here: the handler thread raises it, and its traceback gets only
+    that thread's frames after the coroutine's, not this companion's too (one exception object
+    raised in two threads collects both's frames)."""
 
     async def answering(*args: Any, **kwargs: Any) -> None:
+        task = asyncio.current_task()
+        if task is not None:  # always: async_to_sync runs it as a task
+            with _running_lock:
+                _running[id(job)] = (asyncio.get_running_loop(), task)
         try:
             value = await func(*args, **kwargs)
         except BaseException as error:
             answer.set_exception(error)
         else:
             answer.set_result(value)
+        finally:
+            with _running_lock:
+                _running.pop(id(job), None)
 
     return answering

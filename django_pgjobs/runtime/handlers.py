@@ -84,6 +84,7 @@ class HandlerPool:
         late = self.deadlines.overdue()
         for job in late:
             job.cancel_requested = True  # what cancel_requested() tells the handler
+            awaiting.cancel(job)  # an async one's coroutine can be stopped, at its next await
             self._since.pop(id(job), None)
             self._start_thread()
         return late

@@ -1024,3 +1024,24 @@ def test_a_job_cancelled_while_it_waits_for_a_thread_is_not_started():
         thread.join(15)
     assert not Execution.objects.filter(n=2).exists()
     assert Job.objects.get(pk=slow.pk).status == Status.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_handler_past_its_time_limit_is_cancelled_and_its_thread_ends():
+    # A thread cannot be stopped, a coroutine can: its attempt recorded as timed out, the
+    # coroutine awaited on for its whole minute, and its abandoned handler thread with it.
+    from tests import hostile
+
+    hostile.async_time_limit_seen.clear()
+    job = Job.objects.enqueue("tests.hostile.awaits_past_its_time_limit")
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: Job.objects.get(pk=job.pk).status == Status.FAILED, 10)
+        wait_until(lambda: hostile.async_time_limit_seen == ["cancelled"], 5)
+        wait_until(lambda: worker._handlers.deadlines.abandoned_alive() == 0, 5)
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert Job.objects.get(pk=job.pk).errors[-1]["type"].endswith("JobTimeout")
