@@ -10,21 +10,29 @@ import subprocess
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from django.utils import autoreload
 
 from django_pgjobs.runtime.stopping import STOP_SIGNALS
 
 
-def run(run: Callable[[], int], stoppers: list[Callable[..., None]]) -> int:
+class Stops(Protocol):
+    """What --reload stops: a worker or a supervisor."""
+
+    def stop(self, immediately: bool = False) -> None: ...
+
+    def signalled(self, signum: int) -> None: ...
+
+
+def run(run: Callable[[], int], stoppers: list[Stops]) -> int:
     """Run `run` under Django's autoreloader: a parent process starts a child that runs it and
     watches the Python files, and starts it again when the child exits because one changed.
 
     Django's own parent (run_with_reloader) SIGKILLs its child on SIGTERM, which would leave the
     worker's jobs to their leases; this parent passes stop signals on instead, so the worker
-    stops as it always does. The child stops its worker at once when a file changed, releasing
-    the jobs, before it exits to be restarted. `stoppers` are how to stop what `run` runs."""
+    stops as it always does, and says so. The child stops its worker at once when a file
+    changed, releasing the jobs, before it exits to be restarted. `stoppers`: what `run` runs."""
     if os.environ.get(autoreload.DJANGO_AUTORELOAD_ENV) != "true":
         return _parent()
     reloader = autoreload.get_reloader()
@@ -37,16 +45,16 @@ def run(run: Callable[[], int], stoppers: list[Callable[..., None]]) -> int:
             reloader.stop()  # stopped by a signal: the process ends with it
 
     def stop_at_exit() -> None:  # a file changed: the reloader exits the process
-        for stop in list(stoppers):
-            stop(True)
+        for stopper in list(stoppers):
+            stopper.stop(True)
         for _ in range(100):
             if codes:
                 break
             time.sleep(0.1)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        for stop in list(stoppers):
-            stop()
+        for stopper in list(stoppers):
+            stopper.signalled(signum)
 
     # The worker runs on the reloader's thread; signals arrive on this one.
     for signum in STOP_SIGNALS:

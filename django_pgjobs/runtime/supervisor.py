@@ -122,9 +122,14 @@ class Supervisor:
                 child.process.send_signal(signal.SIGTERM)
         self._wake.set()
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def signalled(self, signum: int) -> None:
+        """A stop signal came: say which, and what it does, then stop(). Safe from a signal
+        handler."""
         said_stop_signal(logger, signum, again=self._stopping > 0, grace=self.grace)
         self.stop()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signalled(signum)
 
     def _kill_children(self) -> None:
         for child in self.children.values():

@@ -470,6 +470,7 @@ def test_sigterm_to_runjobs_reload_lets_the_running_job_finish(runjobs):
     worker.signal(signal.SIGTERM)
     wait_until(lambda: not alive(child), timeout=20)
     assert "stopped" in worker.log()
+    assert "SIGTERM: stopping; running jobs get" in worker.log()  # as without --reload
     assert Job.objects.get(pk=job.pk).status == Status.SUCCEEDED
 
 

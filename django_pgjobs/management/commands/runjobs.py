@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 from argparse import SUPPRESS, ArgumentParser, ArgumentTypeError
-from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +91,7 @@ def _grace(value: str) -> float:
 
 
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
-_stoppers: list[Callable[..., None]] = []
+_stoppers: list[reloading.Stops] = []
 
 
 class Command(BaseCommand):
@@ -272,11 +271,11 @@ class Command(BaseCommand):
             who = f"the workers of supervisor {os.getpid()}"
             served.warn(router.db_for_write(Job), queues, who)
             supervisor = Supervisor(options["processes"], _child_args(options), options["grace"])
-            _stoppers.append(supervisor.stop)
+            _stoppers.append(supervisor)
             try:
                 return supervisor.run()
             finally:
-                _stoppers.remove(supervisor.stop)
+                _stoppers.remove(supervisor)
         if options["metrics_port"]:
             _serve_metrics(options["metrics_port"], options["metrics_addr"])
         worker = _worker(
@@ -304,13 +303,13 @@ class Command(BaseCommand):
         # the reloader passes signals on, see runtime/reloading.py).
         main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS} if main else {}
-        _stoppers.append(worker.stop)
+        _stoppers.append(worker)
         try:
             return int(worker.run())
         except WorkerError as error:
             raise CommandError(str(error)) from None
         finally:
-            _stoppers.remove(worker.stop)
+            _stoppers.remove(worker)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
