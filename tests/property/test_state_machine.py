@@ -1,8 +1,10 @@
 """Random runs of the job transitions on the real database, checked against a plain model.
 
 A Hypothesis state machine enqueues, claims, heartbeats, completes, fails, retries, releases,
-reaps, cancels, replays and prunes jobs through ``Job.objects``, and after every step compares
-the table with a model of the state machine in ``django_pgjobs.status`` kept in dicts.
+reaps, abandons (a supervisor's take-back), cancels, replays and prunes jobs through
+``Job.objects``, and runs a worker's turns (its outcomes and a claim in one statement,
+``settle_and_claim``, the worker's own path), and after every step compares the table with a
+model of the state machine in ``django_pgjobs.status`` kept in dicts.
 
 Every claim ``claim()`` returned is kept, including the ones that no longer hold their job (the
 lease ran out and the job was reaped, finished, given back, claimed again, replayed): a write
@@ -39,7 +41,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from django_pgjobs.data.records import Failure
+from django_pgjobs.data.records import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.status import FINISHED, LIVE, Status
 from tests import tasks
@@ -49,6 +51,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 WORKERS = ("w1", "w2")
 UNIQUE_KEYS = (None, "k1", "k2")
+#: How a turn (settle_and_claim) records a finished job: succeeded, failed (retried while
+#: attempts remain), failed permanently (a dead letter).
+OUTCOMES = ("succeeded", "failed", "dead")
 # Leases long enough that only the machine's own expiry ends them.
 LEASE = 300.0
 RUNS = hypothesis.settings(
@@ -193,6 +198,17 @@ class Model:
         job.attempts -= 1
         self._end_attempt(claim, Status.READY, due_now=due_now)
         return True
+
+    def abandon(self, worker: str) -> tuple[int, int]:
+        """Every running job `worker` holds is taken back (its supervisor saw it die): reap's
+        (returned to ready, failed)."""
+        held = [
+            pk
+            for pk, job in self.jobs.items()
+            if job.status == Status.RUNNING and job.holder and job.holder.job.worker == worker
+        ]
+        taken = [self.reap(pk) for pk in held]
+        return sum(ready for ready, _ in taken), sum(failed for _, failed in taken)
 
     def reap(self, pk: UUID) -> tuple[int, int]:
         """The lease of `pk` (alone) expired: reap's (returned to ready, failed)."""
@@ -340,6 +356,9 @@ class JobTransitions(RuleBasedStateMachine):
         claimed = Job.objects.claim(["default"], worker=worker, limit=limit, lease=LEASE)
         expected = self.model.claim(limit)
         assert [job.pk for job in claimed] == expected, "claim took other jobs than the oldest"
+        return self.record_claims(worker, claimed)
+
+    def record_claims(self, worker: str, claimed: list[Job]) -> Any:
         new = [Claim(job, next(self.claim_numbers)) for job in claimed]
         for claim in new:
             model_job = self.model.jobs[claim.job.pk]
@@ -381,6 +400,48 @@ class JobTransitions(RuleBasedStateMachine):
         released = claim.job.pk in Job.objects.release([claim.job])
         expected = self.model.give_back(claim, due_now=False)
         self.check_write("release", claim, held, released, expected)
+
+    @rule(
+        target=claims,
+        worker=st.sampled_from(WORKERS),
+        outcomes=st.lists(st.tuples(claims, st.sampled_from(OUTCOMES)), max_size=4),
+        limit=st.integers(0, 3),
+    )
+    def settle_and_claim(self, worker: str, outcomes: list[tuple[Claim, str]], limit: int) -> Any:
+        """A worker's turn: its finished jobs' outcomes and a new claim, in one statement."""
+        mine = {id(claim): (claim, outcome) for claim, outcome in outcomes}  # once each
+        mine = {key: item for key, item in mine.items() if item[0].job.worker == worker}
+        held = {id(claim): self.model.holds(claim) for claim, _ in mine.values()}
+        succeeded = [claim for claim, outcome in mine.values() if outcome == "succeeded"]
+        failed = [(claim, outcome) for claim, outcome in mine.values() if outcome != "succeeded"]
+        settled = Job.objects.settle_and_claim(
+            [claim.job for claim in succeeded],
+            [
+                FailedAttempt(claim.job, Failure("RuntimeError", "boom"), outcome == "dead", 0)
+                for claim, outcome in failed
+            ],
+            ["default"],
+            worker=worker,
+            limit=limit,
+            lease=LEASE,
+        )
+        # One statement, one snapshot: what its outcomes return to ready is not claimed by it.
+        expected_claims = self.model.claim(limit)
+        for claim in succeeded:
+            accepted = claim.job.pk in settled.succeeded
+            self.check_write("a turn's completion", claim, held[id(claim)], accepted, True)
+            assert accepted == self.model.complete(claim)
+        for claim, outcome in failed:
+            status = settled.failed.get(claim.job.pk)
+            expected = self.model.fail(claim, permanent=outcome == "dead")
+            self.check_write("a turn's failure", claim, held[id(claim)], status, expected)
+        assert [job.pk for job in settled.claimed] == expected_claims, "a turn's claim"
+        return self.record_claims(worker, settled.claimed)
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def abandon(self, worker: str) -> None:
+        """The supervisor saw `worker`'s process die: every job it holds is taken back."""
+        assert Job.objects.abandon(worker, "died") == self.model.abandon(worker)
 
     @rule(claim=claims)
     def expire_the_lease_and_reap(self, claim: Claim) -> None:
