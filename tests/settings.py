@@ -50,6 +50,10 @@ DATABASES = {"default": database_config()}
 # name), and what Django needs behind PgBouncer in transaction pooling mode.
 if os.environ.get("PGJOBS_CHAOS"):
     DATABASES["default"].setdefault("OPTIONS", {})["application_name"] = f"chaos:{os.getpid()}"
+if os.environ.get("PGJOBS_TCP_USER_TIMEOUT"):  # the frozen-worker chaos test's, in milliseconds
+    DATABASES["default"].setdefault("OPTIONS", {})["tcp_user_timeout"] = int(
+        os.environ["PGJOBS_TCP_USER_TIMEOUT"]
+    )
 if os.environ.get("PGJOBS_PGBOUNCER"):
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 try:  # Django's Tasks framework: built in from Django 6, else the django-tasks backport

@@ -12,7 +12,7 @@ from typing import Any
 from django.db import connections
 
 from django_pgjobs.data.wakeups import CHANNEL
-from django_pgjobs.runtime import policy
+from django_pgjobs.runtime import locks, policy
 from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,9 @@ def listen(
             connection: Any = wrapper.get_new_connection(params)
             try:
                 connection.autocommit = True
+                # Frozen, this process would hold back the server's notification queue.
+                timeout = locks.user_timeout(db)
+                connection.execute("SELECT set_config('tcp_user_timeout', %s, false)", [timeout])
                 connection.execute(f"LISTEN {CHANNEL}")
                 on_connect()
                 failures = 0

@@ -1,10 +1,10 @@
 """The session settings of the worker's own connections (its main thread's and lease keeper's;
 handlers' connections are left alone): a lock_timeout, so that no statement of the worker's own
-waits long on a lock held elsewhere, and an idle_in_transaction_session_timeout, so that no lock
-of its own outlives a stopped process for long; an application_name that says whose they are in
-pg_stat_activity; synchronous_commit off unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]; and
-prepared statements for what they run again and again. And the TCP keepalives of every
-connection a worker process makes (KEEPALIVES)."""
+waits long on a lock held elsewhere; an idle_in_transaction_session_timeout and the server's
+tcp_user_timeout (user_timeout), so that no lock of its own outlives a stopped process for
+long; an application_name that says whose they are in pg_stat_activity; synchronous_commit off
+unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]; and prepared statements for what they run again and
+again. And the TCP keepalives of every connection a worker process makes (KEEPALIVES)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,19 @@ KEEPALIVES = {
     "keepalives_count": 3,
     "tcp_user_timeout": 20_000,  # milliseconds: data sent and not acknowledged
 }
+
+
+def user_timeout(db: str) -> str:
+    """The server's TCP_USER_TIMEOUT for the worker's own sessions (milliseconds): the client's
+    (KEEPALIVES, or the project's OPTIONS). A process that stops reading (SIGSTOP, a paused
+    container or VM) while the server sends it more than the sockets' buffers hold (a claim's
+    big payloads, the listener's wake-ups) leaves its backend waiting inside the statement,
+    where neither statement_timeout nor idle_in_transaction_session_timeout reaches: a claim's
+    rows locked, every other worker's claim skipping them, or PostgreSQL's notification queue
+    held back (once full, every enqueue that notifies fails). The server then ends the session
+    (TCP only: a Unix socket has no such timeout)."""
+    options = connections[db].settings_dict.get("OPTIONS", {})
+    return str(int(options.get("tcp_user_timeout", KEEPALIVES["tcp_user_timeout"])))
 
 
 def keep_alive(db: str) -> bool:
@@ -132,6 +145,7 @@ class LockWaits:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %(lock_timeout)s, false), "
                 "set_config('idle_in_transaction_session_timeout', %(idle)s, false), "
+                "set_config('tcp_user_timeout', %(user_timeout)s, false), "
                 "set_config('application_name', %(name)s, false), "
                 "set_config('synchronous_commit', %(synchronous_commit)s, false), "
                 "set_config('plan_cache_mode', CASE WHEN %(prepare)s THEN 'force_generic_plan' "
@@ -142,6 +156,7 @@ class LockWaits:
                 {
                     "lock_timeout": LOCK_TIMEOUT,
                     "idle": IDLE_IN_TRANSACTION,
+                    "user_timeout": user_timeout(self.db),
                     "name": self.name,
                     "synchronous_commit": "on" if durable else "off",
                     "prepare": prepare,

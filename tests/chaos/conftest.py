@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -15,14 +16,18 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, connections
+from django.db.backends.postgresql.base import DatabaseWrapper
 
 from tests.chaos.checker import Checker, Report
-from tests.chaos.servers import Bouncer
+from tests.chaos.servers import Bouncer, Cluster
 from tests.conftest import connection_kwargs, wait_until
-from tests.crash.conftest import WorkerProcess
+from tests.crash.conftest import ROOT, WorkerProcess
 
 REPORTS: list[Report] = []
+
+#: The database alias of the `cluster` fixture's server in the test's process.
+ALIAS = "chaos_cluster"
 
 
 class Size:
@@ -172,3 +177,32 @@ def bouncer() -> Iterator[Bouncer]:
     instance.start()
     yield instance
     instance.stop()
+
+
+@pytest.fixture
+def cluster(transactional_db: None) -> Iterator[Cluster]:
+    """A migrated throwaway cluster (on 127.0.0.1: TCP), also reachable from this process as the
+    ALIAS database alias (for the driver's enqueues)."""
+    instance = Cluster()
+    try:
+        instance.start()
+        env = {**os.environ, "DATABASE_URL": instance.url(), "PGJOBS_TEST_DATABASE": ""}
+        migrate = ["manage.py", "migrate", "--run-syncdb", "--settings", "tests.settings"]
+        subprocess.run(
+            [sys.executable, *migrate], cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE
+        )
+        # A connection made here rather than declared in DATABASES (Django's test case allows
+        # those): it lives as long as the cluster.
+        settings = {
+            **connections["default"].settings_dict,
+            "NAME": "chaos", "USER": "postgres", "PASSWORD": "", "HOST": "127.0.0.1",
+            "PORT": str(instance.port),
+        }  # fmt: skip
+        connections[ALIAS] = DatabaseWrapper(settings, alias=ALIAS)
+        yield instance
+    finally:
+        if hasattr(connections._connections, ALIAS):
+            connections[ALIAS].close()
+            del connections[ALIAS]
+        sys.stderr.write(f"--- postgres log ---\n{instance.log()[-3000:]}\n")
+        instance.stop()

@@ -3,52 +3,17 @@ throwaway cluster the test starts itself. The workers ride it out and finish eve
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
-from subprocess import PIPE
+from collections.abc import Callable
 
 import pytest
-from django.db import connections
-from django.db.backends.postgresql.base import DatabaseWrapper
 
 from tests.chaos.checker import Checker, Driver, drive
-from tests.chaos.conftest import Size, Workers, worker_args
+from tests.chaos.conftest import ALIAS, Size, Workers, worker_args
 from tests.chaos.servers import Cluster
-from tests.crash.conftest import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ALIAS = "chaos_cluster"
 CONCURRENCY = 4
-
-
-@pytest.fixture
-def cluster(transactional_db: None) -> Iterator[Cluster]:
-    """A migrated throwaway cluster, also reachable from this process as the `chaos_cluster`
-    database alias (for the driver's enqueues)."""
-    instance = Cluster()
-    try:
-        instance.start()
-        env = {**os.environ, "DATABASE_URL": instance.url(), "PGJOBS_TEST_DATABASE": ""}
-        migrate = ["manage.py", "migrate", "--run-syncdb", "--settings", "tests.settings"]
-        subprocess.run([sys.executable, *migrate], cwd=ROOT, env=env, check=True, stdout=PIPE)
-        # A connection made here rather than declared in DATABASES (Django's test case allows
-        # those): it lives as long as the cluster.
-        settings = {
-            **connections["default"].settings_dict,
-            "NAME": "chaos", "USER": "postgres", "PASSWORD": "", "HOST": "127.0.0.1",
-            "PORT": str(instance.port),
-        }  # fmt: skip
-        connections[ALIAS] = DatabaseWrapper(settings, alias=ALIAS)
-        yield instance
-    finally:
-        if hasattr(connections._connections, ALIAS):
-            connections[ALIAS].close()
-            del connections[ALIAS]
-        sys.stderr.write(f"--- postgres log ---\n{instance.log()[-3000:]}\n")
-        instance.stop()
 
 
 def test_workers_survive_fast_and_immediate_restarts_and_finish_every_job(
