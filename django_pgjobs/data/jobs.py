@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -383,20 +383,41 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     # ---- the outbox of NATS queues (transports.py) -----------------------------------------
 
     def relay(
-        self, queues: Sequence[str], *, limit: int, publish: Callable[[list[Job]], None]
+        self,
+        queues: Sequence[str],
+        *,
+        limit: int,
+        publish: Callable[[list[Job]], Collection[UUID] | None],
     ) -> list[Job]:
         """Take up to `limit` due rows of each of `queues` (outbox entries of NATS queues), in
-        claim order, and hand them to `publish`, which returns once the stream acknowledged
-        every one. The rows are deleted in the same transaction (sql.RELAY): it commits when
-        `publish` returns and rolls back when it raises, leaving the rows for the next try."""
+        claim order, locked, and hand them to `publish`, which returns the ids of those done
+        with (their messages acknowledged by the stream, or refused: see refuse_relayed), or
+        None for every one. Those rows are deleted in the same transaction (sql.RELAYED); the
+        others stay, due again at the next round. It commits when `publish` returns and rolls
+        back when it raises, leaving every row. Returns the jobs done with."""
         db = self._write_db()
         params = {"queues": list(queues), "limit": limit}
         with transaction.atomic(using=db):
             jobs = rows.load_jobs(self.model, db, rows.execute(db, sql.RELAY, params, True))
             jobs.sort(key=lambda job: (-job.priority, job.run_at, job.id))
+            if not jobs:
+                return []
+            done = publish(jobs)
+            if done is not None:
+                jobs = [job for job in jobs if job.pk in done]
             if jobs:
-                publish(jobs)
+                rows.execute(db, sql.RELAYED, {"ids": [job.pk for job in jobs]})
         return jobs
+
+    def refuse_relayed(self, job: Job, failure: Failure) -> None:
+        """The outbox row of `job`, locked by a relay's round (`relay`), becomes a dead letter
+        recording `failure` as an attempt, held by `job.worker`: its message cannot be
+        published."""
+        db = self._write_db()
+        with transaction.atomic(using=db):
+            rows.execute(db, sql.RELAYED, {"ids": [job.pk]})
+            job.attempts, job.claims = job.attempts + 1, job.claims + 1
+            self.write_back(job, failure, permanent=True, delay=0)
 
     def write_back(self, job: Job, failure: Failure, *, permanent: bool, delay: float) -> str:
         """Record a failed attempt of `job`, run from NATS by `job.worker` (an unsaved Job

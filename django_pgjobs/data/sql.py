@@ -501,12 +501,12 @@ def errors_kept(count: int) -> str:
 
 # The relay's claim: due rows of the NATS queues, taken per queue as the worker's claim takes
 # them (both indexes, SKIP LOCKED, so several relays never wait for each other or take the
-# same row), and deleted. The relay runs this in a transaction it commits only once the stream
-# has acknowledged every row's message: until then the rows are locked, and if the relay dies
-# or a publish fails, the transaction rolls back and the rows are due again (JetStream drops
-# the second publish of a message id within its duplicate window).
+# same row), and locked until the round's transaction ends. Only the rows whose messages the
+# stream acknowledged are deleted (RELAYED, in the same transaction): the others stay, due
+# again at the next round (JetStream drops the second publish of a message id within its
+# duplicate window), and a relay that dies before its commit leaves every row.
 RELAY = f"""
-    DELETE FROM pgjobs_job AS j
+    SELECT {_CLAIMED} FROM pgjobs_job AS j
     WHERE j.id = ANY (ARRAY(
         SELECT d.id
         FROM unnest(%(queues)s::text[]) AS q(name)
@@ -530,7 +530,12 @@ RELAY = f"""
             FOR UPDATE SKIP LOCKED
         ) AS s
     )) AND j.status = 'ready'
-    RETURNING {_CLAIMED}
+"""
+
+# The outbox rows a relay round is done with (their messages stored by the stream, or the job
+# refused), among those it locked (RELAY).
+RELAYED = """
+    DELETE FROM pgjobs_job WHERE id = ANY (%(ids)s::uuid[]) AND status = 'ready' RETURNING id
 """
 
 # A job run from NATS whose attempt failed comes back as a running row held by the consumer,

@@ -69,18 +69,29 @@ class Bridge:
     def publish(self, messages: Sequence[Outgoing]) -> None:
         """Publish every message and wait until the stream acknowledged each one; raises the
         first error (then some may have been stored: their ids make a new try harmless)."""
+        for outcome in self.publish_each(messages):
+            if outcome is not None:
+                raise outcome
+
+    def publish_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Publish every message at once and wait for the stream's acknowledgements; returns,
+        for each in order, None when the stream acknowledged it (stored, or a duplicate of
+        its message id) or the error that came instead (it may have been stored all the
+        same: only its message id makes a second publish harmless)."""
         js, timeout = self.js, self.servers.publish_timeout
 
-        async def publish_all() -> None:
+        async def publish_all() -> list[Exception | None]:
             sent = [
                 js.publish(subject, body, timeout=timeout, headers=headers)
                 for subject, body, headers in messages
             ]
-            for outcome in await asyncio.gather(*sent, return_exceptions=True):
-                if isinstance(outcome, BaseException):
+            outcomes = await asyncio.gather(*sent, return_exceptions=True)
+            for outcome in outcomes:  # a cancellation or an interrupt is not a refusal
+                if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
                     raise outcome
+            return [outcome if isinstance(outcome, Exception) else None for outcome in outcomes]
 
-        self.call(publish_all(), timeout)
+        return self.call(publish_all(), timeout)
 
     def fetch(self, subscription: Any, batch: int, timeout: float) -> list[Msg]:
         """Up to `batch` messages of a pull subscription, waiting up to `timeout` for the
