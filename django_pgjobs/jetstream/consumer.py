@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from django.db import DatabaseError, connections, router
 from nats.aio.msg import Msg
@@ -86,6 +87,7 @@ class NatsWorker(Stoppable):
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
         self._fetched_nothing = False
         self._gone: set[str] = set()  # queues whose consumer was found gone (_read_consumers)
+        self._ack_floors: dict[str, int] = {}  # by queue: its consumer's, as last read
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._recorded = 0  # outcomes answered, for --max-jobs-per-child
         self._exit = Exit.OK
@@ -208,12 +210,37 @@ class NatsWorker(Stoppable):
             self._subscriptions.pop(queue.queue, None)  # made and bound again here
         subscription = self._subscriptions.get(queue.queue)
         if subscription is None:
-            streams.ensure_stream(self.bridge, queue)
-            subscription = streams.ensure_consumer(
-                self.bridge, queue, self.lease, self._max_ack_pending(queue)
+            stream = streams.ensure_stream(self.bridge, queue)
+            floor = self._ack_floors.get(queue.queue)
+            subscription, made = streams.ensure_consumer(
+                self.bridge, queue, self.lease, self._max_ack_pending(queue), resume_after=floor
             )
+            if made is not None:
+                self._say_made(queue, stream, floor)
             self._subscriptions[queue.queue] = subscription
         return subscription
+
+    def _say_made(self, queue: NatsQueue, stream: Any, floor: int | None) -> None:
+        """Say that the queue's consumer had to be made, and which messages it delivers."""
+        state = stream.state
+        if floor is not None:
+            quietly(
+                logger.warning,
+                "worker %s: made the consumer %s of queue %r again, delivering from stream "
+                "sequence %d on (after the last one it had acknowledged in order, as this "
+                "worker last read it): a job acknowledged after that runs again",
+                self.id, queue.consumer, queue.queue, floor + 1,
+            )  # fmt: skip
+        elif state.messages:
+            quietly(
+                logger.warning,
+                "worker %s: the consumer %s of queue %r did not exist: made, it delivers every "
+                "message the stream %s holds (%d, sequences %d to %d). If the queue ran on "
+                "NATS before and its consumer was deleted, the jobs among them that ran run "
+                "again (docs/explanation/graduating.md)",
+                self.id, queue.consumer, queue.queue, queue.stream, state.messages,
+                state.first_seq, state.last_seq,
+            )  # fmt: skip
 
     def _max_ack_pending(self, queue: NatsQueue) -> int:
         """The queue's max_running (a Queue row) when set: across every worker, as many
@@ -323,6 +350,8 @@ class NatsWorker(Stoppable):
                     "lost its storage); making it again", self.id, queue.consumer, queue.queue,
                 )  # fmt: skip
                 continue
+            if info.ack_floor is not None:  # where a consumer made again starts (_subscription)
+                self._ack_floors[queue.queue] = info.ack_floor.stream_seq
             waits.append(float(info.config.ack_wait or self.lease))
         shortest = min(waits)
         if shortest < self.lease and shortest != last:

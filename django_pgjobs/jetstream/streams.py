@@ -39,19 +39,42 @@ def consumer_config(queue: NatsQueue, ack_wait: float, max_ack_pending: int) -> 
     )
 
 
-def ensure_stream(bridge: Bridge, queue: NatsQueue) -> None:
-    """Create the queue's stream, or bring it to the settings."""
+def ensure_stream(bridge: Bridge, queue: NatsQueue) -> api.StreamInfo:
+    """Create the queue's stream, or bring it to the settings; returns it as the server has it."""
     js, config = bridge.js, stream_config(queue)
     try:
         bridge.call(js.stream_info(queue.stream))
     except NotFoundError:
-        bridge.call(js.add_stream(config))
-    else:
-        bridge.call(js.update_stream(config))
+        return bridge.call(js.add_stream(config))
+    return bridge.call(js.update_stream(config))
 
 
-def ensure_consumer(bridge: Bridge, queue: NatsQueue, ack_wait: float, max_ack_pending: int) -> Any:
-    """Create or update the queue's durable consumer; returns a pull subscription bound to it."""
-    js = bridge.js
-    bridge.call(js.add_consumer(queue.stream, consumer_config(queue, ack_wait, max_ack_pending)))
-    return bridge.call(js.pull_subscribe_bind(queue.consumer, stream=queue.stream))
+def ensure_consumer(
+    bridge: Bridge,
+    queue: NatsQueue,
+    ack_wait: float,
+    max_ack_pending: int,
+    resume_after: int | None = None,
+) -> tuple[Any, api.ConsumerConfig | None]:
+    """Create or update the queue's durable consumer; returns a pull subscription bound to it,
+    and the config it was made with when it had to be made (None: it existed).
+
+    An existing consumer keeps where it started (the server refuses to change it). One made
+    starts after stream sequence `resume_after` when given (the last ack floor known of a
+    consumer that went away: what it had acknowledged does not run again), else at the
+    stream's first message (deliver_policy all)."""
+    js, config = bridge.js, consumer_config(queue, ack_wait, max_ack_pending)
+    try:
+        existing = bridge.call(js.consumer_info(queue.stream, queue.consumer)).config
+    except NotFoundError:
+        existing = None
+    if existing is not None:
+        config.deliver_policy = existing.deliver_policy
+        config.opt_start_seq = existing.opt_start_seq
+        config.opt_start_time = existing.opt_start_time
+    elif resume_after is not None:
+        config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
+        config.opt_start_seq = resume_after + 1
+    bridge.call(js.add_consumer(queue.stream, config))
+    subscription = bridge.call(js.pull_subscribe_bind(queue.consumer, stream=queue.stream))
+    return subscription, None if existing is not None else config

@@ -71,6 +71,13 @@ def nats_queue(settings: Any, **extra: Any) -> Iterator[str]:
                 _bridges.pop().close()
 
 
+@pytest.fixture
+def queue(settings: Any) -> Iterator[str]:
+    """A queue carried by NATS for one test (nats_queue): its name."""
+    with nats_queue(settings) as name:
+        yield name
+
+
 def relay(batch: int = 500) -> Relay:
     """A relay of every NATS queue, on the test's connection."""
     return Relay(

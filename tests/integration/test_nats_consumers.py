@@ -1,0 +1,86 @@
+"""A queue's durable consumer made by a worker, against a real nats-server: at start-up, and
+again after it went away while the worker ran."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from django_pgjobs import transports
+from django_pgjobs.jetstream.acknowledging import ACK_WAIT_CHECK
+from django_pgjobs.models import Job
+from tests import tasks
+from tests.conftest import wait_until
+from tests.integration.nats_helpers import (
+    WorkerThread,
+    bridge,
+    consumer_info,
+    nats,
+    queue,
+    relay,
+)
+from tests.models import ChaosExecution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+__all__ = ["queue"]  # a fixture
+
+
+def test_a_consumer_deleted_while_a_worker_runs_is_made_again_after_what_it_acknowledged(
+    queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: it was made again delivering every message of the stream, and under the
+    # default "limits" retention every job of the last MAX_AGE (7 days) ran again.
+    first = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(5)], queue=queue)
+    relay().round()
+    reader, stream = bridge(), transports.nats_queues()[queue]
+    with caplog.at_level(logging.WARNING, "django_pgjobs"), WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.count() >= 5, timeout=30)
+        wait_until(lambda: consumer_info(reader, queue).ack_floor.stream_seq == 5, timeout=10)
+        time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer again meanwhile
+        reader.call(reader.js.delete_consumer(stream.stream, stream.consumer))
+        wait_until(lambda: consumer_info(reader, queue) is not None, timeout=10)
+        second = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(2)], queue=queue)
+        relay().round()
+        wait_until(lambda: ChaosExecution.objects.count() >= 7, timeout=30)
+        wait_until(lambda: consumer_info(reader, queue).num_ack_pending == 0, timeout=10)
+    runs = sorted(ChaosExecution.objects.values_list("job_id", flat=True))
+    assert runs == sorted(job.pk for job in [*first, *second])  # each once
+    assert consumer_info(reader, queue).config.opt_start_seq == 6
+    said = [r.getMessage() for r in caplog.records if "made the consumer" in r.getMessage()]
+    assert len(said) == 1 and "from stream sequence 6 on" in said[0]
+
+
+def test_a_worker_that_finds_no_consumer_on_a_stream_holding_messages_says_it_delivers_them(
+    queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A first graduation (relayed before any worker started) and a consumer deleted while no
+    # worker ran look the same: every message is delivered, and that is said.
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
+    relay().round()
+    with caplog.at_level(logging.WARNING, "django_pgjobs"), WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.count() >= 3, timeout=30)
+    said = [r.getMessage() for r in caplog.records if "did not exist" in r.getMessage()]
+    assert len(said) == 1 and "(3, sequences 1 to 3)" in said[0]
+
+
+def test_a_worker_keeps_where_an_existing_consumer_starts(queue: str) -> None:
+    # The server refuses to change a consumer's deliver policy: a worker starting on a
+    # consumer made from a sequence (by a worker, or by hand as graduating.md says) must update
+    # it as it is, not fail at every turn.
+    from django_pgjobs.jetstream import streams
+
+    jobs = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
+    relay().round()
+    nats_queue_ = transports.nats_queues()[queue]
+    made = bridge()
+    config = streams.consumer_config(nats_queue_, 30.0, 10)
+    config.deliver_policy, config.opt_start_seq = nats.js.api.DeliverPolicy.BY_START_SEQUENCE, 3
+    made.call(made.js.add_consumer(nats_queue_.stream, config))
+    with WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+        wait_until(lambda: consumer_info(made, queue).num_ack_pending == 0, timeout=10)
+    assert list(ChaosExecution.objects.values_list("job_id", flat=True)) == [jobs[2].pk]
+    assert consumer_info(made, queue).config.opt_start_seq == 3
