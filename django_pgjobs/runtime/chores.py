@@ -8,6 +8,7 @@ the lease keeper, which has a thread of its own (runtime/leases.py).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -52,6 +53,7 @@ class Chore:
             if _connection_lost(error):
                 raise  # the worker's outage (runtime/outages.py)
             self.failures += 1
+            self.failed()
             wait = policy.outage_pause(self.failures)
             name, first = type(self).__name__, _first_line(error)
             if self.failures == 1:
@@ -73,10 +75,18 @@ class Chore:
     def run(self) -> float:
         raise NotImplementedError
 
+    def failed(self) -> None:
+        """`run()` raised (and was logged)."""
+
 
 class Reaper(Chore):
     """Returns jobs whose lease expired (any worker's but those of `running()`, this worker's
-    own running claims) to ready, or to the dead letters."""
+    own running claims) to ready, or to the dead letters.
+
+    Not while the worker's own statements fail (trouble(), its own failures), nor for
+    policy.REAP_RECOVERY seconds after they work again (calm()): whatever held them up (an
+    outage, a lock on the job table) held up every worker's heartbeats too, and the leases that
+    ran out meanwhile are those of live workers until their keepers have had time to renew."""
 
     def __init__(
         self,
@@ -87,8 +97,28 @@ class Reaper(Chore):
     ) -> None:
         super().__init__()
         self.jobs, self.interval, self.on_reaped, self.running = jobs, interval, on_reaped, running
+        self._troubled = False
+        self._calm_at = -math.inf  # when the worker's statements last worked again
+
+    def trouble(self) -> None:
+        """The worker's statements fail (a turn, this chore)."""
+        self._troubled = True
+
+    def calm(self) -> None:
+        """The worker's statements work (a turn that reached the database)."""
+        if self._troubled:
+            self._troubled = False
+            self._calm_at = time.monotonic()
+
+    def failed(self) -> None:
+        self.trouble()
 
     def run(self) -> float:
+        if self._troubled:
+            return self.interval
+        recovering = self._calm_at + policy.REAP_RECOVERY - time.monotonic()
+        if recovering > 0:
+            return recovering
         returned, failed = self.jobs.reap(sparing=self.running())
         if returned or failed:
             quietly(

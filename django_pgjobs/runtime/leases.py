@@ -30,10 +30,12 @@ logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL = 1.0
 
 #: After a failed round the keeper waits this long before the next, twice as long after each
-#: further failure, up to lease/6: at least two more tries still fit inside the shortest lease,
-#: and a database that refuses (a failover's read-only primary, a bad password) is not hammered
-#: with a reconnect for every try.
+#: further failure, up to lease/6 and RETRY_PAUSE_MAX: at least two more tries still fit inside
+#: the shortest lease, a database that refuses (a failover's read-only primary, a bad password)
+#: is not hammered with a reconnect for every try, and once the trouble is over every live
+#: keeper renews its leases within policy.REAP_RECOVERY, before any worker takes them back.
 RETRY_PAUSE = 0.5
+RETRY_PAUSE_MAX = 5.0
 
 #: While its rounds keep failing, the keeper says so at most this often (and when they work
 #: again), not at every try.
@@ -179,7 +181,7 @@ class LeaseKeeper:
 
     def retry_pause(self, failures: int) -> float:
         """How long to wait for the next round after `failures` failed rounds in a row."""
-        return policy.doubling(RETRY_PAUSE, failures, self._interval / 2)
+        return policy.doubling(RETRY_PAUSE, failures, min(self._interval / 2, RETRY_PAUSE_MAX))
 
     def _keep(self) -> None:
         try:

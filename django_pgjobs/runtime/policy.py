@@ -24,6 +24,14 @@ HELD_UP = 1.0
 #: The longest pause between tries while the database is unreachable.
 OUTAGE_BACKOFF_MAX = 30.0
 
+#: How long after its own statements work again (after an outage, or a lock on the job table:
+#: VACUUM FULL, a table-rewriting ALTER TABLE) a worker takes back no expired lease. The same
+#: trouble held up every worker's heartbeats, so leases ran out under live handlers; the lease
+#: keepers renew them once they get through, each within its statement's lock_timeout plus its
+#: retry pause (5 s at most each, runtime/locks.py and runtime/leases.py). A reaper that got
+#: through first took back the jobs of every other worker: run twice, their outcomes refused.
+REAP_RECOVERY = 15.0
+
 
 def grace_left(grace: float, deadline: float) -> float:
     """What is left of a stop's grace period ending at `deadline` (monotonic; all of it when

@@ -66,10 +66,8 @@ class Worker(Stoppable):
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._last_claim_empty = False
         self.controls = QueueControls(options.queues, options.controls_interval)
-        self._chores: list[Chore] = [
-            Reaper(self.jobs, options.reap_interval, self.poll_now, self.running_claims),
-            Promoter(self.jobs, options.promote_interval),
-        ]
+        self._reaper = Reaper(self.jobs, options.reap_interval, self.poll_now, self.running_claims)
+        self._chores: list[Chore] = [self._reaper, Promoter(self.jobs, options.promote_interval)]
         if not options.once:
             self._chores += [
                 Pruner(self.jobs, options.prune_interval),
@@ -125,7 +123,10 @@ class Worker(Stoppable):
                 # slots busy, or stopping) ran no statement on the connection closed below.
                 if connections[self.db].connection is not None:
                     outage.over()
+                    self._reaper.calm()
             except Exception as error:  # the database, or a bug (outages.py): pause, try again
+                if isinstance(error, DatabaseError):
+                    self._reaper.trouble()
                 if options.once:
                     self._shutdown()
                     if not isinstance(error, DatabaseError):

@@ -1,0 +1,71 @@
+"""A lock on the whole job table (VACUUM FULL, CLUSTER, a table-rewriting ALTER TABLE) held
+past the lease: every worker's heartbeats wait behind it, so leases run out under live
+handlers; the first reaper through when it goes must not take them back from live workers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from django_pgjobs.models import Job
+from django_pgjobs.runtime import locks, policy
+from django_pgjobs.runtime.worker import Options, Worker
+from django_pgjobs.status import Status
+from tests.conftest import connection_kwargs, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+#: Shortened for the test: the worker's lock_timeout, and how long it reaps nothing after its
+#: statements work again.
+LOCK_TIMEOUT = "300ms"
+RECOVERY = 4.0
+#: When the live worker's lease keeper, in its retry pause as the lock went, renews.
+KEEPER_BACK_AFTER = 2.5
+
+
+def waiting_on_the_lock() -> bool:
+    """Whether one of the worker's own sessions waits for the lock (read from a session of its
+    own: pg_stat_activity holds still within a transaction)."""
+    with psycopg.connect(**connection_kwargs(), autocommit=True) as session:
+        return session.execute(
+            "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND application_name LIKE 'pgjobs worker%%')"
+        ).fetchone()[0]
+
+
+def test_after_a_table_lock_a_worker_lets_live_workers_renew_before_it_reaps(
+    other_connection, monkeypatch
+):
+    monkeypatch.setattr(locks, "LOCK_TIMEOUT", LOCK_TIMEOUT)
+    monkeypatch.setattr(policy, "REAP_RECOVERY", RECOVERY, raising=False)
+    for _ in range(2):
+        Job.objects.enqueue("tests.tasks.noop")
+    (live,) = Job.objects.claim(["default"], worker="live-worker", limit=1, lease=30)
+    (dead,) = Job.objects.claim(["default"], worker="dead-worker", limit=1, lease=30)
+    # Both leases ran out while the table was locked: no keeper could renew.
+    other_connection.execute("UPDATE pgjobs_job SET leased_until = now() - interval '1 second'")
+    other_connection.execute("BEGIN")
+    other_connection.execute("LOCK TABLE pgjobs_job IN ACCESS EXCLUSIVE MODE")
+    worker = Worker(
+        Options(
+            queues=["default"], concurrency=1, listen=False, poll_interval=0.1, reap_interval=0.1
+        )
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(waiting_on_the_lock, timeout=20)
+        time.sleep(1.5)  # the lock lasts: the worker's turns and reaps keep failing
+        other_connection.execute("ROLLBACK")  # the lock goes
+        time.sleep(KEEPER_BACK_AFTER)  # the live worker's keeper ends its retry pause...
+        assert Job.objects.heartbeat([live], lease=30) == {live.pk}  # ...and renews
+        # The dead worker's job is taken back once the others had time to renew theirs.
+        wait_until(lambda: Job.objects.get(pk=dead.pk).status == Status.READY, timeout=20)
+    finally:
+        worker.stop()
+        thread.join(10)
+    row = Job.objects.get(pk=live.pk)
+    assert (row.status, row.worker, row.attempts) == (Status.RUNNING, "live-worker", 1)
