@@ -16,6 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.transports import NatsServers
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,17 @@ class Bridge:
 
     @property
     def client(self) -> Client:
+        """The connection; a new one when nats-py closed the last for good (it does so on any
+        error the server sends but a permissions violation: a message over max_payload, say),
+        unless the bridge itself was closed."""
         with self._connecting:
+            if self._client is not None and self._client.is_closed and not self._closing:
+                quietly(
+                    logger.warning,
+                    "NATS: the connection was closed after an error (%s); connecting again",
+                    self._client.last_error or "no error said",
+                )  # fmt: skip
+                self._client = None
             if self._client is None:
                 self._client = self.call(self._connect(), self.servers.connect_timeout * 2)
             return self._client
@@ -99,6 +110,10 @@ class Bridge:
 
         async def fetch() -> list[Msg]:
             client = self._client  # on the loop: the `client` property would wait for the loop
+            if client is not None and client.is_closed and not self._closing:
+                # For good: the subscription is the closed connection's. The caller makes it
+                # again on a new one (the `client` property).
+                raise nats.errors.ConnectionClosedError
             if client is None or not client.is_connected:  # a pull request would only fail
                 await asyncio.sleep(timeout)
                 return []

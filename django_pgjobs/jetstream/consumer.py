@@ -32,6 +32,7 @@ from typing import Any
 
 from django.db import DatabaseError, connections, router
 from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError
 from nats.js.errors import NotFoundError
 
 from django_pgjobs.conf import get_settings
@@ -124,7 +125,8 @@ class NatsWorker(Stoppable):
                 )  # fmt: skip
                 if isinstance(error, DatabaseError):
                     connections[self.db].close()
-                if isinstance(error, NotFoundError):  # the stream or consumer was deleted:
+                if isinstance(error, NotFoundError | ConnectionClosedError):  # the stream or
+                    # consumer was deleted, or the connection closed for good (Bridge.client):
                     self._subscriptions.clear()  # made and bound again at the next turn
                 if options.once and failures > 5:
                     break

@@ -73,6 +73,15 @@ def headers(job: Job) -> dict[str, str]:
     return carried | {"Nats-Msg-Id": message_id(job), "Pgjobs-Task": job.task}
 
 
+def size(body: bytes, headers: dict[str, str]) -> int:
+    """The bytes of a message the server counts against its max_payload: the body and the
+    header block as nats-py writes it (``NATS/1.0``, then ``name: value`` per header, each line
+    ended by CRLF, and an empty line)."""
+    lines = [b"NATS/1.0"]
+    lines += [f"{name.strip()}: {value.strip()}".encode() for name, value in headers.items()]
+    return len(body) + sum(len(line) + 2 for line in lines) + 2
+
+
 def given_back(job: Job, msg: Msg) -> tuple[str, bytes, dict[str, str]]:
     """A copy of the delivered message `msg` of `job` (as job_of read it), to publish in its
     place when it goes back unstarted: its next delivery counts the attempts this one counted,

@@ -120,7 +120,8 @@ class Relay:
         """Publish `jobs` (up to ROUND_BYTES of them); returns the ids of those done with: the
         stream acknowledged their messages, or they were refused. One whose message the
         server would refuse as too large becomes a dead letter saying so, in the same
-        transaction: retried, it would fail every round."""
+        transaction: retried, it would fail every round (and the server's refusal would close
+        the connection)."""
         limit = self.bridge.client.max_payload
         done: set[UUID] = set()
         outgoing: list[Outgoing] = []
@@ -128,11 +129,11 @@ class Relay:
         size = 0
         for job in jobs:
             body, headers = messages.body(job), messages.headers(job)
-            if len(body) > limit:
-                self._refuse(job, len(body), limit)
+            if (message_size := messages.size(body, headers)) > limit:
+                self._refuse(job, message_size, limit)
                 done.add(job.pk)
                 continue
-            size += len(body)
+            size += message_size
             if sending and size > ROUND_BYTES:
                 self.cut_short = True
                 break
