@@ -14,7 +14,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.models import CHANGE
 from django.core.exceptions import PermissionDenied
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -27,6 +27,7 @@ from django_pgjobs import schema
 from django_pgjobs.admin import charts, times
 from django_pgjobs.admin.actions import apply
 from django_pgjobs.admin.missing import MigrateFirst
+from django_pgjobs.data import rows
 from django_pgjobs.data.queues import QueueQuerySet
 from django_pgjobs.errors import first_line
 from django_pgjobs.models import Queue
@@ -99,16 +100,11 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         try:
-            with transaction.atomic():
-                report = reports.collect()
+            report = reports.collect()  # in its own transaction, with short timeouts
         except DatabaseError as error:  # what jobstats says UNKNOWN for (exit status 3)
             if schema.is_not_migrated(error):
                 raise  # the "run manage.py migrate" page (MigrateFirst)
-            self.message_user(
-                request,
-                _("The health report could not be taken: %s") % first_line(error),
-                messages.ERROR,
-            )
+            self.message_user(request, _unreported(error), messages.ERROR)
             return HttpResponseRedirect(reverse("admin:pgjobs_queue_changelist"))
         context = {
             **self.admin_site.each_context(request),
@@ -129,6 +125,18 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
             "load": report.load,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)
+
+
+def _unreported(error: DatabaseError) -> str:
+    """Why the report could not be taken: the job table locked against the workers (when a
+    statement ran out of time waiting for it), or the error."""
+    reason = reports.locked_out() if rows.timed_out(error) else None
+    if reason is not None:
+        return _("The health report could not be taken: %(summary)s: %(detail)s.") % {
+            "summary": reason.summary,
+            "detail": reason.detail,
+        }
+    return _("The health report could not be taken: %s") % first_line(error)
 
 
 def _without_pause(form: type[ModelForm]) -> type[ModelForm]:

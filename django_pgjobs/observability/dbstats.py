@@ -1,7 +1,8 @@
 """The job table's and the database's figures, from PostgreSQL's statistics views.
 
 Sizes, live and dead tuples, vacuum, what holds vacuum's horizon back, idle transactions, the
-NOTIFY queue and connections. Each query reads a catalog or statistics view, never the job table.
+NOTIFY queue, connections, and the locks that stop the workers. Each query reads a catalog or
+statistics view, never the job table, so none of them waits for a lock on it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,69 @@ class DatabaseStats:
     @property
     def connections_ratio(self) -> float:
         return self.connections_used / self.connections_max if self.connections_max else 0.0
+
+
+#: The locks on the job table that conflict with the ROW EXCLUSIVE lock every claim, heartbeat
+#: and outcome of a worker takes: SHARE (CREATE INDEX, REINDEX), SHARE ROW EXCLUSIVE and
+#: EXCLUSIVE (some ALTER TABLE, LOCK TABLE), ACCESS EXCLUSIVE (VACUUM FULL, CLUSTER, TRUNCATE,
+#: most ALTER TABLE, LOCK TABLE's default). Autovacuum's SHARE UPDATE EXCLUSIVE is not one.
+BLOCKING_MODES = {
+    "ShareLock": "SHARE",
+    "ShareRowExclusiveLock": "SHARE ROW EXCLUSIVE",
+    "ExclusiveLock": "EXCLUSIVE",
+    "AccessExclusiveLock": "ACCESS EXCLUSIVE",
+}
+
+
+@dataclass(frozen=True)
+class TableLock:
+    """A session holding, or queued for, a lock on the job table that stops the workers (a
+    request queued waits behind the holders, and every later one, the workers', behind it)."""
+
+    pid: int | None  # None: a prepared transaction holds it
+    mode: str  # as PostgreSQL's LOCK command names it: "ACCESS EXCLUSIVE"
+    granted: bool
+    #: Held: the age of the holder's transaction (the lock is at most that old); queued: how
+    #: long its statement has been waiting.
+    seconds: float
+    query: str  # the session's current or last statement (hidden without pg_read_all_stats)
+    blocked_by: tuple[int, ...] = ()  # queued: the sessions it waits for
+
+    def describe(self) -> str:
+        who = "a prepared transaction" if self.pid is None else f"pid {self.pid}"
+        if self.granted:
+            text = f"{who} holds {self.mode} for {self.seconds:.0f}s"
+        else:
+            ahead = ", ".join(map(str, self.blocked_by)) or "?"
+            text = f"{who} waits {self.seconds:.0f}s for {self.mode} behind pid {ahead}"
+        return f"{text} ({self.query!r})" if self.query else text
+
+
+def table_locks(db: str | None = None) -> list[TableLock]:
+    """The sessions holding or queued for a lock on the job table in one of BLOCKING_MODES,
+    held ones first, the oldest first (pg_locks: reading it waits for no table lock)."""
+    with connections[job_database(db)].cursor() as cursor:
+        cursor.execute(LOCKS_SQL, [list(BLOCKING_MODES)])
+        found = cursor.fetchall()
+    return [
+        TableLock(pid, BLOCKING_MODES[mode], granted, float(seconds), query, tuple(ahead or ()))
+        for pid, mode, granted, seconds, query, ahead in found
+    ]
+
+
+# pg_blocking_pids() only for the queued requests: it briefly takes the lock manager's locks.
+LOCKS_SQL = """
+    SELECT l.pid, l.mode, l.granted,
+           COALESCE(EXTRACT(EPOCH FROM statement_timestamp()
+                    - CASE WHEN l.granted THEN a.xact_start ELSE a.query_start END), 0),
+           COALESCE(left(a.query, 200), ''),
+           CASE WHEN NOT l.granted THEN pg_blocking_pids(l.pid) END
+    FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'relation' AND l.relation = to_regclass('pgjobs_job')
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.mode = ANY(%s) AND l.pid IS DISTINCT FROM pg_backend_pid()
+    ORDER BY l.granted DESC, 4 DESC
+"""
 
 
 def table_stats(db: str | None = None) -> TableStats:

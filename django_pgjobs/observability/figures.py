@@ -6,10 +6,12 @@ Kept apart from the report so that the verdict (health) can read the figures whi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db import connections
+from django.db import connections, transaction
 
 from django_pgjobs import transports
 from django_pgjobs.observability import dbstats, stats
@@ -30,6 +32,8 @@ class Figures:
     #: The queues carried by NATS JetStream, if any.
     streams: list[stats.StreamStats] = field(default_factory=list)
     load: QueueLoad | None = None  # the queue's share of the database's active time
+    #: Sessions holding or queued for a lock on the job table that stops the workers.
+    locks: list[dbstats.TableLock] = field(default_factory=list)
 
     def activity_of(self, queue: str, window: int) -> stats.QueueActivity | None:
         return next((a for a in self.activity if a.queue == queue and a.window == window), None)
@@ -54,24 +58,76 @@ class Figures:
         return [w for w in self.workers if w.stopped]
 
 
+#: The longest the report waits for a lock, in milliseconds. Its reads need only ACCESS SHARE,
+#: which nothing but an ACCESS EXCLUSIVE lock (held, or queued ahead of it) holds back, so a wait
+#: this long already means the job table is locked: the report says so rather than wait.
+LOCK_TIMEOUT_MS = 1000
+#: The longest any one of its statements runs, in milliseconds: a dozen cheap queries (see
+#: docs/howto/monitoring.md for their costs); a probe that hangs answers nothing.
+STATEMENT_TIMEOUT_MS = 5000
+
+
 def measure(db: str | None = None) -> Figures:
-    """Take the figures: a dozen cheap queries, none of which scans the finished history."""
+    """Take the figures: a dozen cheap queries, none of which scans the finished history, in
+    one transaction whose statements wait at most LOCK_TIMEOUT_MS for a lock and run at most
+    STATEMENT_TIMEOUT_MS (the DatabaseError of one that ran out of time propagates)."""
     db = stats.job_database(db)
-    with connections[db].cursor() as cursor:
-        cursor.execute("SELECT now()")
-        (now,) = cursor.fetchone()
-    activity, workers = stats.activity_stats(db), stats.worker_stats(db)
-    seen = {a.queue for a in activity} | {queue for w in workers for queue in w.queues}
+    with limited(db):
+        # Before the job table is read: this answers even while the table is locked.
+        locks = dbstats.table_locks(db)
+        with connections[db].cursor() as cursor:
+            cursor.execute("SELECT now()")
+            (now,) = cursor.fetchone()
+        activity, workers = stats.activity_stats(db), stats.worker_stats(db)
+        seen = {a.queue for a in activity} | {queue for w in workers for queue in w.queues}
+        queues = stats.queue_depths(db, also=seen)
+        table, database = dbstats.table_stats(db), dbstats.database_stats(db)
+        load = queue_load(db)
     return Figures(
         at=now,
-        queues=stats.queue_depths(db, also=seen),
+        queues=queues,
         activity=activity,
         workers=workers,
-        table=dbstats.table_stats(db),
-        database=dbstats.database_stats(db),
-        streams=stream_stats(),
-        load=queue_load(db),
+        table=table,
+        database=database,
+        streams=stream_stats(),  # a network call to NATS: outside the transaction
+        load=load,
+        locks=locks,
     )
+
+
+@contextmanager
+def limited(db: str) -> Iterator[None]:
+    """A transaction on `db` whose statements wait at most LOCK_TIMEOUT_MS for a lock and run
+    at most STATEMENT_TIMEOUT_MS, or less where the role or session asks for less.
+
+    The limits are SET LOCAL (set_config(..., true)): they end with the transaction, so a
+    connection shared by a transaction-mode pooler (PgBouncer) keeps none of them. Nested in a
+    caller's transaction, they are put back as they were when the block ends.
+    """
+    nested = connections[db].in_atomic_block
+    with transaction.atomic(using=db), connections[db].cursor() as cursor:
+        cursor.execute(_LIMIT, [LOCK_TIMEOUT_MS, STATEMENT_TIMEOUT_MS])
+        before = [(name, old) for name, old, _new in cursor.fetchall()]
+        yield
+        # Only reached without an error; after one, the rollback (to the savepoint, when
+        # nested) has already put them back.
+        if nested:
+            cursor.execute(_RESTORE, [[name for name, _ in before], [old for _, old in before]])
+
+
+# A limit already lower (a role's `ALTER ROLE monitor SET statement_timeout = '2s'`) is kept:
+# least() ignores the NULL that stands for none (0).
+_LIMIT = """
+    SELECT s.name, s.setting,
+           set_config(s.name, least(nullif(s.setting::bigint, 0), v.ms)::text, true)
+    FROM pg_settings s
+    JOIN (VALUES ('lock_timeout', %s::bigint), ('statement_timeout', %s::bigint)) AS v(name, ms)
+      ON v.name = s.name
+"""
+_RESTORE = """
+    SELECT set_config(name, setting, true) FROM unnest(%s::text[], %s::text[]) AS t(name, setting)
+"""
 
 
 def stream_stats() -> list[stats.StreamStats]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 
 from django_pgjobs.conf import get_settings
+from django_pgjobs.observability.dbstats import TableLock
 from django_pgjobs.observability.figures import Figures
 from django_pgjobs.observability.stats import served_queues
 
@@ -48,6 +49,10 @@ class Thresholds:
     #: The queue's share of the database's active time over this.
     QUEUE_SHARE: float = 0.5
 
+
+#: The workers' lock_timeout (runtime/locks.py): a lock on the job table held or queued this
+#: long makes their claims, heartbeats and outcomes fail instead of wait.
+LOCKED_SECONDS = 5.0
 
 THRESHOLD_NAMES = frozenset(field.name for field in fields(Thresholds))
 
@@ -114,7 +119,9 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
     """The reasons the figures of `report` are not healthy (none: healthy). With the previous
     sample of a --watch, a backlog's details say how it moved since."""
     limits = thresholds()
+    table_locked = locked(report.locks)
     reasons = [
+        *([table_locked] if table_locked else []),
         *_behind(report, previous, limits),
         *_retry_storms(report, limits),
         *_vacuum(report, limits),
@@ -135,6 +142,25 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
             )
         )
     return Verdict(reasons)
+
+
+def locked(locks: list[TableLock], waited: bool = False) -> Reason | None:
+    """The job table locked against the workers, or None: critical once a lock has been held or
+    queued for LOCKED_SECONDS. A younger one is said only when the report itself gave up waiting
+    for it (`waited`), as a warning: without it there is no verdict at all."""
+    old = [lock for lock in locks if lock.seconds >= LOCKED_SECONDS]
+    if not old and not (waited and locks):
+        return None
+    return Reason(
+        "job_table_locked",
+        Level.CRITICAL if old else Level.WARNING,
+        "the job table is locked",
+        "; ".join(lock.describe() for lock in locks[:3])
+        + "; while it lasts no worker can claim a job, renew a lease or record an outcome, "
+        "and a lease that runs out meanwhile has its job run again",
+        f"critical when held or queued {LOCKED_SECONDS:g}s (the workers' lock_timeout)",
+        f"{DOC}#job-table-locked",
+    )
 
 
 def _behind(report: Figures, previous: Figures | None, limits: Thresholds) -> list[Reason]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from django_pgjobs.observability import health
-from django_pgjobs.observability.figures import Figures, measure
-from django_pgjobs.observability.stats import WINDOWS, QueueActivity, window_label
+from django.db import DatabaseError
+
+from django_pgjobs.observability import dbstats, health
+from django_pgjobs.observability.figures import Figures, limited, measure
+from django_pgjobs.observability.stats import WINDOWS, QueueActivity, job_database, window_label
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,18 @@ def collect(db: str | None = None, previous: Report | None = None) -> Report:
     --watch, which lets the verdict say how a backlog moved."""
     figures = measure(db)
     return Report(**vars(figures), verdict=health.judge(figures, previous))
+
+
+def locked_out(db: str | None = None) -> health.Reason | None:
+    """After the report ran out of time (a lock_timeout, a statement_timeout): the job table is
+    locked, by whom and for how long; None when it is not (the wait was for something else, or
+    the lock is gone by now), or when that cannot be told either (the database stopped
+    answering meanwhile: the caller says what failed first)."""
+    try:
+        with limited(job_database(db)):
+            return health.locked(dbstats.table_locks(db), waited=True)
+    except DatabaseError:
+        return None
 
 
 def activity_figures(activity: QueueActivity) -> dict[str, Any]:
@@ -64,6 +78,7 @@ def as_dict(report: Report) -> dict[str, Any]:
         },
         "streams": [asdict(stream) for stream in report.streams],
         "load": None if report.load is None else asdict(report.load),
+        "locks": [asdict(lock) for lock in report.locks],
     }
 
 

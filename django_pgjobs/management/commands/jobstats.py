@@ -1,7 +1,8 @@
 """manage.py jobstats: the health report (queues, workers, the table, the database) and its
 verdict. The exit status is a monitoring plugin's: 0 healthy, 1 warning, 2 critical (the
-database cannot be used, or the pgjobs tables are missing), 3 unknown (the report could not be
-taken: no permission to read it, a bad command line)."""
+database cannot be used, or the pgjobs tables are missing, or the job table has been locked
+against the workers), 3 unknown (the report could not be taken: no permission to read it, it ran
+out of time, a bad command line)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError
 from django_pgjobs import schema
 from django_pgjobs.errors import first_line
 from django_pgjobs.observability import report as reports
-from django_pgjobs.observability.health import Level
+from django_pgjobs.observability.health import Level, Reason
 from django_pgjobs.observability.report import Report
 from django_pgjobs.observability.stats import WINDOWS, job_database, window_label
 
@@ -26,14 +27,19 @@ CLEAR = "\x1b[H\x1b[2J"
 
 #: SQLSTATE of a statement refused for lack of a privilege.
 INSUFFICIENT_PRIVILEGE = "42501"
+#: SQLSTATEs of a statement that ran out of time or was cancelled (statement_timeout, a
+#: cancel request; lock_timeout): the report's failure, not the database's.
+QUERY_CANCELED, LOCK_NOT_AVAILABLE = "57014", "55P03"
 
 
 @dataclass(frozen=True)
 class NoReport:
-    """A sample that could not be taken: its level (critical or unknown) and why, in one line."""
+    """A sample that could not be taken: its level and why, in one line; with the reason when
+    there is one (the job table locked)."""
 
     level: Level
     why: str
+    reason: Reason | None = None
 
 
 def _seconds_between(value: str) -> float:
@@ -52,7 +58,8 @@ class Command(BaseCommand):
         "job's age, throughput, retry rate and claim latency; the job table's size, tuples and "
         "vacuum; the database's oldest snapshot, idle transactions, NOTIFY queue and "
         "connections; then a health verdict. Exit status: 0 healthy, 1 warning, 2 critical "
-        "(also: the database cannot be used, or the pgjobs tables are missing), 3 unknown "
+        "(also: the database cannot be used, the pgjobs tables are missing, or the job table is "
+        "locked against the workers), 3 unknown "
         "(the report could not be taken)."
     )
 
@@ -119,11 +126,7 @@ class Command(BaseCommand):
     def show(self, sample: Report | NoReport, as_json: bool, interval: float | None) -> None:
         if as_json:
             indent = None if interval else 2  # one document per line when watching
-            data = (
-                {"status": sample.level.name.lower(), "error": sample.why}
-                if isinstance(sample, NoReport)
-                else reports.as_dict(sample)
-            )
+            data = reports.as_dict(sample) if isinstance(sample, Report) else no_data(sample)
             self.stdout.write(json.dumps(data, default=str, indent=indent))
             return
         if interval and self.stdout.isatty():
@@ -134,23 +137,50 @@ class Command(BaseCommand):
             self.stdout.write(render(sample))
 
 
+def no_data(sample: NoReport) -> dict[str, Any]:
+    """A sample that could not be taken, as --json prints it."""
+    data: dict[str, Any] = {"status": sample.level.name.lower(), "error": sample.why}
+    if sample.reason is not None:
+        data["reasons"] = [sample.reason.as_dict()]
+    return data
+
+
 def no_report(error: DatabaseError) -> NoReport:
     """Why the report could not be taken, and how bad that is: the queue cannot work without
-    its database or its tables (critical); a probe without the right to read the figures
-    knows nothing (unknown)."""
+    its database or its tables, or while its job table is locked against the workers
+    (critical); a probe without the right to read the figures, or whose statement ran out of
+    time or was cancelled while the database answers, knows nothing (unknown)."""
     first = first_line(error)
     alias = job_database()
+    sqlstate = str(getattr(error.__cause__, "sqlstate", None) or "")
     if schema.is_not_migrated(error):
         return NoReport(Level.CRITICAL, f"{schema.explained(error)} on the database {alias!r}")
-    if getattr(error.__cause__, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
+    if sqlstate in (QUERY_CANCELED, LOCK_NOT_AVAILABLE) or sqlstate.startswith("40"):
+        return out_of_time(first)
+    if sqlstate == INSUFFICIENT_PRIVILEGE:
         return NoReport(
             Level.UNKNOWN,
             f"the report could not be read ({first}): the database user needs SELECT on the "
             "pgjobs tables, and the pg_monitor role to read PostgreSQL's statistics",
         )
+    # Connections refused or lost (class 08, none when refused) and servers shutting down
+    # (57P01-57P03) are OperationalErrors.
     if isinstance(error, OperationalError | InterfaceError):
         return NoReport(Level.CRITICAL, f"the database {alias!r} cannot be used: {first}")
     return NoReport(Level.UNKNOWN, f"the report could not be taken: {first}")
+
+
+def out_of_time(first: str) -> NoReport:
+    """A statement of the report ran out of time, was cancelled or rolled back: the job table
+    locked against the workers if it is (its own verdict), else unknown."""
+    reason = reports.locked_out()
+    if reason is not None:
+        return NoReport(reason.level, f"{reason.summary}: {reason.detail}", reason)
+    return NoReport(
+        Level.UNKNOWN,
+        f"the report could not be taken ({first}); the database answers, but a statement of "
+        "the report ran out of time, was cancelled or was rolled back",
+    )
 
 
 def render(report: Report) -> str:

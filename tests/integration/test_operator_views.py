@@ -1,0 +1,203 @@
+"""What the operator's tools say when the job table is locked or the report runs out of time, and
+what a stale Queues list may write."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from io import StringIO
+from typing import Any
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.db import OperationalError, connection
+from django.urls import reverse
+
+from django_pgjobs.management.commands import jobstats as command
+from django_pgjobs.observability import dbstats, figures, health
+from django_pgjobs.observability import report as reports
+from django_pgjobs.observability.health import Level
+from tests.factories import JobFactory
+
+REPORT = reverse("admin:pgjobs_queue_report")
+QUEUES = reverse("admin:pgjobs_queue_changelist")
+
+# If the report waited for the lock, the test would hang as long as it is held: it is released
+# after this long, so that such a test fails (slowly, and healthy) instead of hanging.
+HELD_AT_MOST = 8.0
+
+
+def jobstats(*args: str) -> tuple[int, str, float]:
+    """jobstats' exit status, output, and how long it took."""
+    out, started = StringIO(), time.monotonic()
+    try:
+        call_command("jobstats", *args, stdout=out)
+        code = 0
+    except SystemExit as exit:
+        code = int(exit.code or 0)
+    return code, out.getvalue(), time.monotonic() - started
+
+
+@pytest.fixture
+def locked_table(other_connection: psycopg.Connection[Any]) -> Iterator[tuple[int, str]]:
+    """A `mode` lock on the job table, held by another session (at most HELD_AT_MOST seconds):
+    call it with the mode; it yields that session's pid."""
+    release = threading.Event()
+    holders: list[threading.Thread] = []
+
+    def lock(mode: str = "ACCESS EXCLUSIVE") -> int:
+        other_connection.execute("BEGIN")
+        other_connection.execute(f"LOCK TABLE pgjobs_job IN {mode} MODE")
+
+        def hold() -> None:
+            release.wait(HELD_AT_MOST)
+            other_connection.execute("ROLLBACK")
+
+        holders.append(threading.Thread(target=hold, daemon=True))
+        holders[-1].start()
+        return int(other_connection.info.backend_pid)
+
+    yield lock  # type: ignore[misc]
+    release.set()
+    for holder in holders:
+        holder.join()
+
+
+# ---- A: the report does not wait behind a lock on the job table ----------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobstats_says_promptly_that_the_job_table_is_locked_and_by_whom(locked_table):
+    JobFactory()
+    pid = locked_table("ACCESS EXCLUSIVE")
+    code, out, took = jobstats()
+    assert took < 3, f"jobstats waited {took:.1f}s behind the lock"
+    assert out.startswith("verdict: WARNING: the job table is locked: ")
+    assert f"pid {pid} holds ACCESS EXCLUSIVE" in out
+    assert "LOCK TABLE pgjobs_job IN ACCESS EXCLUSIVE MODE" in out
+    assert "no worker can claim a job, renew a lease or record an outcome" in out
+    assert code == Level.WARNING  # younger than the workers' lock_timeout
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobstats_json_is_critical_once_the_lock_is_as_old_as_the_workers_lock_timeout(
+    locked_table, monkeypatch
+):
+    monkeypatch.setattr(health, "LOCKED_SECONDS", 0.0)
+    pid = locked_table("ACCESS EXCLUSIVE")
+    code, out, took = jobstats("--json")
+    assert took < 3 and code == Level.CRITICAL
+    data = json.loads(out)
+    assert data["status"] == "critical"
+    assert [reason["code"] for reason in data["reasons"]] == ["job_table_locked"]
+    assert f"pid {pid} holds ACCESS EXCLUSIVE" in data["reasons"][0]["detail"]
+    assert data["reasons"][0]["doc"] == "docs/howto/monitoring.md#job-table-locked"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_that_stops_the_workers_but_not_the_reports_reads_is_in_the_verdict(
+    locked_table, monkeypatch
+):
+    # SHARE (CREATE INDEX, REINDEX) lets the report read the table, and no worker write it.
+    monkeypatch.setattr(health, "LOCKED_SECONDS", 0.0)
+    JobFactory()
+    pid = locked_table("SHARE")
+    code, out, took = jobstats()
+    assert took < 3 and code == Level.CRITICAL
+    assert "verdict: CRITICAL" in out
+    assert f"critical the job table is locked: pid {pid} holds SHARE for 0s" in " ".join(
+        out.split()
+    )
+    lock = reports.collect().locks[0]
+    assert (lock.pid, lock.mode, lock.granted) == (pid, "SHARE", True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_young_lock_the_report_did_not_wait_for_is_left_out_of_the_verdict(locked_table):
+    locked_table("SHARE")
+    report = reports.collect()
+    assert len(report.locks) == 1
+    assert "job_table_locked" not in {reason.code for reason in report.verdict.reasons}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_admins_health_report_says_promptly_that_the_job_table_is_locked(
+    admin_client, locked_table
+):
+    pid = locked_table("ACCESS EXCLUSIVE")
+    started = time.monotonic()
+    response = admin_client.get(REPORT, follow=True)
+    assert time.monotonic() - started < 3
+    assert response.redirect_chain == [(QUEUES, 302)]
+    message = str(next(iter(response.context["messages"])))
+    assert message.startswith("The health report could not be taken: the job table is locked: ")
+    assert f"pid {pid} holds ACCESS EXCLUSIVE" in message
+
+
+@pytest.mark.django_db
+def test_the_reports_timeouts_are_local_to_it_and_a_lower_one_of_the_session_is_kept():
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL statement_timeout = '300ms'")
+        with figures.limited("default"):
+            cursor.execute("SHOW lock_timeout")
+            assert cursor.fetchone() == ("1s",)
+            cursor.execute("SHOW statement_timeout")
+            assert cursor.fetchone() == ("300ms",)
+        cursor.execute("SHOW lock_timeout")
+        assert cursor.fetchone() == ("0",)
+        cursor.execute("SHOW statement_timeout")
+        assert cursor.fetchone() == ("300ms",)
+
+
+# ---- B: a report that ran out of time is unknown, not an outage ------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_statement_timeout_of_the_report_is_unknown_not_critical(monkeypatch):
+    # A monitoring role's own statement_timeout (ALTER ROLE monitor SET statement_timeout),
+    # shorter than one of the report's statements.
+    def slow(db: str | None = None) -> Any:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_sleep(1)")
+
+    monkeypatch.setattr(dbstats, "table_stats", slow)
+    with connection.cursor() as cursor:
+        cursor.execute("SET statement_timeout = '100ms'")
+    try:
+        code, out, _took = jobstats()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET statement_timeout")
+    assert code == Level.UNKNOWN
+    assert out.startswith(
+        "verdict: UNKNOWN: the report could not be taken (canceling statement due to statement "
+        "timeout); the database answers"
+    )
+
+
+def database_error(sqlstate: str) -> OperationalError:
+    """A Django OperationalError caused by psycopg's error of `sqlstate`, as a query raises it."""
+    error = OperationalError(f"an error {sqlstate}")
+    error.__cause__ = psycopg.errors.lookup(sqlstate)(f"an error {sqlstate}")
+    return error
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("sqlstate", "level"),
+    [
+        ("57014", Level.UNKNOWN),  # query_canceled: a statement_timeout, a cancel request
+        ("55P03", Level.UNKNOWN),  # lock_not_available, with no lock on the job table now
+        ("40001", Level.UNKNOWN),  # serialization_failure
+        ("40P01", Level.UNKNOWN),  # deadlock_detected
+        ("08006", Level.CRITICAL),  # connection_failure
+        ("57P01", Level.CRITICAL),  # admin_shutdown
+        ("57P03", Level.CRITICAL),  # cannot_connect_now
+        ("53300", Level.CRITICAL),  # too_many_connections
+    ],
+)
+def test_no_report_is_critical_only_when_the_database_cannot_be_used(sqlstate, level):
+    assert command.no_report(database_error(sqlstate)).level == level
