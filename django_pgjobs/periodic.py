@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 MISSED = ("latest", "skip")
 #: Seconds after its time during which a tick still gets its own job.
 DEFAULT_GRACE = 60.0
+#: The longest grace (a year): it only needs to span the longest pause of every worker, and a
+#: time that far back overflows Python's datetime long before math.inf.
+MAX_GRACE = 365 * 86400.0
 #: The longest a worker goes without looking at its schedules (it looks earlier for a tick).
 MAX_WAIT = 60.0
 KEYS = ("task", "cron", "payload", "timezone", "queue", "priority", "missed", "grace", "pass_tick")
@@ -75,7 +78,9 @@ class Periodic:
         if latest <= last:
             return [], last
         ticks = []
-        tick = max(last, now - timedelta(seconds=self.grace))
+        # Compared before subtracting: `now - grace` of a grace past MAX_GRACE may overflow.
+        late = (now - last).total_seconds()
+        tick = last if late <= self.grace else now - timedelta(seconds=self.grace)
         while (tick := self.next_tick(tick)) <= now:
             ticks.append(tick)
         if not ticks and self.missed == "latest":
@@ -199,6 +204,12 @@ def parse(name: Any, declaration: Any) -> Periodic:
         raise invalid(f"missed={missed!r} must be one of {', '.join(map(repr, MISSED))}.")
     if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0:
         raise invalid(f"grace={grace!r} must be zero or more seconds.")
+    if not grace <= MAX_GRACE:
+        raise invalid(
+            f"grace={grace!r} must be at most {MAX_GRACE:.0f} seconds (a year).",
+            "grace only needs to cover the longest time no worker may run; ticks older than "
+            "that are missed ticks, which missed='latest' still gives one job.",
+        )
     if not isinstance(pass_tick, bool):
         raise invalid(f"pass_tick={pass_tick!r} must be True or False.")
     try:

@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
-from django.db import ProgrammingError, connections, transaction
+from django.db import DatabaseError, ProgrammingError, connections, transaction
 from django.db.models.functions import Now
 
 from django_pgjobs import signals
+from django_pgjobs.data import rows
 from django_pgjobs.models import Job, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic, declared
 from django_pgjobs.runtime.logs import quietly
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds until a schedule whose row another session held locked is looked at again.
 LOCKED_RETRY = 1.0
+#: Seconds until a schedule whose tick failed is tried again; doubled at each failure in a row,
+#: up to MAX_WAIT.
+FAILED_RETRY = 1.0
 
 
 class Scheduler:
@@ -54,6 +58,7 @@ class Scheduler:
         self.schedules = {each.name: each for each in schedules}
         self._next: dict[str, datetime] = {}  # each schedule's next tick after its last one
         self._last: dict[str, datetime] = {}  # each schedule's last tick, as last read
+        self._failures: dict[str, int] = {}  # each failing schedule's failures in a row
         # The database's clock minus this process's monotonic clock, in seconds: the time of
         # day is the database's, and a step of this machine's wall clock (NTP after a VM's
         # resume) changes nothing in when the schedules are looked at.
@@ -78,7 +83,7 @@ class Scheduler:
                 return MAX_WAIT
         for name, periodic in self.schedules.items():
             if self._next[name] <= self._now():
-                self._enqueue(periodic)
+                self._enqueue_or_pause(periodic)
         wait = (min(self._next.values()) - self._now()).total_seconds()
         return min(MAX_WAIT, max(0.01, wait))
 
@@ -114,6 +119,35 @@ class Scheduler:
                 f"{each.name} ({each.cron}, {each.timezone.key}) → {each.task}" for each in declared
             ),
         )
+
+    def _enqueue_or_pause(self, periodic: Periodic) -> None:
+        """Enqueue the schedule's due ticks. If that fails for a reason of its own (a bug in its
+        declaration, a statement of its that failed), log it naming the schedule and try it
+        again after a pause, while the others go on: one schedule never starves the rest. A
+        lost connection is every schedule's: it is raised, for the Ticker to reconnect."""
+        name = periodic.name
+        try:
+            self._enqueue(periodic)
+        except DatabaseError as error:
+            if rows.connection_lost(error):
+                raise
+            self._failed(periodic, error)
+        except Exception as error:
+            self._failed(periodic, error)
+        else:
+            if self._failures.pop(name, 0):
+                quietly(logger.info, "periodic %s: enqueued again after failing", name)
+
+    def _failed(self, periodic: Periodic, error: Exception) -> None:
+        failures = self._failures[periodic.name] = self._failures.get(periodic.name, 0) + 1
+        pause = min(MAX_WAIT, FAILED_RETRY * 2 ** (failures - 1))
+        self._next[periodic.name] = self._now() + timedelta(seconds=pause)
+        quietly(
+            logger.error,
+            "periodic %s failed (%s: %s; %d times in a row); the other schedules go on, this "
+            "one is tried again in %gs", periodic.name, type(error).__name__, error, failures,
+            pause, exc_info=failures == 1,  # the traceback once, not every minute
+        )  # fmt: skip
 
     def _enqueue(self, periodic: Periodic) -> None:
         schedule = Schedule.objects.using(self.db).filter(name=periodic.name)
@@ -163,12 +197,21 @@ class Scheduler:
             self.enqueued([job])
         self._last[periodic.name] = latest
         self._next[periodic.name] = periodic.next_tick(latest)
-        if won and ticks != [periodic.next_tick(last)]:
+        if not won:
+            return
+        if not ticks or ticks[0] != periodic.next_tick(last):  # some ticks got no job
             quietly(
                 logger.warning,
                 "periodic %s: ticks after %s were missed; enqueued %d jobs, up to the tick of %s "
                 "(missed=%r, grace=%gs)", periodic.name, last.isoformat(), len(ticks),
                 latest.isoformat(), periodic.missed, periodic.grace,
+            )  # fmt: skip
+        elif len(ticks) > 1:  # late, but each tick within grace got its own job
+            quietly(
+                logger.info,
+                "periodic %s: enqueued %d ticks late, from %s to %s, each one's job within its "
+                "grace of %gs", periodic.name, len(ticks), ticks[0].isoformat(),
+                latest.isoformat(), periodic.grace,
             )  # fmt: skip
 
     def _observe(self, database_now: datetime) -> None:

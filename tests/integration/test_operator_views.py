@@ -4,22 +4,31 @@ what a stale Queues list may write."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from io import StringIO
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import OperationalError, connection
+from django.db.models.functions import Now
+from django.test import override_settings
 from django.urls import reverse
 
 from django_pgjobs.management.commands import jobstats as command
+from django_pgjobs.models import Job, Schedule
 from django_pgjobs.observability import dbstats, figures, health
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability.health import Level
+from django_pgjobs.periodic import DeclarationError, Periodic, check_periodic, parse
+from django_pgjobs.runtime.scheduler import Scheduler
 from tests.factories import JobFactory
 
 REPORT = reverse("admin:pgjobs_queue_report")
@@ -28,6 +37,7 @@ QUEUES = reverse("admin:pgjobs_queue_changelist")
 # If the report waited for the lock, the test would hang as long as it is held: it is released
 # after this long, so that such a test fails (slowly, and healthy) instead of hanging.
 HELD_AT_MOST = 8.0
+YEARLY = "0 0 1 1 *"
 
 
 def jobstats(*args: str) -> tuple[int, str, float]:
@@ -201,3 +211,76 @@ def database_error(sqlstate: str) -> OperationalError:
 )
 def test_no_report_is_critical_only_when_the_database_cannot_be_used(sqlstate, level):
     assert command.no_report(database_error(sqlstate)).level == level
+
+
+# ---- D: one schedule's failure does not starve the others -----------------------------------
+
+
+def schedule(name: str, cron: str = YEARLY, **options: Any) -> Periodic:
+    return Periodic(name=name, task="tests.tasks.periodic_tick", cron=cron,
+                    timezone=ZoneInfo("UTC"), pass_tick=True, **options)  # fmt: skip
+
+
+def all_due(*schedules: Periodic) -> Scheduler:
+    """A scheduler of `schedules`, each of which has a tick due (its last one 400 days ago)."""
+    Scheduler("default", list(schedules)).enqueue_due()  # their rows, from now
+    Schedule.objects.update(last_tick=Now() - timedelta(days=400))
+    return Scheduler("default", list(schedules))
+
+
+@pytest.mark.parametrize("grace", [math.inf, 10**11])
+def test_a_grace_past_a_year_is_a_check_error_naming_the_schedule_and_the_bound(grace):
+    declaration = {"task": "tests.tasks.noop", "cron": "* * * * *", "grace": grace}
+    with pytest.raises(DeclarationError, match="must be at most 31536000 seconds") as raised:
+        parse("catch-up-everything", declaration)
+    assert str(raised.value).startswith("Periodic schedule 'catch-up-everything': grace=")
+    with override_settings(PGJOBS={"PERIODIC": {"catch-up-everything": declaration}}):
+        [error] = check_periodic()
+    assert error.id == "pgjobs.E010" and "'catch-up-everything'" in error.msg
+
+
+def test_an_infinite_grace_does_not_overflow_the_due_ticks():
+    last = datetime(2026, 1, 1, tzinfo=UTC)
+    ticks, latest = schedule("forever", "0 * * * *", grace=math.inf).due(
+        last, last + timedelta(hours=3, minutes=5)
+    )
+    assert len(ticks) == 3 and latest == ticks[-1]
+
+
+@pytest.mark.django_db
+def test_a_schedule_that_fails_is_logged_by_name_and_paused_and_the_others_are_enqueued(caplog):
+    broken = schedule("a-broken", payload={"not json": object()})  # its enqueue raises
+    scheduler = all_due(broken, schedule("b-fine"), schedule("c-infinite-grace", grace=math.inf))
+    wait = scheduler.enqueue_due()
+    assert Job.objects.count() == 2  # b-fine's tick and c-infinite-grace's
+    [failed] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert failed.getMessage().startswith("periodic a-broken failed (")
+    assert "1 times in a row); the other schedules go on, this one is tried again in 1s" in (
+        failed.getMessage()
+    )
+    assert 0.5 < wait <= 1.0  # the broken one's retry is the next thing to look at
+    assert (
+        Schedule.objects.get(name="a-broken").last_tick
+        < Schedule.objects.get(name="b-fine").last_tick
+    )  # still due: tried again
+
+
+@pytest.mark.django_db
+def test_ticks_enqueued_late_but_within_grace_are_not_said_to_be_missed(caplog):
+    scheduler = all_due(schedule("every-second", "* * * * * *"))
+    Schedule.objects.update(last_tick=Now() - timedelta(seconds=5))
+    caplog.set_level(logging.INFO, logger="django_pgjobs.runtime.scheduler")
+    Scheduler("default", list(scheduler.schedules.values())).enqueue_due()
+    assert Job.objects.count() >= 5
+    said = [r.getMessage() for r in caplog.records if r.name.endswith("scheduler")]
+    assert not [line for line in said if "missed" in line]
+    assert [line for line in said if "ticks late" in line and "within its grace of 60s" in line]
+
+
+@pytest.mark.django_db
+def test_ticks_older_than_grace_are_still_said_to_be_missed(caplog):
+    scheduler = all_due(schedule("yearly", grace=0))
+    Schedule.objects.update(last_tick=Now() - timedelta(days=800))  # two ticks passed
+    scheduler.enqueue_due()
+    assert Job.objects.count() == 1  # missed="latest"
+    assert "periodic yearly: ticks after " in caplog.text and "were missed" in caplog.text
