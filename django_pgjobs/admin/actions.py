@@ -197,7 +197,7 @@ def apply(
 ) -> tuple[int, int]:
     """Run `transition` over the selection, ACTION_BATCH rows per statement, and log each row it
     changed (the transition returns their primary keys) with `message`, or `message(row)` as the
-    row was before the change. Returns (changed, selected).
+    row is after the change (a deleted row: as it was before). Returns (changed, selected).
 
     `only` names the fields str(row) needs, read before the change so that the log names the
     rows even after a delete. Rows are logged as their concrete model (a dead letter as a job)."""
@@ -216,6 +216,9 @@ def apply(
         with transaction.atomic(using=router.db_for_write(model)):
             described = {row.pk: row for row in (selected.only(*only) if only else selected)}
             done = transition(selected)
+            if not isinstance(message, str):  # what the change made of each row: a worker may
+                after = rows.filter(pk__in=done)  # have claimed one since it was read
+                described.update((row.pk, row) for row in (after.only(*only) if only else after))
             by_message: dict[str, list[Model]] = {}
             for row in (described[pk] for pk in done):
                 text = message if isinstance(message, str) else message(row)

@@ -30,6 +30,15 @@ ID_CLOCK_MARGIN = timedelta(minutes=10)
 #: How often replay looks again when a job took one of its keys while it ran.
 REPLAY_TRIES = 3
 
+#: A transition takes the rows it may change without waiting for one another session holds:
+#: a worker's turn holds the ready rows it is claiming while it waits to record the outcomes of
+#: its running ones, which a transition over both (a Cancel of a task's jobs) may have written
+#: already: waiting, each would wait for the other until PostgreSQL rolled one back. The rows
+#: passed over are taken in further statements, after a pause doubling from CHANGE_PAUSE (a
+#: worker holds them for a statement), at last waiting for them (a lock held longer).
+CHANGE_PAUSE = 0.02
+CHANGE_TRIES = 8
+
 
 class JobQuerySet(models.QuerySet["Job"]):
     # Filters: they never write.
@@ -125,25 +134,43 @@ class JobQuerySet(models.QuerySet["Job"]):
     def _change(
         self, assignments: str | None, params: Sequence[Any] = (), *, guard: str
     ) -> list[UUID]:
-        """One UPDATE (or, without assignments, DELETE) of the selected jobs that pass `guard`,
+        """An UPDATE (or, without assignments, a DELETE) of the selected jobs that pass `guard`,
         returning their ids. The selection is this queryset's, compiled by the ORM; the guard
         is re-checked on each row as it is written, so a job whose status changed since it was
-        selected is left alone."""
+        selected is left alone. Rows locked elsewhere are taken once free (CHANGE_PAUSE)."""
         self._for_write = True  # as QuerySet.update() does: route to the database for writes
         db = self.db
         try:
             selected, selected_params = self.values("pk").query.get_compiler(db).as_sql()
         except EmptyResultSet:  # e.g. filter(pk__in=[]): nothing selected, nothing to change
             return []
-        head = "DELETE FROM pgjobs_job AS j" if assignments is None else (
-            f"UPDATE pgjobs_job AS j SET {assignments}"
-        )  # fmt: skip
+        if assignments is None:
+            head, lock = "DELETE FROM pgjobs_job AS j", "FOR UPDATE"
+        else:
+            head, lock = f"UPDATE pgjobs_job AS j SET {assignments}", "FOR NO KEY UPDATE"
+        changed: list[UUID] = []
         with connections[db].cursor() as cursor:
-            cursor.execute(
-                f"{head} WHERE j.id IN ({selected}) AND {guard} RETURNING j.id",
-                [*params, *selected_params],
-            )
-            return [job_id for (job_id,) in cursor.fetchall()]
+            for attempt in range(CHANGE_TRIES + 1):
+                if attempt:  # the selected rows that pass the guard and were passed over
+                    cursor.execute(
+                        f"SELECT j.id FROM pgjobs_job AS j WHERE j.id IN ({selected}) "
+                        f"AND {guard} AND NOT j.id = ANY(%s::uuid[])",
+                        [*selected_params, changed],
+                    )
+                    left = [job_id for (job_id,) in cursor.fetchall()]
+                    if not left:
+                        break
+                    time.sleep(CHANGE_PAUSE * 2 ** (attempt - 1))
+                    selected, selected_params = "SELECT unnest(%s::uuid[])", [left]
+                waits = attempt == CHANGE_TRIES  # locked all along: wait for them now
+                cursor.execute(
+                    f"{head} WHERE j.id IN (SELECT j.id FROM pgjobs_job AS j "
+                    f"WHERE j.id IN ({selected}) AND {guard} "
+                    f"{lock}{'' if waits else ' SKIP LOCKED'}) AND {guard} RETURNING j.id",
+                    [*params, *selected_params],
+                )
+                changed += [job_id for (job_id,) in cursor.fetchall()]
+        return changed
 
     def prunable(self, retention: Mapping[str, timedelta | None] | None = None) -> JobQuerySet:
         """Finished jobs older than their status's retention (default PGJOBS["RETENTION"]; a

@@ -10,6 +10,7 @@ from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.urls import reverse
 
 from django_pgjobs import registry
+from django_pgjobs.admin import actions
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
@@ -221,3 +222,25 @@ def test_a_queue_confirmed_for_one_name_is_asked_again_for_another(admin_client)
     page = act(admin_client, DEAD, "replay", [job], queue="reports", unserved="emalis")
     assert "No live worker serves the queue" in html.unescape(page.content.decode())
     assert reload(job).status == Status.FAILED
+
+
+def test_a_job_claimed_between_the_read_and_the_cancel_is_logged_as_cancellation_requested(
+    admin_user, rf
+):
+    # The log's words came from the rows as read before the change: a job a worker claimed in
+    # between only got a cancellation request (and may well succeed), yet was logged cancelled.
+    job = JobFactory()
+    request = rf.post("/")
+    request.user = admin_user
+
+    def claimed_then_cancelled(rows):
+        Job.objects.claim(["default"], worker="w1", limit=1)  # a worker's claim, just then
+        return rows.cancel()
+
+    logged = lambda row: str(actions.CANCEL.logged_for(row))  # noqa: E731
+    changed, _ = actions.apply(
+        request, Job.objects.filter(pk=job.pk), claimed_then_cancelled, CHANGE, logged,
+        only=actions.LOGGED,
+    )  # fmt: skip
+    assert changed == 1 and reload(job).cancel_requested
+    assert log_for(job) == [(admin_user.username, CHANGE, "Cancellation requested.")]

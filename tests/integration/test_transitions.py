@@ -563,3 +563,37 @@ def test_a_turn_records_awkward_results_and_errors_exactly():
             text,
             f"Traceback:\n  {text}\n",
         )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_over_rows_a_worker_holds_for_its_turn_does_not_deadlock_with_it(
+    other_connection,
+):
+    # A worker's turn holds the ready rows it is claiming while it waits to record its running
+    # ones' outcomes; a cancel over both that waited on a row would wait for the worker, which
+    # waits for the row the cancel wrote: PostgreSQL ended one of them (an operator's 500, a
+    # worker's turn rolled back).
+    Job.objects.enqueue(tasks.noop)
+    running = claim_one("w1")
+    ready = Job.objects.enqueue(tasks.noop)
+    other_connection.execute("BEGIN")  # the worker's turn: claiming `ready`...
+    other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [ready.pk])
+    cancelled: list[object] = []
+
+    def cancel() -> None:
+        try:
+            cancelled.append(Job.objects.filter(pk__in=[running.pk, ready.pk]).cancel())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=cancel)
+    thread.start()
+    time.sleep(0.2)  # the cancel has reached the rows
+    # ...then recording `running`'s outcome, in the same statement.
+    other_connection.execute("UPDATE pgjobs_job SET progress = NULL WHERE id = %s", [running.pk])
+    other_connection.execute("COMMIT")
+    thread.join(10)
+    assert cancelled and sorted(cancelled[0]) == sorted([running.pk, ready.pk])  # type: ignore[arg-type]
+    statuses = dict(Job.objects.values_list("pk", "status"))
+    assert statuses == {running.pk: Status.RUNNING, ready.pk: Status.CANCELLED}
+    assert Job.objects.get(pk=running.pk).cancel_requested
