@@ -39,9 +39,13 @@ def listen(
             connection: Any = wrapper.get_new_connection(params)
             try:
                 connection.autocommit = True
-                # Frozen, this process would hold back the server's notification queue.
-                timeout = locks.user_timeout(db)
-                connection.execute("SELECT set_config('tcp_user_timeout', %s, false)", [timeout])
+                # Frozen, this process would hold back the server's notification queue; idle, it
+                # is by design (runtime/locks.py).
+                connection.execute(
+                    "SELECT set_config('tcp_user_timeout', %s, false), "
+                    "set_config('idle_session_timeout', %s, false)",
+                    [locks.user_timeout(db), locks.IDLE_SESSION],
+                )
                 connection.execute(f"LISTEN {CHANNEL}")
                 on_connect()
                 failures = 0

@@ -2,9 +2,10 @@
 handlers' connections are left alone): a lock_timeout, so that no statement of the worker's own
 waits long on a lock held elsewhere; an idle_in_transaction_session_timeout and the server's
 tcp_user_timeout (user_timeout), so that no lock of its own outlives a stopped process for
-long; an application_name that says whose they are in pg_stat_activity; synchronous_commit off
-unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]; and prepared statements for what they run again and
-again. And the TCP keepalives of every connection a worker process makes (KEEPALIVES)."""
+long; no idle_session_timeout (IDLE_SESSION: they are idle between turns by design); an
+application_name that says whose they are in pg_stat_activity; synchronous_commit off unless
+PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]; and prepared statements for what they run again and again.
+And the TCP keepalives of every connection a worker process makes (KEEPALIVES)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ LOCK_TIMEOUT = "5s"
 #: its locks (a queue's row that every other worker's claim would otherwise skip) instead of
 #: holding them until TCP gives up on the connection, hours later on a partition.
 IDLE_IN_TRANSACTION = "10s"
+
+#: The worker's own sessions (its main loop's, lease keeper's and listener's) are idle between
+#: their statements by design: the listener always, the lease keeper for a third of a lease. An
+#: idle_session_timeout the database or role sets (managed services do, PostgreSQL 14+) would
+#: end them over and over, the listener's with a warning that reads like a crash, and each
+#: reconnection of the listener is a gap in wake-ups. They opt out (0: none).
+IDLE_SESSION = "0"
 
 #: After this many executions psycopg prepares a statement on a worker's main loop connection
 #: (its own default), and PostgreSQL plans it once for any parameters (plan_cache_mode
@@ -146,6 +154,7 @@ class LockWaits:
                 "SELECT set_config('lock_timeout', %(lock_timeout)s, false), "
                 "set_config('idle_in_transaction_session_timeout', %(idle)s, false), "
                 "set_config('tcp_user_timeout', %(user_timeout)s, false), "
+                "set_config('idle_session_timeout', %(idle_session)s, false), "
                 "set_config('application_name', %(name)s, false), "
                 "set_config('synchronous_commit', %(synchronous_commit)s, false), "
                 "set_config('plan_cache_mode', CASE WHEN %(prepare)s THEN 'force_generic_plan' "
@@ -157,6 +166,7 @@ class LockWaits:
                     "lock_timeout": LOCK_TIMEOUT,
                     "idle": IDLE_IN_TRANSACTION,
                     "user_timeout": user_timeout(self.db),
+                    "idle_session": IDLE_SESSION,
                     "name": self.name,
                     "synchronous_commit": "on" if durable else "off",
                     "prepare": prepare,

@@ -279,3 +279,46 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
         stopped.set()
         acks._in_flight = {}
         thread.join(5)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_session_timeout_of_the_database_does_not_end_the_workers_own_sessions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Managed services set one (PostgreSQL 14+): the listener, idle by design, was ended every
+    # period, logging a warning that reads like a crash, a gap in wake-ups each time.
+    options = {
+        **connection.settings_dict.get("OPTIONS", {}),
+        "options": "-c idle_session_timeout=300",
+    }
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    connects: list[float] = []
+    stopped = threading.Event()
+    thread = threading.Thread(
+        target=listener.listen,
+        args=(
+            "default",
+            lambda queue: None,
+            lambda: connects.append(time.monotonic()),
+            stopped.is_set,
+        ),
+        daemon=True,
+    )
+    thread.start()
+    try:
+        wait_until(lambda: connects, timeout=5)
+        time.sleep(1.5)  # five of the database's idle timeouts
+        assert len(connects) == 1
+    finally:
+        stopped.set()
+        thread.join(5)
+    connection.close()  # made again with the option: the main loop's and lease keeper's
+    lock_waits = LockWaits("default")
+    lock_waits.limit_this_thread()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW idle_session_timeout")
+            assert cursor.fetchone()[0] == "0"
+    finally:
+        lock_waits.stop()
+        connection.close()
