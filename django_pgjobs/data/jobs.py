@@ -419,40 +419,64 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             job.attempts, job.claims = job.attempts + 1, job.claims + 1
             self.write_back(job, failure, permanent=True, delay=0)
 
-    def write_back(self, job: Job, failure: Failure, *, permanent: bool, delay: float) -> str:
+    def write_back(
+        self, job: Job, failure: Failure, *, permanent: bool, delay: float, hand_back: bool = False
+    ) -> str:
         """Record a failed attempt of `job`, run from NATS by `job.worker` (an unsaved Job
         with its attempts and claims), by the worker's own rule (`fail`), and say what to do
         with its message:
 
         - ``failed`` (or ``cancelled``): written here as a dead letter, for the admin's
           inspection and replay; the message is done with;
-        - ``ready``: attempts remain; nothing is written, the message is delivered again after
-          `delay`;
+        - ``ready``: attempts remain. Nothing is written, the message is delivered again after
+          `delay`; with `hand_back`, the job is written as an outbox row due after `delay`,
+          with its attempts and error history, relayed then under a message id of its own
+          (it counts one claim more than the message): the message is done with;
         - WRITTEN: a row of this job with at least its claims exists already (written by an
           earlier delivery of the message, or replayed since): nothing to do;
         - IN_OUTBOX: the job's outbox row is still there (its relay has not committed): try
           again shortly.
         """
         db = self._write_db()
+        with transaction.atomic(using=db):
+            if (found := self._written_back(job, job.attempts)) is not None:
+                return found
+            status = self.fail(job, failure, permanent=permanent, delay=delay)
+            assert status is not None, "the row was inserted as held by this worker"
+            if status == Status.READY and not hand_back:
+                transaction.set_rollback(True, using=db)  # the message carries the retry
+            return status
+
+    def hand_back(self, job: Job, delay: float) -> str:
+        """`job`, run from NATS by `job.worker`, asked to run again in `delay` seconds (Retry),
+        its attempt counted: written as an outbox row due then, as write_back's `hand_back`.
+        Returns ``ready``, or WRITTEN or IN_OUTBOX as write_back."""
+        with transaction.atomic(using=self._write_db()):
+            # Written with one attempt more, which retry_later's release gives back: the
+            # attempt counts, as a Retry's negative acknowledgement would count it.
+            if (found := self._written_back(job, job.attempts + 1)) is not None:
+                return found
+            released = self.retry_later(job, delay)
+            assert released, "the row was inserted as held by this worker"
+            return Status.READY
+
+    def _written_back(self, job: Job, attempts: int) -> str | None:
+        """Insert `job` as a running row held by `job.worker` (sql.WRITE_BACK) with `attempts`;
+        None when inserted, else WRITTEN or IN_OUTBOX (see write_back)."""
         params = {
             "id": job.pk, "queue": job.queue, "task": job.task,
             "payload": json.dumps(job.payload), "priority": job.priority, "run_at": job.run_at,
-            "attempts": job.attempts, "max_attempts": job.max_attempts, "worker": job.worker,
+            "attempts": attempts, "max_attempts": job.max_attempts, "worker": job.worker,
             "errors": json.dumps(job.errors), "created_at": job.created_at, "claims": job.claims,
             "headers": None if job.headers is None else json.dumps(job.headers),
         }  # fmt: skip
-        with transaction.atomic(using=db):
-            found = rows.execute(db, sql.WRITE_BACK, params)
-            if not found:  # the row in the way was deleted as the insert waited for it
-                return IN_OUTBOX
-            ((inserted, _, claims),) = found
-            if not inserted:
-                return WRITTEN if claims >= job.claims else IN_OUTBOX
-            status = self.fail(job, failure, permanent=permanent, delay=delay)
-            assert status is not None, "the row was inserted as held by this worker"
-            if status == Status.READY:
-                transaction.set_rollback(True, using=db)  # the message carries the retry
-            return status
+        found = rows.execute(self._write_db(), sql.WRITE_BACK, params)
+        if not found:  # the row in the way was deleted as the insert waited for it
+            return IN_OUTBOX
+        ((inserted, _, claims),) = found
+        if not inserted:
+            return WRITTEN if claims >= job.claims else IN_OUTBOX
+        return None
 
     # ---- helpers -----------------------------------------------------------------------------
 

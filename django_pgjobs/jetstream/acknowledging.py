@@ -126,6 +126,10 @@ class Acknowledger:
             said = f"its outcome ({handled.verdict.value}) is not acknowledged: no in-progress "
             said += "acknowledgement reached NATS within its ack wait (the worker was stopped, "
             said += "or cut off from NATS), so another worker may run it now; that run decides"
+        elif reply is Reply.ACK and delivery.outcome is Outcome.RETRIED:
+            said = "was handed back to PostgreSQL for its retry (an outbox row), but NATS did "
+            said += "not confirm its message's acknowledgement within its ack wait: it is "
+            said += "delivered again, and may run again before its retry"
         elif reply is Reply.ACK:
             said = "succeeded, but NATS did not confirm its acknowledgement within its ack "
             said += "wait: it is delivered again, and run again (a dead letter, WorkerLost, if "

@@ -39,7 +39,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages, streams
 from django_pgjobs.jetstream.acknowledging import Acknowledger
-from django_pgjobs.jetstream.answers import answer
+from django_pgjobs.jetstream.answers import answer, nak_limit
 from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.jetstream.deliveries import Delivery
 from django_pgjobs.models import Job, Queue, QueueStat
@@ -69,6 +69,7 @@ class NatsWorker(Stoppable):
     ) -> None:
         super().__init__()
         self.options, self.queues, self.bridge = options, list(queues), bridge
+        self._queues = {queue.queue: queue for queue in self.queues}
         self.id = options.worker_id or worker_id()
         self.lease = options.lease or get_settings().LEASE
         self.db = router.db_for_write(Job)
@@ -299,7 +300,12 @@ class NatsWorker(Stoppable):
                 job, handled = done[0]
                 delivery = self._in_flight[id(job)]
                 if delivery.ours(self._acks.ack_wait):
-                    reply, delay, outcome = answer(self.jobs, job, handled)
+                    limit = nak_limit(
+                        delivery.msg.metadata.timestamp,
+                        self._acks.ack_wait,
+                        self._queues[job.queue].max_age,
+                    )
+                    reply, delay, outcome = answer(self.jobs, job, handled, limit)
                     delivery.decide(reply, delay, handled, outcome)
                     self._acks.unanswered.append(delivery)
                 else:

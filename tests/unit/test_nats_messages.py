@@ -16,6 +16,20 @@ def test_a_retry_later_than_jetstream_can_delay_is_delayed_as_long_as_it_can_not
     # A Retry of 500 years (pgjobs takes up to 1000) overflowed the NAK's 64-bit nanoseconds:
     # the message came back at once, again and again, until its attempts ran out.
     job = SimpleNamespace(attempts=1, max_attempts=3)  # attempts left: a NAK
-    late = answer(None, job, Handled(Verdict.RETRY, delay=500 * 365 * 86400.0))  # type: ignore[arg-type]
+    late = answer(None, job, Handled(Verdict.RETRY, delay=500 * 365 * 86400.0), float("inf"))  # type: ignore[arg-type]
     assert (late.reply, late.delay, late.outcome) == (Reply.NAK, MAX_NAK_DELAY, Outcome.RETRIED)
     assert MAX_NAK_DELAY * 1e9 < 2**63
+
+
+def test_a_nak_delay_is_at_most_a_few_ack_waits_and_ends_before_the_message_expires():
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from django_pgjobs.jetstream.answers import NAK_ACK_WAITS, nak_limit
+
+    just_published = timezone.now()
+    assert nak_limit(just_published, 30.0, 0) == NAK_ACK_WAITS * 30.0
+    # Stored 20 s ago in a stream keeping messages 120 s: 100 s left, less an ack wait.
+    assert 69.0 < nak_limit(just_published - timedelta(seconds=20), 30.0, 120) <= 70.0
+    assert nak_limit(just_published - timedelta(seconds=3590), 30.0, 3600) == 0.0
