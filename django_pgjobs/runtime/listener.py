@@ -41,11 +41,12 @@ def listen(
                 connection.autocommit = True
                 # Frozen, this process would hold back the server's notification queue; idle, it
                 # is by design (runtime/locks.py).
-                connection.execute(
-                    "SELECT set_config('tcp_user_timeout', %s, false), "
-                    "set_config('idle_session_timeout', %s, false)",
-                    [locks.user_timeout(db), locks.IDLE_SESSION],
-                )
+                if not locks.pooled(db):
+                    connection.execute(
+                        "SELECT set_config('tcp_user_timeout', %s, false), "
+                        "set_config('idle_session_timeout', %s, false)",
+                        [locks.user_timeout(db), locks.IDLE_SESSION],
+                    )
                 connection.execute(f"LISTEN {CHANNEL}")
                 on_connect()
                 failures = 0

@@ -81,6 +81,12 @@ def user_timeout(db: str) -> str:
     return str(int(options.get("tcp_user_timeout", KEEPALIVES["tcp_user_timeout"])))
 
 
+def pooled(db: str) -> bool:
+    """Whether `db` is reached through a transaction-mode pooler (DISABLE_SERVER_SIDE_CURSORS,
+    what Django needs there): a session setting would leak to the pooler's other clients."""
+    return bool(connections[db].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"))
+
+
 def keep_alive(db: str) -> bool:
     """Give this process's connections to `db` the KEEPALIVES settings their OPTIONS leave out
     (from their next connect); True when any was added."""
@@ -118,7 +124,7 @@ class LockWaits:
         self.name = options.get("application_name") or name
         self.prepare = "prepare_threshold" not in options and not options.get("server_side_binding")
         self._threads: dict[int, bool] = {}  # thread → whether it plans once
-        self.enabled = not connections[db].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
+        self.enabled = not pooled(db)
 
     def limit_this_thread(self, plans: bool = False) -> None:
         if not self.enabled:
