@@ -8,17 +8,22 @@ who may view queues.
 
 from __future__ import annotations
 
+import copy
+from contextlib import suppress
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
-from django.contrib.admin.models import CHANGE
+from django.contrib.admin.models import CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
 from django.db import DatabaseError
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
+from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
@@ -63,7 +68,33 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
 
     def get_changelist_form(self, request: HttpRequest, **kwargs: Any) -> type[ModelForm]:
         form: type[ModelForm] = super().get_changelist_form(request, **kwargs)
-        return form if self.has_pause_permission(request) else _without_pause(form)
+        form = form if self.has_pause_permission(request) else _without_pause(form)
+        return guarded(form)
+
+    def save_model(self, request: HttpRequest, obj: Queue, form: Any, change: bool) -> None:
+        if not isinstance(form, Guarded):
+            return super().save_model(request, obj, form, change)
+        # The list's Save writes only what this user changed, and only where the row still
+        # holds what the page showed (or already what they chose): another operator's pause
+        # or limit since the page loaded is neither undone nor logged as this user's.
+        # (form.clean() refused the conflicts it saw; this guard closes the moment since.)
+        changes = {name: form.cleaned_data[name] for name in form.changed_data}
+        guard = Q()
+        for name, value in changes.items():
+            guard &= Q(**{name: form.initial.get(name)}) | Q(**{name: value})
+        if changes and not Queue.objects.filter(guard, pk=obj.pk).update(
+            **changes, updated_at=Now()
+        ):
+            obj._conflicted = True  # type: ignore[attr-defined]
+            self.message_user(request, form.conflict(), messages.ERROR)
+
+    # The changelist ignores what log_change returns.
+    def log_change(  # type: ignore[override]
+        self, request: HttpRequest, obj: Any, message: Any
+    ) -> LogEntry | None:
+        if getattr(obj, "_conflicted", False):
+            return None  # not written: nothing to log
+        return super().log_change(request, obj, message)
 
     def get_form(
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
@@ -125,6 +156,82 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
             "load": report.load,
         }
         return TemplateResponse(request, "admin/pgjobs/report.html", context)
+
+
+#: The list's editable columns, whose Save is judged against what the page showed.
+GUARDED = ("paused", "max_running")
+#: The hidden input beside each of them: the value the page showed.
+SHOWN = "{}-shown"
+
+
+class Guarded(ModelForm):
+    """A row of the Queues list. Its changes are what the user changed on the page: each value
+    is compared with the one the page showed (posted beside it), not with the row as it is now,
+    which another operator may have changed since. A changed value whose row holds neither
+    what the page showed nor the new value is a conflict: the form is invalid and says so."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name in GUARDED:
+            if name not in self.fields:
+                continue
+            field = self.fields[name]
+            raw = self.data.get(SHOWN.format(self.add_prefix(name))) if self.is_bound else None
+            if raw is not None:  # none: a page rendered before this code; the row as it is
+                # Not a value the page could have shown (a hand-made post): the row as it is.
+                with suppress(forms.ValidationError):
+                    self.initial[name] = field.to_python(raw)
+            field.widget = _showing(field.widget, self.initial.get(name))
+
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean() or {}
+        for name in self.changed_data:
+            now = getattr(self.instance, name)  # the row as this request read it
+            if name in GUARDED and now not in (self.initial.get(name), cleaned.get(name)):
+                label = self.fields[name].label or name
+                raise forms.ValidationError(
+                    self.conflict(_(" (%(field)s is now %(now)s)") % {"field": label, "now": now}),
+                    code="conflict",
+                )
+        return cleaned
+
+    def conflict(self, detail: str = "") -> str:
+        return _(
+            "Queue %(queue)r was changed by someone else since this page was loaded%(detail)s; "
+            "your change to it was not saved. Reload the page and make it again."
+        ) % {"queue": self.instance.pk, "detail": detail}
+
+
+def guarded(form: type[ModelForm]) -> type[Guarded]:
+    """`form`, as a row of the Queues list whose Save is guarded (see Guarded)."""
+    return type(f"Guarded{form.__name__}", (Guarded, form), {})
+
+
+class _ShownToo:
+    """A widget that also renders, hidden, the value the page showed (`shown`)."""
+
+    shown: Any = None
+
+    def render(self, name: str, value: Any, attrs: Any = None, renderer: Any = None) -> SafeString:
+        html: SafeString = super().render(name, value, attrs, renderer)  # type: ignore[misc]
+        shown = "" if self.shown is None else str(self.shown)
+        hidden = format_html(
+            '<input type="hidden" name="{}" value="{}">', SHOWN.format(name), shown
+        )
+        return html + hidden
+
+
+@cache
+def _showing_class(widget: type[forms.Widget]) -> type[forms.Widget]:
+    return type(f"Showing{widget.__name__}", (_ShownToo, widget), {})
+
+
+def _showing(widget: forms.Widget, shown: Any) -> forms.Widget:
+    """A copy of `widget` that also renders the value the page showed."""
+    showing = copy.copy(widget)
+    showing.__class__ = _showing_class(type(widget))
+    showing.shown = shown  # type: ignore[attr-defined]
+    return showing
 
 
 def _unreported(error: DatabaseError) -> str:

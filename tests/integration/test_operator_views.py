@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -16,14 +17,16 @@ from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import OperationalError, connection
 from django.db.models.functions import Now
-from django.test import override_settings
+from django.test import Client, override_settings
 from django.urls import reverse
 
 from django_pgjobs.management.commands import jobstats as command
-from django_pgjobs.models import Job, Schedule
+from django_pgjobs.models import Job, Queue, Schedule
 from django_pgjobs.observability import dbstats, figures, health
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability.health import Level
@@ -284,3 +287,143 @@ def test_ticks_older_than_grace_are_still_said_to_be_missed(caplog):
     scheduler.enqueue_due()
     assert Job.objects.count() == 1  # missed="latest"
     assert "periodic yearly: ticks after " in caplog.text and "were missed" in caplog.text
+
+
+# ---- C: a stale Queues list, saved, writes only what its user changed ----------------------
+
+
+def list_form(client: Client) -> dict[str, str]:
+    """The Queues list's form as a browser would post it, read from the page."""
+    page = client.get(QUEUES).content.decode()
+    fields = {}
+    for tag in re.findall(r"<input[^>]*>", page):
+        name = re.search(r'name="([^"]+)"', tag)
+        if not name or not name.group(1).startswith(("form-", "csrfmiddlewaretoken")):
+            continue
+        if 'type="checkbox"' in tag:
+            if "checked" in tag:
+                fields[name.group(1)] = "on"
+            continue
+        value = re.search(r'value="([^"]*)"', tag)
+        fields[name.group(1)] = value.group(1) if value else ""
+    return {**fields, "_save": "Save"}
+
+
+def row(fields: dict[str, str], queue: str) -> str:
+    """The form prefix of `queue`'s row ("form-1")."""
+    [key] = [k for k, v in fields.items() if k.endswith("-name") and v == queue]
+    return key.removesuffix("-name")
+
+
+@pytest.fixture
+def two_queues(db: None) -> None:
+    Queue.objects.create(name="emails")
+    Queue.objects.create(name="reports")
+
+
+def operator(name: str) -> Client:
+    User.objects.create_superuser(name, f"{name}@example.com", "pw")
+    client = Client()
+    client.force_login(User.objects.get(username=name))
+    return client
+
+
+def logged() -> list[tuple[str, str, str]]:
+    return [
+        (entry.user.username, entry.object_repr, entry.get_change_message())
+        for entry in LogEntry.objects.order_by("action_time")
+    ]
+
+
+@pytest.mark.django_db
+def test_a_stale_queues_list_saved_does_not_resume_a_queue_paused_meanwhile(two_queues):
+    a, b = operator("opa"), operator("opb")
+    page = list_form(a)
+    b.post(QUEUES, {"action": "pause", "_selected_action": ["emails"], "index": 0})
+    page[f"{row(page, 'reports')}-max_running"] = "4"
+    response = a.post(QUEUES, page, follow=True)
+    assert response.status_code == 200
+    assert [str(m) for m in response.context["messages"]] == ["1 queue was changed successfully."]
+    assert list(Queue.objects.order_by("name").values_list("name", "paused", "max_running")) == [
+        ("emails", True, None),
+        ("reports", False, 4),
+    ]
+    assert logged() == [("opb", "emails", "Paused."), ("opa", "reports", "Changed Max running.")]
+
+
+@pytest.mark.django_db
+def test_a_stale_queues_list_saved_does_not_clear_a_limit_set_meanwhile(two_queues):
+    a = operator("opa")
+    page = list_form(a)
+    Queue.objects.filter(name="emails").update(max_running=2)
+    page[f"{row(page, 'reports')}-paused"] = "on"
+    a.post(QUEUES, page)
+    assert list(Queue.objects.order_by("name").values_list("name", "paused", "max_running")) == [
+        ("emails", False, 2),
+        ("reports", True, None),
+    ]
+    assert logged() == [("opa", "reports", "Changed Paused.")]
+
+
+@pytest.mark.django_db
+def test_a_change_to_a_value_changed_meanwhile_is_refused_naming_the_queue(two_queues):
+    a = operator("opa")
+    page = list_form(a)
+    Queue.objects.filter(name="emails").update(max_running=2)
+    page[f"{row(page, 'emails')}-max_running"] = "8"
+    page[f"{row(page, 'reports')}-max_running"] = "4"
+    response = a.post(QUEUES, page)
+    assert response.status_code == 200  # the list again, with the row's error
+    content = response.content.decode()
+    assert (
+        "Queue &#x27;emails&#x27; was changed by someone else since this page was loaded "
+        "(Max running is now 2); your change to it was not saved. Reload the page" in content
+    )
+    assert list(Queue.objects.order_by("name").values_list("name", "max_running")) == [
+        ("emails", 2),
+        ("reports", None),  # the page is saved whole or not at all, as Django's list is
+    ]
+    assert logged() == []
+    # The same change made by someone else meanwhile is no conflict.
+    page = list_form(a)
+    Queue.objects.filter(name="emails").update(max_running=8)
+    page[f"{row(page, 'emails')}-max_running"] = "8"
+    a.post(QUEUES, page)
+    assert Queue.objects.get(name="emails").max_running == 8
+
+
+@pytest.mark.django_db
+def test_a_fresh_queues_list_saves_as_before(two_queues):
+    a = operator("opa")
+    page = list_form(a)
+    assert page[f"{row(page, 'emails')}-paused-shown"] == "False"
+    page[f"{row(page, 'emails')}-paused"] = "on"
+    page[f"{row(page, 'emails')}-max_running"] = "3"
+    a.post(QUEUES, page)
+    emails = Queue.objects.get(name="emails")
+    assert (emails.paused, emails.max_running) == (True, 3)
+    assert logged() == [("opa", "emails", "Changed Paused and Max running.")]
+    page = list_form(a)
+    del page[f"{row(page, 'emails')}-paused"]  # unticked: resumed
+    a.post(QUEUES, page)
+    assert not Queue.objects.get(name="emails").paused
+
+
+@pytest.mark.django_db
+def test_a_change_made_between_the_check_and_the_write_is_not_overwritten(two_queues, monkeypatch):
+    from django_pgjobs.admin import queues as queue_admin
+
+    a = operator("opa")
+    page = list_form(a)
+    Queue.objects.filter(name="emails").update(max_running=1)
+    # As if the change landed after the form's check: only the write's guard sees it.
+    monkeypatch.setattr(queue_admin.Guarded, "clean", lambda form: form.cleaned_data)
+    page[f"{row(page, 'emails')}-max_running"] = "5"
+    response = a.post(QUEUES, page, follow=True)
+    said = [str(m) for m in response.context["messages"]]
+    assert said[0].startswith(
+        "Queue 'emails' was changed by someone else since this page was loaded; your change to "
+        "it was not saved. Reload the page and make it again."
+    )
+    assert Queue.objects.get(name="emails").max_running == 1
+    assert logged() == []
