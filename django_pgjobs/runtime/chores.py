@@ -53,7 +53,7 @@ class Chore:
             if _connection_lost(error):
                 raise  # the worker's outage (runtime/outages.py)
             self.failures += 1
-            self.failed()
+            self.failed(error)
             wait = policy.outage_pause(self.failures)
             name, first = type(self).__name__, _first_line(error)
             if self.failures == 1:
@@ -75,15 +75,15 @@ class Chore:
     def run(self) -> float:
         raise NotImplementedError
 
-    def failed(self) -> None:
-        """`run()` raised (and was logged)."""
+    def failed(self, error: Exception) -> None:
+        """`run()` raised `error` (and was logged)."""
 
 
 class Reaper(Chore):
     """Returns jobs whose lease expired (any worker's but those of `running()`, this worker's
     own running claims) to ready, or to the dead letters.
 
-    Not while the worker's own statements fail (trouble(), its own failures), nor for
+    Not while the worker's own statements are held up (trouble(), its own failures), nor for
     policy.REAP_RECOVERY seconds after they work again (calm()): whatever held them up (an
     outage, a lock on the job table) held up every worker's heartbeats too, and the leases that
     ran out meanwhile are those of live workers until their keepers have had time to renew."""
@@ -100,9 +100,11 @@ class Reaper(Chore):
         self._troubled = False
         self._calm_at = -math.inf  # when the worker's statements last worked again
 
-    def trouble(self) -> None:
-        """The worker's statements fail (a turn, this chore)."""
-        self._troubled = True
+    def trouble(self, error: Exception) -> None:
+        """A statement of the worker's (a turn's, this chore's) failed with `error`: trouble
+        when it may have held up every worker's heartbeats too (held_up)."""
+        if held_up(error):
+            self._troubled = True
 
     def calm(self) -> None:
         """The worker's statements work (a turn that reached the database)."""
@@ -110,8 +112,8 @@ class Reaper(Chore):
             self._troubled = False
             self._calm_at = time.monotonic()
 
-    def failed(self) -> None:
-        self.trouble()
+    def failed(self, error: Exception) -> None:
+        self.trouble(error)
 
     def run(self) -> float:
         if self._troubled:
@@ -191,6 +193,18 @@ class Reporter(Chore):
         self.report(now - self.since)
         self.since = now
         return self.interval
+
+
+def held_up(error: Exception) -> bool:
+    """Whether `error` may have held up every worker's heartbeats too: a statement that waited
+    out its time (a lock on the job table), or a connection lost (an outage); not a transaction
+    the database rolled back (a serialization failure: they come and go under contention), nor
+    a bug."""
+    return (
+        isinstance(error, DatabaseError)
+        and not rows.rolled_back(error)
+        and (rows.timed_out(error) or rows.connection_lost(error))
+    )
 
 
 def _connection_lost(error: Exception) -> bool:

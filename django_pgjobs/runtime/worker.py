@@ -125,8 +125,7 @@ class Worker(Stoppable):
                     outage.over()
                     self._reaper.calm()
             except Exception as error:  # the database, or a bug (outages.py): pause, try again
-                if isinstance(error, DatabaseError):
-                    self._reaper.trouble()
+                self._reaper.trouble(error)
                 if options.once:
                     self._shutdown()
                     if not isinstance(error, DatabaseError):
