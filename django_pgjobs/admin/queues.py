@@ -18,8 +18,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
 from django.db import DatabaseError
-from django.db.models import Q, QuerySet
-from django.db.models.functions import Now
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -79,12 +78,7 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         # or limit since the page loaded is neither undone nor logged as this user's.
         # (form.clean() refused the conflicts it saw; this guard closes the moment since.)
         changes = {name: form.cleaned_data[name] for name in form.changed_data}
-        guard = Q()
-        for name, value in changes.items():
-            guard &= Q(**{name: form.initial.get(name)}) | Q(**{name: value})
-        if changes and not Queue.objects.filter(guard, pk=obj.pk).update(
-            **changes, updated_at=Now()
-        ):
+        if changes and not Queue.objects.change(obj.pk, changes, shown=form.initial):
             obj._conflicted = True  # type: ignore[attr-defined]
             self.message_user(request, form.conflict(), messages.ERROR)
 
@@ -100,7 +94,8 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
     ) -> type[ModelForm]:
         form: type[ModelForm] = super().get_form(request, obj, change, **kwargs)
-        return form if self.has_pause_permission(request) else _without_pause(form)
+        form = form if self.has_pause_permission(request) else _without_pause(form)
+        return guarded(form) if obj is not None else form  # a queue's page: as the list
 
     @admin.action(description=gettext_lazy("Pause selected queues"), permissions=["pause"])
     def pause(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:

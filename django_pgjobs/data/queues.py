@@ -1,11 +1,14 @@
-"""Every query that changes a queue's controls: pause and resume (Queue.objects)."""
+"""Every query that changes a queue's controls: pause and resume, and an operator's edit
+(Queue.objects)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import EmptyResultSet
 from django.db import connections, models
+from django.db.models.functions import Now
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Queue  # noqa: F401  (named in QuerySet["Queue"] below)
@@ -24,6 +27,16 @@ class QueueQuerySet(models.QuerySet["Queue"]):
         """Pause the selected queues that are not paused yet: workers stop claiming their jobs
         at their next read of the controls, and let the running ones finish."""
         return self._set_paused(True)
+
+    def change(self, name: str, changes: Mapping[str, Any], shown: Mapping[str, Any]) -> bool:
+        """Write `changes` (field → value) to queue `name`, only where each of those fields
+        still holds the value the operator was shown (`shown`), or already the new one: a
+        pause or a limit someone else set since is neither undone nor overwritten. False when
+        the row no longer matches (nothing written)."""
+        guard = models.Q()
+        for field, value in changes.items():
+            guard &= models.Q(**{field: shown.get(field)}) | models.Q(**{field: value})
+        return bool(self.filter(guard, pk=name).update(**changes, updated_at=Now()))
 
     def resume(self) -> list[str]:
         """Resume the selected paused queues."""

@@ -9,7 +9,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 from typing import Any
@@ -292,13 +292,12 @@ def test_ticks_older_than_grace_are_still_said_to_be_missed(caplog):
 # ---- C: a stale Queues list, saved, writes only what its user changed ----------------------
 
 
-def list_form(client: Client) -> dict[str, str]:
-    """The Queues list's form as a browser would post it, read from the page."""
-    page = client.get(QUEUES).content.decode()
+def posted(page: str, keep: Callable[[str], bool]) -> dict[str, str]:
+    """The inputs of `page` whose names `keep` accepts, as a browser would post them saved."""
     fields = {}
     for tag in re.findall(r"<input[^>]*>", page):
         name = re.search(r'name="([^"]+)"', tag)
-        if not name or not name.group(1).startswith(("form-", "csrfmiddlewaretoken")):
+        if not name or not keep(name.group(1)):
             continue
         if 'type="checkbox"' in tag:
             if "checked" in tag:
@@ -307,6 +306,12 @@ def list_form(client: Client) -> dict[str, str]:
         value = re.search(r'value="([^"]*)"', tag)
         fields[name.group(1)] = value.group(1) if value else ""
     return {**fields, "_save": "Save"}
+
+
+def list_form(client: Client) -> dict[str, str]:
+    """The Queues list's form as a browser would post it, read from the page."""
+    page = client.get(QUEUES).content.decode()
+    return posted(page, lambda name: name.startswith(("form-", "csrfmiddlewaretoken")))
 
 
 def row(fields: dict[str, str], queue: str) -> str:
@@ -427,3 +432,21 @@ def test_a_change_made_between_the_check_and_the_write_is_not_overwritten(two_qu
     )
     assert Queue.objects.get(name="emails").max_running == 1
     assert logged() == []
+
+
+def change_form(client: Client, queue: str) -> dict[str, str]:
+    """A queue's own page's form as a browser would post it."""
+    page = client.get(reverse("admin:pgjobs_queue_change", args=[queue])).content.decode()
+    return posted(page, lambda name: name not in ("_save", "_continue", "_addanother"))
+
+
+@pytest.mark.django_db
+def test_a_stale_queue_page_saved_does_not_resume_the_queue_paused_meanwhile(two_queues):
+    a, b = operator("opa"), operator("opb")
+    page = change_form(a, "emails")
+    b.post(QUEUES, {"action": "pause", "_selected_action": ["emails"], "index": 0})
+    page["max_running"] = "4"
+    a.post(reverse("admin:pgjobs_queue_change", args=["emails"]), page)
+    emails = Queue.objects.get(name="emails")
+    assert (emails.paused, emails.max_running) == (True, 4)
+    assert logged() == [("opb", "emails", "Paused."), ("opa", "emails", "Changed Max running.")]
