@@ -28,7 +28,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from django.db import DatabaseError, connections, router
 from nats.aio.msg import Msg
@@ -37,12 +36,13 @@ from nats.js.errors import NotFoundError
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.records import Failure
-from django_pgjobs.jetstream import messages, streams
+from django_pgjobs.jetstream import messages
 from django_pgjobs.jetstream.acknowledging import Acknowledger
 from django_pgjobs.jetstream.answers import answer, nak_limit
 from django_pgjobs.jetstream.bridge import Bridge
+from django_pgjobs.jetstream.consumers import Consumers
 from django_pgjobs.jetstream.deliveries import Delivery
-from django_pgjobs.models import Job, Queue, QueueStat
+from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import execute, policy
@@ -85,11 +85,11 @@ class NatsWorker(Stoppable):
             self.id, bridge, self.lease, self._in_flight, self._lock, self._handlers,
             stopping=lambda: self._stopping, settled=self._settled,
         )  # fmt: skip
-        self._subscriptions: dict[str, object] = {}
+        self._consumers = Consumers(
+            self.id, bridge, self.queues, self.lease, self.db, lambda: self._stopping
+        )
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
         self._fetched_nothing = False
-        self._gone: set[str] = set()  # queues whose consumer was found gone (_read_consumers)
-        self._ack_floors: dict[str, int] = {}  # by queue: its consumer's, as last read
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._recorded = 0  # outcomes answered, for --max-jobs-per-child
         self._exit = Exit.OK
@@ -106,7 +106,7 @@ class NatsWorker(Stoppable):
         self._handlers.start()
         keeper = threading.Thread(
             target=self._acks.keep_in_progress,
-            args=(self._read_consumers,),
+            args=(self._consumers.read,),
             name="pgjobs-nats-acks",
         )
         keeper.daemon = True
@@ -126,9 +126,8 @@ class NatsWorker(Stoppable):
                 )  # fmt: skip
                 if isinstance(error, DatabaseError):
                     connections[self.db].close()
-                if isinstance(error, NotFoundError | ConnectionClosedError):  # the stream or
-                    # consumer was deleted, or the connection closed for good (Bridge.client):
-                    self._subscriptions.clear()  # made and bound again at the next turn
+                if isinstance(error, NotFoundError | ConnectionClosedError):
+                    self._consumers.forget()
                 if options.once and failures > 5:
                     break
                 self._pause(pause)
@@ -177,7 +176,7 @@ class NatsWorker(Stoppable):
         """Take messages into the free handler slots, from each served queue in turn; wait
         for a handler or a chore when there was nothing to take."""
         taking = set(self.controls.open) | set(self.controls.limited)  # paused: not fetched
-        subscriptions = [(queue, self._subscription(queue)) for queue in self.queues]
+        subscriptions = [(queue, self._consumers.subscription(queue)) for queue in self.queues]
         fetched, waited = 0, False
         for queue, subscription in subscriptions:
             free = self._free_slots()
@@ -206,52 +205,6 @@ class NatsWorker(Stoppable):
         ready_soon = options.concurrency - self._handlers.held_up(policy.HELD_UP)
         extra = policy.prefetch(ready_soon, options.batch_size, self._mean_duration)
         return options.concurrency + extra - len(self._in_flight)
-
-    def _subscription(self, queue: NatsQueue) -> object:
-        if queue.queue in self._gone:  # a pull from a consumer gone only times out
-            self._gone.discard(queue.queue)
-            self._subscriptions.pop(queue.queue, None)  # made and bound again here
-        subscription = self._subscriptions.get(queue.queue)
-        if subscription is None:
-            stream = streams.ensure_stream(self.bridge, queue)
-            floor = self._ack_floors.get(queue.queue)
-            subscription, made = streams.ensure_consumer(
-                self.bridge, queue, self.lease, self._max_ack_pending(queue), resume_after=floor
-            )
-            if made is not None:
-                self._say_made(queue, stream, floor)
-            self._subscriptions[queue.queue] = subscription
-        return subscription
-
-    def _say_made(self, queue: NatsQueue, stream: Any, floor: int | None) -> None:
-        """Say that the queue's consumer had to be made, and which messages it delivers."""
-        state = stream.state
-        if floor is not None:
-            quietly(
-                logger.warning,
-                "worker %s: made the consumer %s of queue %r again, delivering from stream "
-                "sequence %d on (after the last one it had acknowledged in order, as this "
-                "worker last read it): a job acknowledged after that runs again",
-                self.id, queue.consumer, queue.queue, floor + 1,
-            )  # fmt: skip
-        elif state.messages:
-            quietly(
-                logger.warning,
-                "worker %s: the consumer %s of queue %r did not exist: made, it delivers every "
-                "message the stream %s holds (%d, sequences %d to %d). If the queue ran on "
-                "NATS before and its consumer was deleted, the jobs among them that ran run "
-                "again (docs/explanation/graduating.md)",
-                self.id, queue.consumer, queue.queue, queue.stream, state.messages,
-                state.first_seq, state.last_seq,
-            )  # fmt: skip
-
-    def _max_ack_pending(self, queue: NatsQueue) -> int:
-        """The queue's max_running (a Queue row) when set: across every worker, as many
-        messages as that may be delivered and unacknowledged at once."""
-        limit = Queue.objects.using(self.db).filter(name=queue.queue).values_list(
-            "max_running", flat=True
-        ).first()  # fmt: skip
-        return queue.max_ack_pending if limit is None else max(limit, 1)
 
     def _take(self, batch: list[Msg], sent_at: float) -> None:
         jobs = []
@@ -329,47 +282,6 @@ class NatsWorker(Stoppable):
         self._announcer.announce(job, handled, outcome)
         if not logged:
             log_outcome(job, handled, outcome)
-
-    # ---- leases --------------------------------------------------------------------------------
-
-    def _read_consumers(self, last: float) -> float:
-        """Read this worker's consumers as the server has them now; returns the shortest ack
-        wait. They are shared: a worker of the queue started with a shorter --lease sets its
-        own (this one's in-progress acknowledgements must then come as often, or every message
-        it runs is delivered again to another worker while it runs). One found gone (deleted
-        by hand, or the server restarted without its storage, which its pulls cannot tell from
-        an empty queue) is made again at the main loop's next fetch (`_gone`)."""
-        waits = [self.lease]
-        if self._stopping:  # its grace: the last ack wait read stands
-            return last
-        for queue in self.queues:
-            if queue.queue not in self._subscriptions or queue.queue in self._gone:
-                continue
-            try:
-                info = self.bridge.call(
-                    self.bridge.js.consumer_info(queue.stream, queue.consumer),
-                    self.bridge.servers.publish_timeout,
-                )
-            except NotFoundError:
-                self._gone.add(queue.queue)
-                quietly(
-                    logger.warning,
-                    "worker %s: the consumer %s of queue %r is gone (deleted, or the server "
-                    "lost its storage); making it again", self.id, queue.consumer, queue.queue,
-                )  # fmt: skip
-                continue
-            if info.ack_floor is not None:  # where a consumer made again starts (_subscription)
-                self._ack_floors[queue.queue] = info.ack_floor.stream_seq
-            waits.append(float(info.config.ack_wait or self.lease))
-        shortest = min(waits)
-        if shortest < self.lease and shortest != last:
-            quietly(
-                logger.warning,
-                "worker %s: a consumer of its queues has an ack wait of %gs, under its lease of "
-                "%gs (set by a worker started with a shorter --lease): in-progress "
-                "acknowledgements every %.2gs", self.id, shortest, self.lease, shortest / 3,
-            )  # fmt: skip
-        return shortest
 
     def _timeout_of(self, job: Job) -> float | None:
         return execute.limits_of(job, self.lease)[1]

@@ -1,0 +1,132 @@
+"""A NATS worker's durable consumers: made (or made again, from where they had got) and bound
+at the main loop's fetch, read once a second by the acknowledgement thread (their ack waits,
+whether they still exist, how far their acknowledgements have got)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nats.js.errors import NotFoundError
+
+from django_pgjobs.jetstream import streams
+from django_pgjobs.jetstream.bridge import Bridge
+from django_pgjobs.models import Queue
+from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.transports import NatsQueue
+
+logger = logging.getLogger("django_pgjobs.jetstream.consumer")
+
+
+class Consumers:
+    """The consumers of `queues` for worker `worker` (its --lease `lease`, its database `db`):
+    `subscription(queue)` from the main loop, `read(last)` from the acknowledgement thread
+    (`stopping()`: the worker is stopping)."""
+
+    def __init__(
+        self,
+        worker: str,
+        bridge: Bridge,
+        queues: Sequence[NatsQueue],
+        lease: float,
+        db: str,
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.worker, self.bridge, self.queues = worker, bridge, list(queues)
+        self.lease, self.db, self.stopping = lease, db, stopping
+        self._subscriptions: dict[str, object] = {}
+        self._gone: set[str] = set()  # queues whose consumer was found gone (read)
+        self._ack_floors: dict[str, int] = {}  # by queue: its consumer's, as last read
+
+    def subscription(self, queue: NatsQueue) -> object:
+        """The queue's pull subscription, its stream and consumer made (again) if need be."""
+        if queue.queue in self._gone:  # a pull from a consumer gone only times out
+            self._gone.discard(queue.queue)
+            self._subscriptions.pop(queue.queue, None)  # made and bound again here
+        subscription = self._subscriptions.get(queue.queue)
+        if subscription is None:
+            stream = streams.ensure_stream(self.bridge, queue)
+            floor = self._ack_floors.get(queue.queue)
+            subscription, made = streams.ensure_consumer(
+                self.bridge, queue, self.lease, self._max_ack_pending(queue), resume_after=floor
+            )
+            if made is not None:
+                self._say_made(queue, stream, floor)
+            self._subscriptions[queue.queue] = subscription
+        return subscription
+
+    def forget(self) -> None:
+        """The stream or a consumer was deleted, or the connection closed for good
+        (Bridge.client): every subscription is made and bound again at the next fetch."""
+        self._subscriptions.clear()
+
+    def read(self, last: float) -> float:
+        """Read the consumers as the server has them now; returns the shortest ack wait (`last`,
+        the one read before, while the worker stops). They are shared: a worker of the queue
+        started with a shorter --lease sets its own (this one's in-progress acknowledgements
+        must then come as often, or every message it runs is delivered again to another worker
+        while it runs). One found gone (deleted by hand, or the server restarted without its
+        storage, which its pulls cannot tell from an empty queue) is made again at the main
+        loop's next fetch, from just after its last acknowledgements in order."""
+        waits = [self.lease]
+        if self.stopping():  # its grace: the last ack wait read stands
+            return last
+        for queue in self.queues:
+            if queue.queue not in self._subscriptions or queue.queue in self._gone:
+                continue
+            try:
+                info = self.bridge.call(
+                    self.bridge.js.consumer_info(queue.stream, queue.consumer),
+                    self.bridge.servers.publish_timeout,
+                )
+            except NotFoundError:
+                self._gone.add(queue.queue)
+                quietly(
+                    logger.warning,
+                    "worker %s: the consumer %s of queue %r is gone (deleted, or the server "
+                    "lost its storage); making it again", self.worker, queue.consumer, queue.queue,
+                )  # fmt: skip
+                continue
+            if info.ack_floor is not None:  # where a consumer made again starts (subscription)
+                self._ack_floors[queue.queue] = info.ack_floor.stream_seq
+            waits.append(float(info.config.ack_wait or self.lease))
+        shortest = min(waits)
+        if shortest < self.lease and shortest != last:
+            quietly(
+                logger.warning,
+                "worker %s: a consumer of its queues has an ack wait of %gs, under its lease of "
+                "%gs (set by a worker started with a shorter --lease): in-progress "
+                "acknowledgements every %.2gs", self.worker, shortest, self.lease, shortest / 3,
+            )  # fmt: skip
+        return shortest
+
+    def _say_made(self, queue: NatsQueue, stream: Any, floor: int | None) -> None:
+        """Say that the queue's consumer had to be made, and which messages it delivers."""
+        state = stream.state
+        if floor is not None:
+            quietly(
+                logger.warning,
+                "worker %s: made the consumer %s of queue %r again, delivering from stream "
+                "sequence %d on (after the last one it had acknowledged in order, as this "
+                "worker last read it): a job acknowledged after that runs again",
+                self.worker, queue.consumer, queue.queue, floor + 1,
+            )  # fmt: skip
+        elif state.messages:
+            quietly(
+                logger.warning,
+                "worker %s: the consumer %s of queue %r did not exist: made, it delivers every "
+                "message the stream %s holds (%d, sequences %d to %d). If the queue ran on "
+                "NATS before and its consumer was deleted, the jobs among them that ran run "
+                "again (docs/explanation/graduating.md)",
+                self.worker, queue.consumer, queue.queue, queue.stream, state.messages,
+                state.first_seq, state.last_seq,
+            )  # fmt: skip
+
+    def _max_ack_pending(self, queue: NatsQueue) -> int:
+        """The queue's max_running (a Queue row) when set: across every worker, as many
+        messages as that may be delivered and unacknowledged at once."""
+        limit = Queue.objects.using(self.db).filter(name=queue.queue).values_list(
+            "max_running", flat=True
+        ).first()  # fmt: skip
+        return queue.max_ack_pending if limit is None else max(limit, 1)
