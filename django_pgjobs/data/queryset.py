@@ -135,9 +135,10 @@ class JobQuerySet(models.QuerySet["Job"]):
         self, assignments: str | None, params: Sequence[Any] = (), *, guard: str
     ) -> list[UUID]:
         """An UPDATE (or, without assignments, a DELETE) of the selected jobs that pass `guard`,
-        returning their ids. The selection is this queryset's, compiled by the ORM; the guard
-        is re-checked on each row as it is written, so a job whose status changed since it was
-        selected is left alone. Rows locked elsewhere are taken once free (CHANGE_PAUSE)."""
+        returning their ids. The selection is this queryset's, compiled by the ORM and read
+        once (a slice, [:10], would take other rows if run again); the guard is re-checked on
+        each row as it is written, so a job whose status changed since it was selected is left
+        alone. Rows locked elsewhere are taken once free (CHANGE_PAUSE)."""
         self._for_write = True  # as QuerySet.update() does: route to the database for writes
         db = self.db
         try:
@@ -150,24 +151,26 @@ class JobQuerySet(models.QuerySet["Job"]):
             head, lock = f"UPDATE pgjobs_job AS j SET {assignments}", "FOR NO KEY UPDATE"
         changed: list[UUID] = []
         with connections[db].cursor() as cursor:
+            cursor.execute(selected, selected_params)
+            left = [job_id for (job_id,) in cursor.fetchall()]
             for attempt in range(CHANGE_TRIES + 1):
                 if attempt:  # the selected rows that pass the guard and were passed over
                     cursor.execute(
-                        f"SELECT j.id FROM pgjobs_job AS j WHERE j.id IN ({selected}) "
+                        f"SELECT j.id FROM pgjobs_job AS j WHERE j.id = ANY(%s::uuid[]) "
                         f"AND {guard} AND NOT j.id = ANY(%s::uuid[])",
-                        [*selected_params, changed],
+                        [left, changed],
                     )
                     left = [job_id for (job_id,) in cursor.fetchall()]
-                    if not left:
-                        break
-                    time.sleep(CHANGE_PAUSE * 2 ** (attempt - 1))
-                    selected, selected_params = "SELECT unnest(%s::uuid[])", [left]
+                    if left:
+                        time.sleep(CHANGE_PAUSE * 2 ** (attempt - 1))
+                if not left:
+                    break
                 waits = attempt == CHANGE_TRIES  # locked all along: wait for them now
                 cursor.execute(
                     f"{head} WHERE j.id IN (SELECT j.id FROM pgjobs_job AS j "
-                    f"WHERE j.id IN ({selected}) AND {guard} "
+                    f"WHERE j.id = ANY(%s::uuid[]) AND {guard} "
                     f"{lock}{'' if waits else ' SKIP LOCKED'}) AND {guard} RETURNING j.id",
-                    [*params, *selected_params],
+                    [*params, left],
                 )
                 changed += [job_id for (job_id,) in cursor.fetchall()]
         return changed

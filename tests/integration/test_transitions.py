@@ -597,3 +597,25 @@ def test_a_cancel_over_rows_a_worker_holds_for_its_turn_does_not_deadlock_with_i
     statuses = dict(Job.objects.values_list("pk", "status"))
     assert statuses == {running.pk: Status.RUNNING, ready.pk: Status.CANCELLED}
     assert Job.objects.get(pk=running.pk).cancel_requested
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("transition", ["cancel", "discard"])
+def test_a_sliced_selection_changes_only_its_own_jobs_when_one_was_locked_for_a_moment(
+    other_connection, transition
+):
+    # The rows passed over while locked were looked for again by running the selection again:
+    # a slice ([:3]) then took the next rows (attack 12: [:10].discard() deleted 19 jobs).
+    jobs = [Job.objects.enqueue(tasks.noop) for _ in range(6)]
+    selected = {job.pk for job in jobs[:3]}
+    other_connection.execute("BEGIN")  # a worker's claim holds one of them for a moment
+    other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [jobs[1].pk])
+    release = threading.Timer(0.2, lambda: other_connection.execute("COMMIT"))
+    release.start()
+    try:
+        changed = getattr(Job.objects.order_by("id")[:3], transition)()
+    finally:
+        release.join()
+    assert set(changed) == selected
+    untouched = Job.objects.filter(status=Status.READY).values_list("pk", flat=True)
+    assert set(untouched) == {job.pk for job in jobs[3:]}
