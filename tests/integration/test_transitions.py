@@ -606,10 +606,10 @@ def test_a_sliced_selection_changes_only_its_own_jobs_when_one_was_locked_for_a_
 ):
     # The rows passed over while locked were looked for again by running the selection again:
     # a slice ([:3]) then took the next rows (attack 12: [:10].discard() deleted 19 jobs).
-    jobs = [Job.objects.enqueue(tasks.noop) for _ in range(6)]
-    selected = {job.pk for job in jobs[:3]}
+    ids = sorted(Job.objects.enqueue(tasks.noop).pk for _ in range(6))
+    selected = set(ids[:3])
     other_connection.execute("BEGIN")  # a worker's claim holds one of them for a moment
-    other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [jobs[1].pk])
+    other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [ids[1]])
     release = threading.Timer(0.2, lambda: other_connection.execute("COMMIT"))
     release.start()
     try:
@@ -618,4 +618,4 @@ def test_a_sliced_selection_changes_only_its_own_jobs_when_one_was_locked_for_a_
         release.join()
     assert set(changed) == selected
     untouched = Job.objects.filter(status=Status.READY).values_list("pk", flat=True)
-    assert set(untouched) == {job.pk for job in jobs[3:]}
+    assert set(untouched) == set(ids[3:])
