@@ -99,6 +99,7 @@ class Reaper(Chore):
         self.jobs, self.interval, self.on_reaped, self.running = jobs, interval, on_reaped, running
         self._troubled = False
         self._calm_at = -math.inf  # when the worker's statements last worked again
+        self._fresh = True  # it has not reaped yet
 
     def trouble(self, error: Exception) -> None:
         """A statement of the worker's (a turn's, this chore's) failed with `error`: trouble
@@ -112,6 +113,16 @@ class Reaper(Chore):
             self._troubled = False
             self._calm_at = time.monotonic()
 
+    def stalled(self) -> None:
+        """A statement of the worker's took longer than policy.STALLED and then worked: before
+        this worker's first reap, as trouble just over. A worker started in the last seconds of
+        a lock on the job table meets no failure (its first statements wait less than their
+        lock_timeout), yet its first reap would come just as the lock goes, before the lease
+        keepers of the live workers renew. (A worker that has run longer met the lock's
+        failures: the lock lasted past a lease, longer than the lock_timeout.)"""
+        if self._fresh:
+            self._calm_at = time.monotonic()
+
     def failed(self, error: Exception) -> None:
         self.trouble(error)
 
@@ -121,6 +132,7 @@ class Reaper(Chore):
         recovering = self._calm_at + policy.REAP_RECOVERY - time.monotonic()
         if recovering > 0:
             return recovering
+        self._fresh = False
         returned, failed = self.jobs.reap(sparing=self.running())
         if returned or failed:
             quietly(

@@ -32,6 +32,10 @@ OUTAGE_BACKOFF_MAX = 30.0
 #: through first took back the jobs of every other worker: run twice, their outcomes refused.
 REAP_RECOVERY = 15.0
 
+#: A turn's statement that took longer than this waited for something (a lock on the job table,
+#: most likely): a worker that has not reaped yet holds back as after trouble (Reaper.stalled).
+STALLED = 0.5
+
 
 def grace_left(grace: float, deadline: float) -> float:
     """What is left of a stop's grace period ending at `deadline` (monotonic; all of it when

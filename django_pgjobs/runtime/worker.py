@@ -162,10 +162,13 @@ class Worker(Stoppable):
                 logger.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout
             )
             self._settler.finished(job, execute.timed_out(job, timeout))
+        began = time.monotonic()
         try:
             self._settler.settle_and_fetch()
         finally:
             self._announcer.flush()
+        if time.monotonic() - began > policy.STALLED:
+            self._reaper.stalled()
         abandoned = self._handlers.deadlines.abandoned_alive() + awaiting.lingering()
         if abandoned >= self.options.concurrency:
             self._recycle(

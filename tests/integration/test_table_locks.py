@@ -36,10 +36,21 @@ def waiting_on_the_lock() -> bool:
         ).fetchone()[0]
 
 
+@pytest.mark.parametrize(
+    ("lock_timeout", "lock_left"),
+    [
+        # A worker whose turns and reaps fail on the lock, as long as it lasts.
+        (LOCK_TIMEOUT, 1.5),
+        # A worker started in the lock's last second: its first statements wait less than their
+        # lock_timeout, so it meets no failure; its first reap came the moment the lock went.
+        ("5s", 1.0),
+    ],
+    ids=["failing on the lock", "started as it ends"],
+)
 def test_after_a_table_lock_a_worker_lets_live_workers_renew_before_it_reaps(
-    other_connection, monkeypatch
+    other_connection, monkeypatch, lock_timeout, lock_left
 ):
-    monkeypatch.setattr(locks, "LOCK_TIMEOUT", LOCK_TIMEOUT)
+    monkeypatch.setattr(locks, "LOCK_TIMEOUT", lock_timeout)
     monkeypatch.setattr(policy, "REAP_RECOVERY", RECOVERY, raising=False)
     for _ in range(2):
         Job.objects.enqueue("tests.tasks.noop")
@@ -58,7 +69,7 @@ def test_after_a_table_lock_a_worker_lets_live_workers_renew_before_it_reaps(
     thread.start()
     try:
         wait_until(waiting_on_the_lock, timeout=20)
-        time.sleep(1.5)  # the lock lasts: the worker's turns and reaps keep failing
+        time.sleep(lock_left)  # what is left of the lock
         other_connection.execute("ROLLBACK")  # the lock goes
         time.sleep(KEEPER_BACK_AFTER)  # the live worker's keeper ends its retry pause...
         assert Job.objects.heartbeat([live], lease=30) == {live.pk}  # ...and renews
