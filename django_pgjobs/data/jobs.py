@@ -235,6 +235,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         worker's claim), which is never waited for."""
         db = self._write_db()
         with transaction.atomic(using=db), connections[db].cursor() as cursor:
+            cursor.execute(sql.BRIEF_LOCK_TIMEOUT)
             cursor.execute(sql.LOCK_QUEUE, {"queue": queue})
             controls = cursor.fetchone()
             if controls is None:

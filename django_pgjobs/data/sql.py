@@ -485,6 +485,11 @@ ABANDON = f"""
 # before it. A worker whose turn finds the row locked leaves the queue to the one holding it
 # until its next turn, never waits for it: the holder may be a worker stopped in the middle of
 # its claim (SIGSTOP, a frozen VM), or an operator's open transaction.
+# The queue controls' reads (runtime/controls.py) and a limited queue's claim wait this long at
+# most for a lock on their table (a migration altering it, an operator's LOCK TABLE): past it
+# the controls as last read stand, and the limited queue sits the turn out (runtime/worker.py),
+# instead of every turn waiting out the worker's lock_timeout, the open queues' claims with it.
+BRIEF_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', '100ms', true)"
 LOCK_QUEUE = """
     SELECT paused, max_running FROM pgjobs_queue WHERE name = %(queue)s FOR UPDATE SKIP LOCKED
 """

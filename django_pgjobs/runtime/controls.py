@@ -7,7 +7,11 @@ import logging
 import time
 from collections.abc import Sequence
 
+from django.db import DatabaseError, connections, transaction
+
+from django_pgjobs.data import rows, sql
 from django_pgjobs.models import Queue
+from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
 
@@ -17,11 +21,14 @@ class QueueControls:
 
     def __init__(self, queues: Sequence[str], interval: float) -> None:
         self.queues = list(queues)
-        self.open: list[str] = list(queues)
+        # None claimed from until the controls were read once (a worker started while they
+        # cannot be read must not claim from a paused queue).
+        self.open: list[str] = []
         self.limited: list[str] = []
         self.interval = interval
         self._next_at = 0.0
         self._turns = 0
+        self._stale = False  # the last read found the table locked
 
     def read_if_due(self, db: str) -> bool:
         """Read the controls when a second has passed; True when a queue was resumed (so the
@@ -30,7 +37,26 @@ class QueueControls:
         if now < self._next_at:
             return False
         self._next_at = now + self.interval
-        controls = Queue.objects.using(db).filter(name__in=self.queues)
+        try:
+            # Not for long behind a lock on the table (sql.BRIEF_LOCK_TIMEOUT): the controls as
+            # last read stand meanwhile, and the open queues are claimed from as ever.
+            with transaction.atomic(using=db), connections[db].cursor() as cursor:
+                cursor.execute(sql.BRIEF_LOCK_TIMEOUT)
+                controls = list(Queue.objects.using(db).filter(name__in=self.queues))
+        except DatabaseError as error:
+            if not rows.timed_out(error):
+                raise
+            if not self._stale:
+                quietly(
+                    logger.warning,
+                    "the queue controls cannot be read (%s): as last read until they can",
+                    str(error).strip().splitlines()[0],
+                )
+            self._stale = True
+            return False
+        if self._stale:
+            quietly(logger.info, "the queue controls can be read again")
+            self._stale = False
         # A max_running of 0 runs nothing: as paused, whatever carries the queue (for NATS, no
         # consumer can be limited to 0 messages: it is not fetched from at all).
         paused = {

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from django.db import DatabaseError, connections, router
 
 from django_pgjobs.conf import get_settings
+from django_pgjobs.data import rows
 from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
@@ -212,9 +213,15 @@ class Worker(Stoppable):
         for queue_name in self.controls.limited:
             room = wanted - (len(into) - start)
             if room > 0:
-                into += self.jobs.claim_limited(
-                    queue_name, worker=self.id, limit=room, lease=self.lease
-                )
+                try:
+                    into += self.jobs.claim_limited(
+                        queue_name, worker=self.id, limit=room, lease=self.lease
+                    )
+                except DatabaseError as error:
+                    if not rows.timed_out(error):
+                        raise
+                    # The controls' table is locked: this queue sits the turn out (the
+                    # controls' own read says so, runtime/controls.py).
 
     def take(self, jobs: list[Job], wanted: int) -> None:
         """Hand claimed jobs to the handler threads, then schedule the next poll. They are the

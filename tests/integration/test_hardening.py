@@ -493,6 +493,7 @@ def running(count: int) -> tuple[Worker, list[Job]]:
     for _ in range(count):
         Job.objects.enqueue("tests.tasks.noop")
     worker = Worker(Options(queues=["default"], concurrency=count, listen=False))
+    worker.controls.read_if_due(worker.db)  # as its turns do first
     jobs = Job.objects.claim(["default"], worker=worker.id, limit=count)
     worker.take(jobs, count)
     return worker, jobs

@@ -10,7 +10,7 @@ import time
 import psycopg
 import pytest
 
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, Queue
 from django_pgjobs.runtime import locks, policy
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
@@ -73,10 +73,39 @@ def test_after_a_table_lock_a_worker_lets_live_workers_renew_before_it_reaps(
         other_connection.execute("ROLLBACK")  # the lock goes
         time.sleep(KEEPER_BACK_AFTER)  # the live worker's keeper ends its retry pause...
         assert Job.objects.heartbeat([live], lease=30) == {live.pk}  # ...and renews
-        # The dead worker's job is taken back once the others had time to renew theirs.
-        wait_until(lambda: Job.objects.get(pk=dead.pk).status == Status.READY, timeout=20)
+        # The dead worker's job is taken back once the others had time to renew theirs (and
+        # may be claimed and run at once: its history says it was taken back).
+        wait_until(lambda: Job.objects.get(pk=dead.pk).errors, timeout=20)
     finally:
         worker.stop()
         thread.join(10)
     row = Job.objects.get(pk=live.pk)
     assert (row.status, row.worker, row.attempts) == (Status.RUNNING, "live-worker", 1)
+
+
+def test_a_lock_on_the_queue_controls_stops_only_the_limited_queues(other_connection, caplog):
+    # Every turn read the controls and failed on the lock (a migration altering the table, an
+    # operator's LOCK TABLE): no queue ran while it lasted (attack 12).
+    Queue.objects.create(name="limited", max_running=5)
+    worker = Worker(
+        Options(queues=["default", "limited"], concurrency=2, listen=False, poll_interval=0.1)
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    wait_until(lambda: worker.controls.limited == ["limited"], timeout=20)  # read once
+    other_connection.execute("BEGIN")
+    other_connection.execute("LOCK TABLE pgjobs_queue IN ACCESS EXCLUSIVE MODE")
+    open_jobs = [Job.objects.enqueue("tests.tasks.noop") for _ in range(3)]
+    limited = Job.objects.enqueue("tests.tasks.noop", queue="limited")
+    try:
+        done = lambda *jobs: all(  # noqa: E731
+            Job.objects.get(pk=job.pk).status == Status.SUCCEEDED for job in jobs
+        )
+        wait_until(lambda: done(*open_jobs), timeout=20)
+        wait_until(lambda: "the queue controls cannot be read" in caplog.text, timeout=10)
+        assert Job.objects.get(pk=limited.pk).status == Status.READY  # its limit is unknown
+        other_connection.execute("ROLLBACK")
+        wait_until(lambda: done(limited), timeout=20)
+    finally:
+        worker.stop()
+        thread.join(10)
