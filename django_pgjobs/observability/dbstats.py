@@ -71,6 +71,9 @@ BLOCKING_MODES = {
     "ExclusiveLock": "EXCLUSIVE",
     "AccessExclusiveLock": "ACCESS EXCLUSIVE",
 }
+#: The locks on the queue controls' table that conflict with the workers' reads of it and a
+#: limited queue's claim (SELECT … FOR UPDATE: ROW SHARE).
+CONTROLS_BLOCKING_MODES = ("ExclusiveLock", "AccessExclusiveLock")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class TableLock:
     seconds: float
     query: str  # the session's current or last statement (hidden without pg_read_all_stats)
     blocked_by: tuple[int, ...] = ()  # queued: the sessions it waits for
+    table: str = "pgjobs_job"  # or pgjobs_queue, the queue controls'
 
     def describe(self) -> str:
         who = "a prepared transaction" if self.pid is None else f"pid {self.pid}"
@@ -98,29 +102,42 @@ class TableLock:
 
 
 def table_locks(db: str | None = None) -> list[TableLock]:
-    """The sessions holding or queued for a lock on the job table in one of BLOCKING_MODES,
-    held ones first, the oldest first (pg_locks: reading it waits for no table lock)."""
+    """The sessions (or prepared transactions) holding or queued for a lock on the job table
+    in one of BLOCKING_MODES, or on the queue controls' table in CONTROLS_BLOCKING_MODES, held
+    ones first, the oldest first (pg_locks: reading it waits for no table lock)."""
     with connections[job_database(db)].cursor() as cursor:
-        cursor.execute(LOCKS_SQL, [list(BLOCKING_MODES)])
+        cursor.execute(LOCKS_SQL, [list(BLOCKING_MODES), list(CONTROLS_BLOCKING_MODES)])
         found = cursor.fetchall()
     return [
-        TableLock(pid, BLOCKING_MODES[mode], granted, float(seconds), query, tuple(ahead or ()))
-        for pid, mode, granted, seconds, query, ahead in found
+        TableLock(
+            pid, BLOCKING_MODES[mode], granted, float(seconds), query, tuple(ahead or ()), table
+        )
+        for table, pid, mode, granted, seconds, query, ahead in found
     ]
 
 
 # pg_blocking_pids() only for the queued requests: it briefly takes the lock manager's locks.
+# A prepared transaction's locks have no pid and no session: their age is the transaction's
+# since it was prepared (pg_prepared_xacts, found by the xid its own lock names).
 LOCKS_SQL = """
-    SELECT l.pid, l.mode, l.granted,
+    SELECT CASE WHEN l.relation = to_regclass('pgjobs_job') THEN 'pgjobs_job'
+                ELSE 'pgjobs_queue' END,
+           l.pid, l.mode, l.granted,
            COALESCE(EXTRACT(EPOCH FROM statement_timestamp()
-                    - CASE WHEN l.granted THEN a.xact_start ELSE a.query_start END), 0),
-           COALESCE(left(a.query, 200), ''),
+                    - CASE WHEN l.granted THEN COALESCE(a.xact_start, p.prepared)
+                           ELSE a.query_start END), 0),
+           COALESCE(left(a.query, 200), 'PREPARE TRANSACTION ' || quote_literal(p.gid), ''),
            CASE WHEN NOT l.granted THEN pg_blocking_pids(l.pid) END
     FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-    WHERE l.locktype = 'relation' AND l.relation = to_regclass('pgjobs_job')
+         LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
+                             AND x.virtualtransaction = l.virtualtransaction
+         LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
+    WHERE l.locktype = 'relation'
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND l.mode = ANY(%s) AND l.pid IS DISTINCT FROM pg_backend_pid()
-    ORDER BY l.granted DESC, 4 DESC
+      AND ((l.relation = to_regclass('pgjobs_job') AND l.mode = ANY(%s))
+           OR (l.relation = to_regclass('pgjobs_queue') AND l.mode = ANY(%s)))
+      AND l.pid IS DISTINCT FROM pg_backend_pid()
+    ORDER BY l.granted DESC, 5 DESC
 """
 
 

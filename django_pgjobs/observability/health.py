@@ -145,21 +145,39 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
 
 
 def locked(locks: list[TableLock], waited: bool = False) -> Reason | None:
-    """The job table locked against the workers, or None: critical once a lock has been held or
-    queued for LOCKED_SECONDS. A younger one is said only when the report itself gave up waiting
-    for it (`waited`), as a warning: without it there is no verdict at all."""
+    """The job table locked against the workers (critical), else the queue controls' table
+    (a warning), or None: once a lock has been held or queued for LOCKED_SECONDS. A younger
+    one is said only when the report itself gave up waiting for it (`waited`), as a warning:
+    without it there is no verdict at all."""
+    on_jobs = [lock for lock in locks if lock.table == "pgjobs_job"]
+    on_controls = [lock for lock in locks if lock.table == "pgjobs_queue"]
+    if reason := _locked(on_jobs, waited, "job_table_locked", "the job table is locked",
+                         "; while it lasts no worker can claim a job, renew a lease or record "
+                         "an outcome, and a lease that runs out meanwhile has its job run again",
+                         Level.CRITICAL):  # fmt: skip
+        return reason
+    return _locked(
+        on_controls, waited, "queue_table_locked", "the queue controls' table is locked",
+        "; while it lasts workers go on with the controls as they last read them (a pause or a "
+        "limit set meanwhile does not reach them), and claim nothing from queues with a limit",
+        Level.WARNING,
+    )  # fmt: skip
+
+
+def _locked(
+    locks: list[TableLock], waited: bool, code: str, summary: str, effect: str, level: Level
+) -> Reason | None:
     old = [lock for lock in locks if lock.seconds >= LOCKED_SECONDS]
     if not old and not (waited and locks):
         return None
     return Reason(
-        "job_table_locked",
-        Level.CRITICAL if old else Level.WARNING,
-        "the job table is locked",
-        "; ".join(lock.describe() for lock in locks[:3])
-        + "; while it lasts no worker can claim a job, renew a lease or record an outcome, "
-        "and a lease that runs out meanwhile has its job run again",
-        f"critical when held or queued {LOCKED_SECONDS:g}s (the workers' lock_timeout)",
-        f"{DOC}#job-table-locked",
+        code,
+        level if old else Level.WARNING,
+        summary,
+        "; ".join(lock.describe() for lock in locks[:3]) + effect,
+        f"{'critical' if level is Level.CRITICAL else 'said'} when held or queued "
+        f"{LOCKED_SECONDS:g}s (the workers' lock_timeout)",
+        f"{DOC}#{code.replace('_', '-')}",
     )
 
 

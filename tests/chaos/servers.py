@@ -85,7 +85,7 @@ class Cluster:
     def _start(self) -> None:
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} "
-            "-c max_connections=100 -c shared_buffers=32MB"
+            "-c max_connections=100 -c shared_buffers=32MB -c max_prepared_transactions=5"
         )
         self._run(self.pg_ctl, "-D", str(self.data), "-l", str(self.root / "log"), "-o", options,
                   "-w", "-t", "60", "start")  # fmt: skip

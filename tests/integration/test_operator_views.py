@@ -61,9 +61,9 @@ def locked_table(other_connection: psycopg.Connection[Any]) -> Iterator[tuple[in
     release = threading.Event()
     holders: list[threading.Thread] = []
 
-    def lock(mode: str = "ACCESS EXCLUSIVE") -> int:
+    def lock(mode: str = "ACCESS EXCLUSIVE", table: str = "pgjobs_job") -> int:
         other_connection.execute("BEGIN")
-        other_connection.execute(f"LOCK TABLE pgjobs_job IN {mode} MODE")
+        other_connection.execute(f"LOCK TABLE {table} IN {mode} MODE")
 
         def hold() -> None:
             release.wait(HELD_AT_MOST)
@@ -93,6 +93,21 @@ def test_jobstats_says_promptly_that_the_job_table_is_locked_and_by_whom(locked_
     assert "LOCK TABLE pgjobs_job IN ACCESS EXCLUSIVE MODE" in out
     assert "no worker can claim a job, renew a lease or record an outcome" in out
     assert code == Level.WARNING  # younger than the workers' lock_timeout
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobstats_warns_that_the_queue_controls_table_is_locked_and_by_whom(
+    locked_table, monkeypatch
+):
+    # Every worker's read of the controls failed on it (now: the controls as last read, the
+    # limited queues sitting out); jobstats said UNKNOWN without naming it (attack 12).
+    monkeypatch.setattr(health, "LOCKED_SECONDS", 0.0)
+    pid = locked_table("ACCESS EXCLUSIVE", table="pgjobs_queue")
+    code, out, took = jobstats()
+    assert took < 3 and code == Level.WARNING, out
+    assert out.startswith("verdict: WARNING: the queue controls' table is locked: ")
+    assert f"pid {pid} holds ACCESS EXCLUSIVE" in out
+    assert "claim nothing from queues with a limit" in out
 
 
 @pytest.mark.django_db(transaction=True)
