@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from django.db import DatabaseError, connections, transaction
 
 from django_pgjobs.data import rows, sql
+from django_pgjobs.errors import first_line
 from django_pgjobs.models import Queue
 from django_pgjobs.runtime.logs import quietly
 
@@ -50,7 +51,7 @@ class QueueControls:
                 quietly(
                     logger.warning,
                     "the queue controls cannot be read (%s): as last read until they can",
-                    str(error).strip().splitlines()[0],
+                    first_line(error),
                 )
             self._stale = True
             return False
