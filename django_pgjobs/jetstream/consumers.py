@@ -112,7 +112,7 @@ class Consumers:
                 "worker last read it): a job acknowledged after that runs again",
                 self.worker, queue.consumer, queue.queue, floor + 1,
             )  # fmt: skip
-        elif state.messages:
+        elif state.messages and queue.retention != "workqueue":  # there, none ran: all due
             quietly(
                 logger.warning,
                 "worker %s: the consumer %s of queue %r did not exist: made, it delivers every "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from tests.integration.nats_helpers import (
     bridge,
     consumer_info,
     nats,
+    nats_queue,
     queue,
     relay,
 )
@@ -64,6 +66,18 @@ def test_a_worker_that_finds_no_consumer_on_a_stream_holding_messages_says_it_de
         wait_until(lambda: ChaosExecution.objects.count() >= 3, timeout=30)
     said = [r.getMessage() for r in caplog.records if "did not exist" in r.getMessage()]
     assert len(said) == 1 and "(3, sequences 1 to 3)" in said[0]
+
+
+def test_under_workqueue_retention_a_missing_consumer_is_not_said_to_run_jobs_again(
+    settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # There a message is gone once acknowledged: what a new consumer delivers never ran.
+    with nats_queue(settings, RETENTION="workqueue") as queue:
+        Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
+        relay().round()
+        with caplog.at_level(logging.WARNING, "django_pgjobs"), WorkerThread(queue):
+            wait_until(lambda: ChaosExecution.objects.count() >= 3, timeout=30)
+    assert not [r for r in caplog.records if "did not exist" in r.getMessage()]
 
 
 def test_a_worker_keeps_where_an_existing_consumer_starts(queue: str) -> None:
