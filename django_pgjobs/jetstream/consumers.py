@@ -38,6 +38,7 @@ class Consumers:
         self._subscriptions: dict[str, object] = {}
         self._gone: set[str] = set()  # queues whose consumer was found gone (read)
         self._ack_floors: dict[str, int] = {}  # by queue: its consumer's, as last read
+        self._streams_made: dict[str, object] = {}  # by queue: when its stream was created
 
     def subscription(self, queue: NatsQueue) -> object:
         """The queue's pull subscription, its stream and consumer made (again) if need be."""
@@ -48,6 +49,11 @@ class Consumers:
         if subscription is None:
             stream = streams.ensure_stream(self.bridge, queue)
             floor = self._ack_floors.get(queue.queue)
+            if self._streams_made.setdefault(queue.queue, stream.created) != stream.created:
+                # The stream itself was made again (deleted, or the server lost its storage):
+                # its sequences start again, and the old floor would pass over its messages.
+                self._streams_made[queue.queue], floor = stream.created, None
+                self._ack_floors.pop(queue.queue, None)
             subscription, made = streams.ensure_consumer(
                 self.bridge, queue, self.lease, self._max_ack_pending(queue), resume_after=floor
             )

@@ -55,6 +55,26 @@ def test_a_consumer_deleted_while_a_worker_runs_is_made_again_after_what_it_ackn
     assert len(said) == 1 and "from stream sequence 6 on" in said[0]
 
 
+def test_a_stream_made_again_while_a_worker_runs_has_every_message_delivered(
+    queue: str,
+) -> None:
+    # The consumer (gone with its stream) was made again after the old stream's ack floor:
+    # the new stream's first messages, their outbox rows deleted, never ran (attack 13).
+    first = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(5)], queue=queue)
+    relay().round()
+    reader, stream = bridge(), transports.nats_queues()[queue]
+    with WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.count() >= 5, timeout=30)
+        wait_until(lambda: consumer_info(reader, queue).ack_floor.stream_seq == 5, timeout=10)
+        time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer's floor meanwhile
+        reader.call(reader.js.delete_stream(stream.stream))  # `nats stream rm`, say
+        second = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(2)], queue=queue)
+        relay().round()  # makes the stream again: its sequences start at 1
+        wait_until(lambda: ChaosExecution.objects.count() >= 7, timeout=30)
+    runs = sorted(ChaosExecution.objects.values_list("job_id", flat=True))
+    assert runs == sorted(job.pk for job in [*first, *second])
+
+
 def test_a_worker_that_finds_no_consumer_on_a_stream_holding_messages_says_it_delivers_them(
     queue: str, caplog: pytest.LogCaptureFixture
 ) -> None:
