@@ -60,6 +60,10 @@ logger = logging.getLogger(__name__)
 #: Seconds a fetch waits for messages while handlers run (their outcomes wait for it).
 BUSY_FETCH = 0.05
 
+#: The most of the ack wait an idle fetch waits for messages: what came last still has most of
+#: its fence (2/3 of the ack wait) to run in.
+FETCH_SHARE = 0.25
+
 
 class NatsWorker(Stoppable):
     """One worker process for NATS queues. ``run()`` returns how it ended (an Exit)."""
@@ -184,7 +188,10 @@ class NatsWorker(Stoppable):
                 continue
             busy = bool(self._in_flight) or len(self.queues) > 1
             wait = BUSY_FETCH if busy else min(self.options.poll_interval, self._chore_wait())
-            wait = max(wait, BUSY_FETCH)
+            # A message's hold counts from the request (the server's ack wait may start as soon
+            # as it is sent): one that came at the end of a long wait would be past its fence
+            # (jetstream/deliveries.py) before its handler started, and delivered again.
+            wait = max(min(wait, self._acks.ack_wait * FETCH_SHARE), BUSY_FETCH)
             sent_at = time.monotonic()  # the server holds what comes from this on from then
             batch = self.bridge.fetch(subscription, min(free, self.options.batch_size), wait)
             waited = waited or wait > BUSY_FETCH

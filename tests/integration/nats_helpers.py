@@ -97,9 +97,16 @@ def stream_messages(queue: str) -> int:
 class WorkerThread:
     """A NatsWorker for `queue` running in a thread until stopped."""
 
-    def __init__(self, queue: str, concurrency: int = 4, lease: float = 30.0) -> None:
+    def __init__(
+        self,
+        queue: str,
+        concurrency: int = 4,
+        lease: float = 30.0,
+        poll_interval: float = 0.2,
+        stats_interval: float = 1.0,
+    ) -> None:
         options = Options(queues=[queue], concurrency=concurrency, lease=lease, grace=5.0,
-                          stats_interval=1.0, poll_interval=0.2)  # fmt: skip
+                          stats_interval=stats_interval, poll_interval=poll_interval)  # fmt: skip
         self.worker = NatsWorker(options, [transports.nats_queues()[queue]], bridge(), [])
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
 

@@ -118,3 +118,19 @@ def test_a_worker_keeps_where_an_existing_consumer_starts(queue: str) -> None:
         wait_until(lambda: consumer_info(made, queue).num_ack_pending == 0, timeout=10)
     assert list(ChaosExecution.objects.values_list("job_id", flat=True)) == [jobs[2].pk]
     assert consumer_info(made, queue).config.opt_start_seq == 3
+
+
+def test_a_short_lease_with_a_long_poll_runs_each_job_once(queue: str) -> None:
+    # A message that came late in a fetch's wait (up to the poll interval) was past its fence
+    # already: a job that succeeded in milliseconds ran again and again, then was dead-lettered
+    # as lost (attack 13: --lease 1; --lease 3 --poll-interval 5).
+    jobs = []
+    with WorkerThread(queue, lease=1.0, poll_interval=5.0, stats_interval=30.0):
+        for n in range(3):  # each at some moment of the worker's wait
+            time.sleep(1.3)
+            jobs += Job.objects.bulk_enqueue(tasks.ledger, [{"n": n}], queue=queue)
+            relay().round()
+        wait_until(lambda: ChaosExecution.objects.count() >= 3, timeout=30)
+        time.sleep(2.0)  # past an ack wait: anything delivered again would have run by now
+    runs = sorted(ChaosExecution.objects.values_list("job_id", flat=True))
+    assert runs == sorted(job.pk for job in jobs)
