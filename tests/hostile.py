@@ -314,3 +314,12 @@ async def awaits_past_its_time_limit() -> None:
     except asyncio.CancelledError:
         async_time_limit_seen.append("cancelled")
         raise
+
+
+@task(max_attempts=1, timeout=0.5)
+async def awaits_a_slow_sync_call_past_its_time_limit() -> None:
+    """An async handler whose sync_to_async call outlasts its time limit (and its cancellation,
+    which reaches the coroutine, not the call)."""
+    from asgiref.sync import sync_to_async
+
+    await sync_to_async(time.sleep)(3)

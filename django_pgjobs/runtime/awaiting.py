@@ -72,11 +72,21 @@ def awaited(job: Job, func: AsyncFunction, /, *args: Any, **kwargs: Any) -> Any:
             awaiter.stop()  # it ends, closing its connections, if its loop ever does
             with _lingering_lock:
                 _lingering.append(awaiter.thread)
+            if job.cancel_requested:  # cancelled at its time limit: the outcome is that
+                what = (
+                    "its async handler was cancelled at its time limit, but what it awaited (a "
+                    "sync_to_async call, or a task that ignores its cancellation) did not end "
+                    "within %gs"
+                )
+            else:
+                what = (
+                    "its async handler returned, leaving tasks that did not end within %gs of "
+                    "their cancellation (the job's outcome is the handler's)"
+                )
             quietly(
                 logger.warning,
-                "job %s (%s): its async handler returned, leaving tasks that did not end within "
-                "%gs of their cancellation; their event loop is left running on a thread of its "
-                "own (the job's outcome is the handler's)",
+                "job %s (%s): " + what + "; their event loop is left running on a thread of "
+                "its own",
                 job.pk, job.task, LEFTOVERS_GRACE,
             )  # fmt: skip
 

@@ -1046,3 +1046,20 @@ def test_an_async_handler_past_its_time_limit_is_cancelled_and_its_thread_ends()
         worker.stop()
         thread.join(10)
     assert Job.objects.get(pk=job.pk).errors[-1]["type"].endswith("JobTimeout")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_handler_cancelled_inside_a_sync_call_is_said_to_be_so(caplog):
+    # The line said the handler "returned, leaving tasks" and that the outcome was the
+    # handler's; it was cancelled, the call runs on, and the outcome is the time limit's.
+    job = Job.objects.enqueue("tests.hostile.awaits_a_slow_sync_call_past_its_time_limit")
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: "was cancelled at its time limit" in caplog.text, 15)
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert str(job.pk) in caplog.text and "returned, leaving tasks" not in caplog.text
+    assert Job.objects.get(pk=job.pk).errors[-1]["type"].endswith("JobTimeout")
