@@ -21,6 +21,7 @@ from django_pgjobs import signals
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic, declared
+from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger(__name__)
@@ -128,11 +129,9 @@ class Scheduler:
         name = periodic.name
         try:
             self._enqueue(periodic)
-        except DatabaseError as error:
-            if rows.connection_lost(error):
-                raise
-            self._failed(periodic, error)
         except Exception as error:
+            if isinstance(error, DatabaseError) and rows.connection_lost(error):
+                raise
             self._failed(periodic, error)
         else:
             if self._failures.pop(name, 0):
@@ -140,7 +139,7 @@ class Scheduler:
 
     def _failed(self, periodic: Periodic, error: Exception) -> None:
         failures = self._failures[periodic.name] = self._failures.get(periodic.name, 0) + 1
-        pause = min(MAX_WAIT, FAILED_RETRY * 2 ** (failures - 1))
+        pause = policy.doubling(FAILED_RETRY, failures, MAX_WAIT)
         self._next[periodic.name] = self._now() + timedelta(seconds=pause)
         quietly(
             logger.error,

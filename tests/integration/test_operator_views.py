@@ -348,6 +348,11 @@ def operator(name: str) -> Client:
     return client
 
 
+def controls() -> list[tuple[str, bool, int | None]]:
+    """Each queue's (name, paused, max_running), by name."""
+    return list(Queue.objects.order_by("name").values_list("name", "paused", "max_running"))
+
+
 def logged() -> list[tuple[str, str, str]]:
     return [
         (entry.user.username, entry.object_repr, entry.get_change_message())
@@ -364,7 +369,7 @@ def test_a_stale_queues_list_saved_does_not_resume_a_queue_paused_meanwhile(two_
     response = a.post(QUEUES, page, follow=True)
     assert response.status_code == 200
     assert [str(m) for m in response.context["messages"]] == ["1 queue was changed successfully."]
-    assert list(Queue.objects.order_by("name").values_list("name", "paused", "max_running")) == [
+    assert controls() == [
         ("emails", True, None),
         ("reports", False, 4),
     ]
@@ -378,7 +383,7 @@ def test_a_stale_queues_list_saved_does_not_clear_a_limit_set_meanwhile(two_queu
     Queue.objects.filter(name="emails").update(max_running=2)
     page[f"{row(page, 'reports')}-paused"] = "on"
     a.post(QUEUES, page)
-    assert list(Queue.objects.order_by("name").values_list("name", "paused", "max_running")) == [
+    assert controls() == [
         ("emails", False, 2),
         ("reports", True, None),
     ]

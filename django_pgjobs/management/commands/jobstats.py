@@ -17,6 +17,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import DatabaseError, InterfaceError, OperationalError
 
 from django_pgjobs import schema
+from django_pgjobs.data import rows
 from django_pgjobs.errors import first_line
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability.health import Level, Reason
@@ -27,9 +28,6 @@ CLEAR = "\x1b[H\x1b[2J"
 
 #: SQLSTATE of a statement refused for lack of a privilege.
 INSUFFICIENT_PRIVILEGE = "42501"
-#: SQLSTATEs of a statement that ran out of time or was cancelled (statement_timeout, a
-#: cancel request; lock_timeout): the report's failure, not the database's.
-QUERY_CANCELED, LOCK_NOT_AVAILABLE = "57014", "55P03"
 
 
 @dataclass(frozen=True)
@@ -152,12 +150,13 @@ def no_report(error: DatabaseError) -> NoReport:
     time or was cancelled while the database answers, knows nothing (unknown)."""
     first = first_line(error)
     alias = job_database()
-    sqlstate = str(getattr(error.__cause__, "sqlstate", None) or "")
     if schema.is_not_migrated(error):
         return NoReport(Level.CRITICAL, f"{schema.explained(error)} on the database {alias!r}")
-    if sqlstate in (QUERY_CANCELED, LOCK_NOT_AVAILABLE) or sqlstate.startswith("40"):
+    # A statement_timeout, a cancel request, a lock_timeout, a transaction rolled back: the
+    # report's failure, not the database's.
+    if rows.timed_out(error) or rows.rolled_back(error):
         return out_of_time(first)
-    if sqlstate == INSUFFICIENT_PRIVILEGE:
+    if getattr(error.__cause__, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
         return NoReport(
             Level.UNKNOWN,
             f"the report could not be read ({first}): the database user needs SELECT on the "
