@@ -19,6 +19,7 @@ from tests import tasks
 from tests.integration.nats_helpers import (
     NATS_URL,
     bridge,
+    make_stream,
     nats,
     queue_settings,
     relay,
@@ -56,8 +57,10 @@ def test_a_queue_whose_messages_are_not_acknowledged_holds_back_no_other_and_no_
     # good queue's jobs stayed in the outbox, published again every round (and run again
     # once per duplicate window), for as long as the other queue's messages failed.
     good, failing = two_queues
+    make_stream(good)
+    make_stream(failing)
     relaying = relay()
-    assert relaying.round() == 0  # makes both streams
+    assert relaying.round() == 0
     admin = bridge()
     admin.call(admin.js.delete_stream(transports.nats_queues()[failing].stream))  # no responders
 
@@ -105,6 +108,7 @@ def test_a_round_publishes_at_most_its_bytes_and_the_next_takes_the_rest(
 
     good, _ = two_queues
     monkeypatch.setattr(relay_module, "ROUND_BYTES", 5_000)
+    make_stream(good)
     Job.objects.bulk_enqueue(
         tasks.takes_anything, [{"order_id": n, "blob": "x" * 2_000} for n in range(5)], queue=good
     )
