@@ -45,7 +45,7 @@ from django_pgjobs.jetstream.deliveries import Delivery
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime import execute, policy
+from django_pgjobs.runtime import execute, locks, policy
 from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
@@ -93,6 +93,10 @@ class NatsWorker(Stoppable):
             self.id, bridge, self.queues, self.lease, self.db, lambda: self._stopping
         )
         self._chores = [*chores, Reporter(options.stats_interval, self._report)]
+        # Its own sessions as a PostgreSQL worker's (runtime/locks.py), durable: a job written
+        # back (a retry handed to PostgreSQL, a dead letter) must outlive a crash of the server
+        # once its message is acknowledged.
+        self._lock_waits = locks.LockWaits(self.db, locks.application_name(self.id), durable=True)
         self._fetched_nothing = False
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._recorded = 0  # outcomes answered, for --max-jobs-per-child
@@ -107,6 +111,9 @@ class NatsWorker(Stoppable):
             "worker %s started: NATS queues=%s concurrency=%d lease=%gs",
             self.id, ",".join(q.queue for q in self.queues), options.concurrency, self.lease,
         )  # fmt: skip
+        if locks.keep_alive(self.db) and not connections[self.db].in_atomic_block:
+            connections[self.db].close()  # opened before (checks): made again with them
+        self._lock_waits.limit_this_thread()
         self._handlers.start()
         keeper = threading.Thread(
             target=self._acks.keep_in_progress,
@@ -333,6 +340,7 @@ class NatsWorker(Stoppable):
             self._report(max(1e-3, time.monotonic() - reporter.since), stopping=True)
         self.bridge.close()
         self._announcer.stop(within=policy.grace_left(self.options.grace, self._deadline))
+        self._lock_waits.stop()
         connections.close_all()
         quietly(logger.info, "worker %s stopped", self.id)
         return self._exit

@@ -21,6 +21,7 @@ relays share the work.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages, streams
 from django_pgjobs.jetstream.bridge import Bridge, Outgoing
 from django_pgjobs.models import Job
+from django_pgjobs.runtime import locks
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.outages import Outage
@@ -193,6 +195,11 @@ def relay_until(relay: Relay, stopped: threading.Event, once: bool = False) -> N
     """Relay rounds on this thread until `stopped` is set (with `once`, until a round comes
     back short: the outbox is drained), riding out database outages as a worker does."""
     chore, outage = RelayChore(relay), Outage()
+    # Its sessions as a worker's own (runtime/locks.py): no statement waits long on a lock, a
+    # database gone from the network is noticed within seconds, no idle_session_timeout.
+    locks.keep_alive(relay.jobs.db)
+    lock_waits = locks.LockWaits(relay.jobs.db, f"pgjobs relay {os.getpid()}")
+    lock_waits.limit_this_thread()
     try:
         while not stopped.is_set():
             try:
@@ -205,4 +212,5 @@ def relay_until(relay: Relay, stopped: threading.Event, once: bool = False) -> N
                 return
             stopped.wait(wait)
     finally:
+        lock_waits.stop()
         connections.close_all()  # this thread's

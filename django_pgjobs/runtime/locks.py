@@ -1,11 +1,12 @@
-"""The session settings of the worker's own connections (its main thread's and lease keeper's;
-handlers' connections are left alone): a lock_timeout, so that no statement of the worker's own
-waits long on a lock held elsewhere; an idle_in_transaction_session_timeout and the server's
-tcp_user_timeout (user_timeout), so that no lock of its own outlives a stopped process for
-long; no idle_session_timeout (IDLE_SESSION: they are idle between turns by design); an
-application_name that says whose they are in pg_stat_activity; synchronous_commit off unless
-PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]; and prepared statements for what they run again and again.
-And the TCP keepalives of every connection a worker process makes (KEEPALIVES)."""
+"""The session settings of the worker's own connections (its main thread's and lease keeper's,
+a NATS worker's main thread's and the relay's; handlers' connections are left alone): a
+lock_timeout, so that no statement of the worker's own waits long on a lock held elsewhere; an
+idle_in_transaction_session_timeout and the server's tcp_user_timeout (user_timeout), so that
+no lock of its own outlives a stopped process for long; no idle_session_timeout (IDLE_SESSION:
+they are idle between turns by design); an application_name that says whose they are in
+pg_stat_activity; synchronous_commit off unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"] (or the
+session must be durable: a NATS worker's); and prepared statements for what they run again and
+again. And the TCP keepalives of every connection a worker process makes (KEEPALIVES)."""
 
 from __future__ import annotations
 
@@ -116,8 +117,12 @@ class LockWaits:
     worker's connections in its OPTIONS.
     """
 
-    def __init__(self, db: str, name: str = "pgjobs worker") -> None:
+    def __init__(self, db: str, name: str = "pgjobs worker", durable: bool | None = None) -> None:
         self.db = db
+        # None: PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]. True where a commit must outlive a crash of
+        # the server before the worker acts on it elsewhere (a NATS worker acknowledges the
+        # message of a job it just wrote back to PostgreSQL).
+        self.durable = durable
         # An application_name the project gave the database (DATABASES OPTIONS) is kept: it is
         # theirs to choose (and what their monitoring may already read).
         options = connections[db].settings_dict.get("OPTIONS", {})
@@ -153,7 +158,7 @@ class LockWaits:
         # (shared by every thread's connections, and a handler may have changed it) says.
         if not connection.in_atomic_block and not connection.get_autocommit():
             connection.set_autocommit(True)
-        durable = get_settings().WORKER_SYNCHRONOUS_COMMIT
+        durable = self.durable or get_settings().WORKER_SYNCHRONOUS_COMMIT
         prepare = plans and self.prepare and rows.plans_once()
         with connection.cursor() as cursor:
             cursor.execute(
