@@ -111,7 +111,9 @@ def _health(value: Any) -> list[str]:
     return [
         f"PGJOBS['HEALTH'][{key!r}] must be a number of 0 or more, not {threshold!r}."
         for key, threshold in value.items()
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold < 0
+        if isinstance(threshold, bool)
+        or not isinstance(threshold, int | float)
+        or not threshold >= 0  # NaN included
     ]
 
 

@@ -14,7 +14,7 @@ from datetime import datetime
 from django.db import connections, transaction
 
 from django_pgjobs import transports
-from django_pgjobs.observability import dbstats, stats
+from django_pgjobs.observability import dbstats, health, stats
 from django_pgjobs.observability.load import QueueLoad, queue_load
 
 
@@ -58,19 +58,11 @@ class Figures:
         return [w for w in self.workers if w.stopped]
 
 
-#: The longest the report waits for a lock, in milliseconds. Its reads need only ACCESS SHARE,
-#: which nothing but an ACCESS EXCLUSIVE lock (held, or queued ahead of it) holds back, so a wait
-#: this long already means the job table is locked: the report says so rather than wait.
-LOCK_TIMEOUT_MS = 1000
-#: The longest any one of its statements runs, in milliseconds: a dozen cheap queries (see
-#: docs/howto/monitoring.md for their costs); a probe that hangs answers nothing.
-STATEMENT_TIMEOUT_MS = 5000
-
-
 def measure(db: str | None = None) -> Figures:
     """Take the figures: a dozen cheap queries, none of which scans the finished history, in
-    one transaction whose statements wait at most LOCK_TIMEOUT_MS for a lock and run at most
-    STATEMENT_TIMEOUT_MS (the DatabaseError of one that ran out of time propagates)."""
+    one transaction whose statements wait and run at most PGJOBS["HEALTH"]'s REPORT_LOCK_SECONDS
+    and REPORT_STATEMENT_SECONDS (limited; the DatabaseError of one that ran out of time
+    propagates)."""
     db = stats.job_database(db)
     with limited(db):
         # Before the job table is read: this answers even while the table is locked.
@@ -98,8 +90,9 @@ def measure(db: str | None = None) -> Figures:
 
 @contextmanager
 def limited(db: str) -> Iterator[None]:
-    """A transaction on `db` whose statements wait at most LOCK_TIMEOUT_MS for a lock and run
-    at most STATEMENT_TIMEOUT_MS, or less where the role or session asks for less.
+    """A transaction on `db` whose statements wait at most REPORT_LOCK_SECONDS for a lock and
+    run at most REPORT_STATEMENT_SECONDS (PGJOBS["HEALTH"], health.Thresholds), or less where
+    the role or session asks for less.
 
     The limits are SET LOCAL (set_config(..., true)): they end with the transaction, so a
     connection shared by a transaction-mode pooler (PgBouncer) keeps none of them. Nested in a
@@ -107,7 +100,12 @@ def limited(db: str) -> Iterator[None]:
     """
     nested = connections[db].in_atomic_block
     with transaction.atomic(using=db), connections[db].cursor() as cursor:
-        cursor.execute(_LIMIT, [LOCK_TIMEOUT_MS, STATEMENT_TIMEOUT_MS])
+        limits = health.thresholds()
+        ms = [
+            milliseconds(limits.REPORT_LOCK_SECONDS),
+            milliseconds(limits.REPORT_STATEMENT_SECONDS),
+        ]
+        cursor.execute(_LIMIT, ms)
         before = [(name, old) for name, old, _new in cursor.fetchall()]
         yield
         # Only reached without an error; after one, the rollback (to the savepoint, when
@@ -115,6 +113,16 @@ def limited(db: str) -> Iterator[None]:
         if nested:
             cursor.execute(_RESTORE, [[name for name, _ in before], [old for _, old in before]])
 
+
+def milliseconds(seconds: float) -> int:
+    """A PostgreSQL timeout setting for `seconds`: 0 (none) for 0 and for more than it takes
+    (about 24 days, infinity included); at least 1 ms for any other."""
+    if seconds <= 0 or seconds * 1000 >= _TIMEOUT_MAX_MS:
+        return 0
+    return max(1, round(seconds * 1000))
+
+
+_TIMEOUT_MAX_MS = 2**31 - 1
 
 # A limit already lower (a role's `ALTER ROLE monitor SET statement_timeout = '2s'`) is kept:
 # least() ignores the NULL that stands for none (0).

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from unittest import mock
 
@@ -53,6 +54,7 @@ def test_the_default_settings_pass_every_check():
         ({"RETENTION": {"ready": timedelta(1)}}, "has the key 'ready'; the final statuses"),
         ({"RETENTION": {"failed": -timedelta(1)}}, "['failed'] must be a timedelta of 0 or more"),
         ({"HEALTH": {"RETRY_RATE": "half"}}, "PGJOBS['HEALTH']['RETRY_RATE'] must be a number"),
+        ({"HEALTH": {"REPORT_STATEMENT_SECONDS": math.nan}}, "must be a number of 0 or more"),
         ({"NOTIFY": True, "LEASE": "30"}, "PGJOBS['LEASE'] must be a number greater than 0"),
     ],
 )

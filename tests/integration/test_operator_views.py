@@ -180,6 +180,28 @@ def test_the_reports_timeouts_are_local_to_it_and_a_lower_one_of_the_session_is_
         assert cursor.fetchone() == ("300ms",)
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("lock", "statement", "shown"),
+    [
+        (0.25, 30, ("250ms", "30s")),
+        (0, math.inf, ("0", "0")),  # none
+        (0.0001, 10**9, ("1ms", "0")),  # at least a millisecond; past PostgreSQL's most, none
+    ],
+)
+def test_the_reports_timeouts_are_settings_of_pgjobs_health(settings, lock, statement, shown):
+    # A database too big or busy for a dozen cheap queries in 5 s had a report that always
+    # ran out of time (jobstats: UNKNOWN), with nothing to raise.
+    settings.PGJOBS = {
+        "HEALTH": {"REPORT_LOCK_SECONDS": lock, "REPORT_STATEMENT_SECONDS": statement}
+    }
+    with figures.limited("default"), connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
+        )
+        assert cursor.fetchone() == shown
+
+
 # ---- B: a report that ran out of time is unknown, not an outage ------------------------------
 
 

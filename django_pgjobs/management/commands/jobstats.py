@@ -178,7 +178,8 @@ def out_of_time(first: str) -> NoReport:
     return NoReport(
         Level.UNKNOWN,
         f"the report could not be taken ({first}); the database answers, but a statement of "
-        "the report ran out of time, was cancelled or was rolled back",
+        "the report ran out of time, was cancelled or was rolled back (PGJOBS['HEALTH']'s "
+        "REPORT_STATEMENT_SECONDS and REPORT_LOCK_SECONDS set how long it may take)",
     )
 
 
