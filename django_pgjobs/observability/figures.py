@@ -14,7 +14,8 @@ from datetime import datetime
 from django.db import connections, transaction
 
 from django_pgjobs import transports
-from django_pgjobs.observability import dbstats, health, stats
+from django_pgjobs.conf import get_settings
+from django_pgjobs.observability import dbstats, stats
 from django_pgjobs.observability.load import QueueLoad, queue_load
 
 
@@ -58,10 +59,21 @@ class Figures:
         return [w for w in self.workers if w.stopped]
 
 
+#: The longest the report waits for a lock, in seconds (PGJOBS["HEALTH"]["REPORT_LOCK_SECONDS"]).
+#: Its reads need only ACCESS SHARE, which nothing but an ACCESS EXCLUSIVE lock (held, or queued
+#: ahead of it) holds back, so a wait this long already means the job table is locked: the
+#: report says so rather than wait.
+REPORT_LOCK_SECONDS = 1.0
+#: The longest any one of its statements runs (PGJOBS["HEALTH"]["REPORT_STATEMENT_SECONDS"]): a
+#: dozen cheap queries (see docs/howto/monitoring.md for their costs); a probe that hangs
+#: answers nothing. Raise it for a database too big or busy to answer them in time.
+REPORT_STATEMENT_SECONDS = 5.0
+
+
 def measure(db: str | None = None) -> Figures:
     """Take the figures: a dozen cheap queries, none of which scans the finished history, in
-    one transaction whose statements wait and run at most PGJOBS["HEALTH"]'s REPORT_LOCK_SECONDS
-    and REPORT_STATEMENT_SECONDS (limited; the DatabaseError of one that ran out of time
+    one transaction whose statements wait at most REPORT_LOCK_SECONDS for a lock and run at most
+    REPORT_STATEMENT_SECONDS (limited; the DatabaseError of one that ran out of time
     propagates)."""
     db = stats.job_database(db)
     with limited(db):
@@ -91,8 +103,8 @@ def measure(db: str | None = None) -> Figures:
 @contextmanager
 def limited(db: str) -> Iterator[None]:
     """A transaction on `db` whose statements wait at most REPORT_LOCK_SECONDS for a lock and
-    run at most REPORT_STATEMENT_SECONDS (PGJOBS["HEALTH"], health.Thresholds), or less where
-    the role or session asks for less.
+    run at most REPORT_STATEMENT_SECONDS (report_limits), or less where the role or session
+    asks for less.
 
     The limits are SET LOCAL (set_config(..., true)): they end with the transaction, so a
     connection shared by a transaction-mode pooler (PgBouncer) keeps none of them. Nested in a
@@ -100,18 +112,22 @@ def limited(db: str) -> Iterator[None]:
     """
     nested = connections[db].in_atomic_block
     with transaction.atomic(using=db), connections[db].cursor() as cursor:
-        limits = health.thresholds()
-        ms = [
-            milliseconds(limits.REPORT_LOCK_SECONDS),
-            milliseconds(limits.REPORT_STATEMENT_SECONDS),
-        ]
-        cursor.execute(_LIMIT, ms)
+        cursor.execute(_LIMIT, [milliseconds(limit) for limit in report_limits()])
         before = [(name, old) for name, old, _new in cursor.fetchall()]
         yield
         # Only reached without an error; after one, the rollback (to the savepoint, when
         # nested) has already put them back.
         if nested:
             cursor.execute(_RESTORE, [[name for name, _ in before], [old for _, old in before]])
+
+
+def report_limits() -> tuple[float, float]:
+    """The report's lock and statement time limits: PGJOBS["HEALTH"] over the defaults above."""
+    overrides = get_settings().HEALTH
+    return (
+        float(overrides.get("REPORT_LOCK_SECONDS", REPORT_LOCK_SECONDS)),
+        float(overrides.get("REPORT_STATEMENT_SECONDS", REPORT_STATEMENT_SECONDS)),
+    )
 
 
 def milliseconds(seconds: float) -> int:

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from enum import IntEnum
-from typing import TYPE_CHECKING
 
 from django_pgjobs.conf import get_settings
+from django_pgjobs.observability import figures
 from django_pgjobs.observability.dbstats import TableLock
+from django_pgjobs.observability.figures import Figures
 from django_pgjobs.observability.stats import served_queues
-
-if TYPE_CHECKING:  # figures reads the report's time limits from here
-    from django_pgjobs.observability.figures import Figures
 
 #: Where the reasons are explained.
 DOC = "docs/howto/monitoring.md"
@@ -51,13 +49,9 @@ class Thresholds:
     NATS_PENDING: float = 10_000
     #: The queue's share of the database's active time over this.
     QUEUE_SHARE: float = 0.5
-    #: The longest the report waits for a lock (its reads need only ACCESS SHARE, which
-    #: nothing but an ACCESS EXCLUSIVE lock holds back: a wait this long means the job table
-    #: is locked, and the report says so rather than wait)...
-    REPORT_LOCK_SECONDS: float = 1.0
-    #: ...and the longest any one of its statements runs (a probe that hangs answers nothing;
-    #: raise it for a database too busy or too big to answer a dozen cheap queries in time).
-    REPORT_STATEMENT_SECONDS: float = 5.0
+    #: Not thresholds: the report's time limits (figures.py).
+    REPORT_LOCK_SECONDS: float = figures.REPORT_LOCK_SECONDS
+    REPORT_STATEMENT_SECONDS: float = figures.REPORT_STATEMENT_SECONDS
 
 
 #: The workers' lock_timeout (runtime/locks.py): a lock on the job table held or queued this
