@@ -54,6 +54,11 @@ if os.environ.get("PGJOBS_TCP_USER_TIMEOUT"):  # the frozen-worker chaos test's,
     DATABASES["default"].setdefault("OPTIONS", {})["tcp_user_timeout"] = int(
         os.environ["PGJOBS_TCP_USER_TIMEOUT"]
     )
+if os.environ.get("PGJOBS_TEST_POOL"):  # Django's connection pool: its options, as JSON
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = json.loads(
+        os.environ["PGJOBS_TEST_POOL"]
+    )
+    DATABASES["default"]["CONN_MAX_AGE"] = 0  # Django's rule with a pool
 if os.environ.get("PGJOBS_PGBOUNCER"):
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 try:  # Django's Tasks framework: built in from Django 6, else the django-tasks backport

@@ -29,6 +29,7 @@ def listen(
     Calls on_notify(queue) for each notification and on_connect() after every (re)connect, so
     the worker polls at once for whatever it missed while disconnected.
     """
+    locks.unpooled(db)  # a connection of its own, not one of a Django pool's
     wrapper = connections[db]
     failures = 0
     while not stopping():

@@ -10,6 +10,7 @@ again. And the TCP keepalives of every connection a worker process makes (KEEPAL
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -18,6 +19,9 @@ from django.db.backends.signals import connection_created
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
+from django_pgjobs.runtime.logs import quietly
+
+logger = logging.getLogger("django_pgjobs.runtime.worker")
 
 #: The longest one of the worker's statements waits for a lock; past it the statement fails and
 #: the worker tries again later, instead of stalling behind, say, an operator's open transaction.
@@ -88,6 +92,45 @@ def pooled(db: str) -> bool:
     return bool(connections[db].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"))
 
 
+def unpooled(db: str) -> None:
+    """Give this thread's connections to `db` a connection of their own, outside Django's
+    connection pool (DATABASES OPTIONS "pool"). The worker's own threads hold theirs for as
+    long as they run: taken from the pool, three of its four connections (its default size)
+    went to them, and the handlers waited for the last one (up to the pool's 30 s timeout,
+    the lease keeper among them, while every lease ran out); and a connection of theirs handed
+    back to the pool after an error took their session settings (synchronous_commit off, a
+    lock_timeout, an idle-in-transaction timeout, the worker's application_name) to whichever
+    handler got it next."""
+    connection = connections[db]
+    options = connection.settings_dict.get("OPTIONS", {})
+    if not options.get("pool"):
+        return
+    if connection.connection is not None:
+        connection.close()  # not used yet by the worker: back to the pool as it came
+    own = {key: value for key, value in options.items() if key != "pool"}
+    connection.settings_dict = {**connection.settings_dict, "OPTIONS": own}
+
+
+def warn_of_a_small_pool(db: str, concurrency: int, who: str) -> None:
+    """Say so when Django's connection pool of `db` holds fewer connections than the worker
+    `who` has handler threads: each holds one while its job runs, and the others wait for it
+    (psycopg_pool's timeout, 30 s by default), then fail their attempts."""
+    pool = connections.settings[db].get("OPTIONS", {}).get("pool")
+    if not pool:
+        return
+    sizes = pool if isinstance(pool, dict) else {}
+    size = sizes.get("max_size") or sizes.get("min_size", 4)  # psycopg_pool's defaults
+    if isinstance(size, int) and size < concurrency:
+        quietly(
+            logger.warning,
+            "%s: the connection pool of database %r (DATABASES OPTIONS 'pool') holds at most %d "
+            "connections, fewer than its %d handler threads: jobs will wait for a connection, "
+            "and fail when none comes in time. Give the pool a max_size of at least %d (the "
+            "worker's own connections are outside it), or run it with --concurrency %d",
+            who, db, size, concurrency, concurrency, size,
+        )  # fmt: skip
+
+
 def keep_alive(db: str) -> bool:
     """Give this process's connections to `db` the KEEPALIVES settings their OPTIONS leave out
     (from their next connect); True when any was added."""
@@ -132,6 +175,7 @@ class LockWaits:
         self.enabled = not pooled(db)
 
     def limit_this_thread(self, plans: bool = False) -> None:
+        unpooled(self.db)
         if not self.enabled:
             return
         if not self._threads:

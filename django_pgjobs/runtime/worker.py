@@ -100,6 +100,7 @@ class Worker(Stoppable):
             connections[self.db].close()  # opened before (checks): made again with them
         if options.parent_pid is None:  # a supervisor's children: it said so once for all
             served.warn(self.db, options.queues, f"worker {self.id}")
+        locks.warn_of_a_small_pool(self.db, options.concurrency, f"worker {self.id}")
         self._lock_waits.limit_this_thread(plans=True)
         self._start_threads()
         # The loop makes and drops objects by the thousand a second, and each of the collector's

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from django.db import DatabaseError, connection
@@ -83,6 +85,64 @@ def test_other_threads_connections_keep_their_own_settings():
         sessions.stop()
         connection.close()
     assert seen[0][1:] == ("", "on")
+
+
+@pytest.fixture
+def one_connection_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Django's connection pool (DATABASES OPTIONS "pool") of one connection, for this test."""
+    pool = {"min_size": 1, "max_size": 1, "timeout": 2}
+    shared = connection.settings_dict  # every thread's; the worker's own get copies
+    options = {**shared.get("OPTIONS", {}), "pool": pool}
+    connection.close()
+    monkeypatch.setitem(shared, "OPTIONS", options)
+    monkeypatch.setitem(shared, "CONN_MAX_AGE", 0)
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict = shared
+        connection.close_pool()
+
+
+def _in_a_thread(work: Callable[[], Any]) -> Any:
+    """What `work` returns (or raises) on a thread of its own, its connections closed after."""
+    done: list[Any] = []
+
+    def run() -> None:
+        try:
+            done.append(work())
+        except Exception as error:
+            done.append(error)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    if isinstance(done[0], Exception):
+        raise done[0]
+    return done[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_djangos_connection_pool_the_worker_keeps_its_connections_outside_it(
+    one_connection_pool: None,
+) -> None:
+    # Before: the worker's own threads took theirs from the pool and held them, so a handler
+    # waited for a connection (here: failed after the pool's 2 s); and one handed back after an
+    # error went to the next handler with the worker's session settings (synchronous_commit
+    # off, a lock_timeout, an idle-in-transaction timeout, the worker's application_name).
+    sessions = LockWaits("default", application_name("host:1:ab"))
+    try:
+        sessions.limit_this_thread()
+        assert _settings()[1:] == ("pgjobs worker host:1:ab", "off")  # its own, held
+        assert connection.pool is None
+        assert _in_a_thread(_settings)[1:] == ("", "on")  # a handler: the pool's connection
+        connection.close()  # after an error, say
+        assert _in_a_thread(_settings) == ("0", "", "on")
+    finally:
+        sessions.stop()
+        connection.close()
 
 
 @pytest.mark.django_db(transaction=True)
