@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from django.conf import settings as django_settings
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.db import connections, router
 
@@ -42,6 +43,26 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             f"django-pgjobs needs PostgreSQL, but the database {alias!r} is {vendor}.",
             hint="Point DATABASES (or your router for pgjobs.Job) at a PostgreSQL database.",
             id="pgjobs.E001",
+        )
+    ]
+
+
+@register(Tags.compatibility)
+def check_time_zone_support(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    # The job table's times are timestamptz, compared with the database's clock and with the
+    # aware datetimes of schedules and retries: with USE_TZ off the ORM hands them back naive,
+    # and the admin's pages failed (500), every periodic tick failed, and run_at=now() + ...
+    # was refused.
+    if django_settings.USE_TZ:
+        return []
+    return [
+        Error(
+            "django-pgjobs needs USE_TZ = True: its times (when a job is due, its lease, its "
+            "schedule) are aware datetimes, and with USE_TZ = False Django hands them back naive.",
+            hint="Set USE_TZ = True (Django's default since 5.0); TIME_ZONE still sets the zone "
+            "that templates and forms show. See Django's time zones documentation for what "
+            "else it changes in your project.",
+            id="pgjobs.E003",
         )
     ]
 

@@ -109,3 +109,11 @@ def test_a_deploy_check_names_the_tasks_whose_queue_no_running_worker_serves():
     emails = next(w for w in warnings if "'emails'" in w)
     assert "tests.tasks.send_email" in emails
     assert not any("'default'" in w for w in warnings)
+
+
+def test_use_tz_false_is_an_error_saying_what_to_set(settings):
+    # Before: nothing said so; the admin's job list answered 500, every periodic tick failed
+    # (naive and aware datetimes compared), run_at=timezone.now() + ... was refused (attack 14).
+    settings.USE_TZ = False
+    (found,) = messages_with("pgjobs.E003")
+    assert found.startswith("django-pgjobs needs USE_TZ = True")
