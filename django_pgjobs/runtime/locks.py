@@ -14,6 +14,7 @@ import logging
 import threading
 from typing import Any
 
+import psycopg
 from django.db import DatabaseError, connections
 from django.db.backends.signals import connection_created
 
@@ -202,6 +203,12 @@ class LockWaits:
         # (shared by every thread's connections, and a handler may have changed it) says.
         if not connection.in_atomic_block and not connection.get_autocommit():
             connection.set_autocommit(True)
+        # And its few transactions of more than one statement (a limited queue's claim) are
+        # READ COMMITTED, each statement seeing what committed before it: under a stricter
+        # isolation_level of the OPTIONS (the handlers'), another worker's claim committed
+        # after their snapshot made them fail as serialization failures, each an outage.
+        if not connection.in_atomic_block:
+            connection.connection.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         durable = self.durable or get_settings().WORKER_SYNCHRONOUS_COMMIT
         prepare = plans and self.prepare and rows.plans_once()
         with connection.cursor() as cursor:

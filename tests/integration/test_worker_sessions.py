@@ -8,8 +8,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job
@@ -140,6 +141,35 @@ def test_with_djangos_connection_pool_the_worker_keeps_its_connections_outside_i
         assert _in_a_thread(_settings)[1:] == ("", "on")  # a handler: the pool's connection
         connection.close()  # after an error, say
         assert _in_a_thread(_settings) == ("0", "", "on")
+    finally:
+        sessions.stop()
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_workers_transactions_are_read_committed_whatever_isolation_the_project_sets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: under OPTIONS isolation_level SERIALIZABLE (or REPEATABLE READ), a limited
+    # queue's claim (several statements in one transaction) took its snapshot before another
+    # worker's claim committed, and failed as a serialization failure: an outage each time.
+    options = {**connection.settings_dict.get("OPTIONS", {})}
+    options["isolation_level"] = psycopg.IsolationLevel.SERIALIZABLE
+    connection.close()
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+
+    def isolation() -> str:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SHOW transaction_isolation")
+            return cursor.fetchone()[0]
+
+    sessions = LockWaits("default")
+    try:
+        sessions.limit_this_thread()
+        assert isolation() == "read committed"
+        assert _in_a_thread(isolation) == "serializable"  # a handler's: the project's
+        connection.close()
+        assert isolation() == "read committed"  # connected again
     finally:
         sessions.stop()
         connection.close()
