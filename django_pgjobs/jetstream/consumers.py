@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nats.js import api
 from nats.js.errors import NotFoundError
 
 from django_pgjobs.jetstream import streams
@@ -94,8 +95,9 @@ class Consumers:
                     "lost its storage); making it again", self.worker, queue.consumer, queue.queue,
                 )  # fmt: skip
                 continue
-            if info.ack_floor is not None:  # where a consumer made again starts (subscription)
-                self._ack_floors[queue.queue] = info.ack_floor.stream_seq
+            self._ack_floors[queue.queue] = max(  # where one made again starts (subscription)
+                self._ack_floors.get(queue.queue, 0), ack_floor(info)
+            )
             waits.append(float(info.config.ack_wait or self.lease))
         shortest = min(waits)
         if shortest < self.lease and shortest != last:
@@ -136,3 +138,15 @@ class Consumers:
             "max_running", flat=True
         ).first()  # fmt: skip
         return queue.max_ack_pending if limit is None else max(limit, 1)
+
+
+def ack_floor(info: Any) -> int:
+    """The stream sequence up to which consumer `info` has acknowledged every message. The
+    server says 0 for a consumer made to start at a sequence (made again, by subscription)
+    until its first acknowledgement: then the one before its start. Taken as 0, it had a
+    consumer deleted again before that made again from the stream's first message, and every
+    job the stream held ran again."""
+    floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
+    if info.config.deliver_policy == api.DeliverPolicy.BY_START_SEQUENCE:
+        floor = max(floor, (info.config.opt_start_seq or 1) - 1)
+    return int(floor)

@@ -55,6 +55,34 @@ def test_a_consumer_deleted_while_a_worker_runs_is_made_again_after_what_it_ackn
     assert len(said) == 1 and "from stream sequence 6 on" in said[0]
 
 
+def test_a_consumer_deleted_twice_with_no_acknowledgement_between_is_made_again_after_both(
+    queue: str,
+) -> None:
+    # Before: the server says an ack floor of 0 for a consumer made to start at a sequence
+    # until its first acknowledgement; deleted again before that, it was made again from the
+    # stream's first message, and every job the stream held ran again (attack 15).
+    first = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(5)], queue=queue)
+    relay().round()
+    reader, stream = bridge(), transports.nats_queues()[queue]
+
+    def delete_and_wait_for_it_again() -> Any:
+        time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer meanwhile
+        reader.call(reader.js.delete_consumer(stream.stream, stream.consumer))
+        return wait_until(lambda: consumer_info(reader, queue), timeout=10)
+
+    with WorkerThread(queue):
+        wait_until(lambda: ChaosExecution.objects.count() >= 5, timeout=30)
+        wait_until(lambda: consumer_info(reader, queue).ack_floor.stream_seq == 5, timeout=10)
+        assert delete_and_wait_for_it_again().config.opt_start_seq == 6
+        assert delete_and_wait_for_it_again().config.opt_start_seq == 6  # idle: no ack between
+        second = tasks.ledger.using(queue=queue).enqueue(n=9)
+        relay().round()
+        wait_until(lambda: ChaosExecution.objects.count() >= 6, timeout=30)
+        time.sleep(1)  # what ran again would run by now
+    runs = sorted(ChaosExecution.objects.values_list("job_id", flat=True))
+    assert runs == sorted(job.pk for job in [*first, second])  # each once
+
+
 def test_a_stream_made_again_while_a_worker_runs_has_every_message_delivered(
     queue: str,
 ) -> None:
