@@ -14,6 +14,7 @@ from django.db import DatabaseError, connection, transaction
 
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job
+from django_pgjobs.runtime import listener
 from django_pgjobs.runtime.locks import (
     IDLE_IN_TRANSACTION,
     LOCK_TIMEOUT,
@@ -144,6 +145,29 @@ def test_with_djangos_connection_pool_the_worker_keeps_its_connections_outside_i
     finally:
         sessions.stop()
         connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_djangos_connection_pool_the_listener_keeps_its_connection_outside_it(
+    one_connection_pool: None,
+) -> None:
+    # Before: it took the pool's connection (the handlers waited for it, then failed), and each
+    # of its reconnections closed one without handing it back: after a few, the pool had
+    # none left, and the worker ran nothing until restarted (attack 14).
+    connects: list[float] = []
+    stopped = threading.Event()
+    thread = threading.Thread(
+        target=listener.listen,
+        args=("default", lambda queue: None, lambda: connects.append(1), stopped.is_set),
+        daemon=True,
+    )
+    thread.start()
+    try:
+        wait_until(lambda: connects, timeout=10)
+        assert _in_a_thread(_settings)[1:] == ("", "on")  # a handler: the pool's connection
+    finally:
+        stopped.set()
+        thread.join(10)
 
 
 @pytest.mark.django_db(transaction=True)
