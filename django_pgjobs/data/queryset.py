@@ -212,13 +212,13 @@ class JobQuerySet(models.QuerySet["Job"]):
         while max_batches is None or batches < max_batches:
             # Bounded batches keep each transaction short and the locks few; SKIP LOCKED lets
             # every worker prune at once without queueing behind each other.
-            batch = old.values("pk").select_for_update(skip_locked=True)
+            # The batch is read first, then deleted by primary key: deleted through a subquery
+            # (`id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`), a nested-loop plan ran
+            # the subquery again for each row and deleted every prunable row in one statement.
+            batch = old.select_for_update(skip_locked=True).values_list("pk", flat=True)
             with transaction.atomic(using=self.db):
-                deleted, _ = (
-                    self.model._default_manager.using(self.db)
-                    .filter(pk__in=batch[: settings.PRUNE_BATCH])
-                    .delete()
-                )
+                ids = list(batch[: settings.PRUNE_BATCH])
+                deleted, _ = self.model._default_manager.using(self.db).filter(pk__in=ids).delete()
             total, batches = total + deleted, batches + 1
             if deleted < settings.PRUNE_BATCH:
                 break

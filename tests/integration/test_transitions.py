@@ -486,6 +486,23 @@ def test_prune_deletes_old_finished_jobs_in_bounded_batches(settings):
     assert Job.objects.filter(status=Status.SUCCEEDED).count() == 1
 
 
+def test_a_prune_batch_is_bounded_whatever_plan_the_database_chooses(settings):
+    # Before: deleted through `id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`, which a
+    # nested-loop plan (chosen on stale statistics; CI met it) ran again for each row: the
+    # first batch deleted all 25.
+    settings.PGJOBS = {**settings.PGJOBS, "PRUNE_BATCH": 10}
+    JobFactory.create_batch(25, succeeded=True, enqueued_ago=3 * 3600)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET finished_at = now() - interval '2 hours' "
+            "WHERE finished_at IS NOT NULL"
+        )
+        for method in ("hashjoin", "mergejoin", "material", "hashagg", "sort"):
+            cursor.execute(f"SET LOCAL enable_{method} = off")  # until the test's rollback
+    assert Job.objects.prune(max_batches=1) == 10
+    assert Job.objects.count() == 15
+
+
 def test_a_handler_can_see_which_job_and_attempt_it_is_running():
     from django_pgjobs import current_job
 
