@@ -7,12 +7,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from django.db import connection, connections
+from django.db.backends.signals import connection_created
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -139,3 +141,27 @@ def run_together(count: int, work: Callable[[int], object]) -> list[object]:
     for thread in threads:
         thread.join()
     return results
+
+
+class ReadOnlySessions:
+    """While `refusing`, every session a thread named in `threads` opens is read-only, as those
+    of a node that refuses writes (a standby after a failover) are."""
+
+    def __init__(self, *threads: str) -> None:
+        self.threads, self.refusing = set(threads), False
+
+    def __call__(self, sender: object, connection: Any, **kwargs: object) -> None:
+        if self.refusing and threading.current_thread().name in self.threads:
+            with connection.cursor() as cursor:
+                cursor.execute("SET default_transaction_read_only = on")
+
+
+@contextmanager
+def read_only_sessions(*threads: str) -> Iterator[ReadOnlySessions]:
+    """A ReadOnlySessions of `threads`, for the block (connection_created's receiver)."""
+    receiver = ReadOnlySessions(*threads)
+    connection_created.connect(receiver, weak=False)
+    try:
+        yield receiver
+    finally:
+        connection_created.disconnect(receiver)

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import psycopg
-from django.db import DatabaseError, InterfaceError, OperationalError, connections, models
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connections,
+    models,
+)
 from django.db.backends.utils import CursorDebugWrapper
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
@@ -142,15 +149,39 @@ def cursor(db: str, binary: bool = False) -> Iterator[Any]:
 
 def connection_lost(error: DatabaseError) -> bool:
     """Whether `error` says the connection, not the statement, is at fault: it is gone or
-    broken, a statement prepared on it went missing (see _give_up_plans), or one prepared on
-    it no longer fits the table (a migration changed a column it returns: PostgreSQL refuses
-    it from then on). What the statement was to do is then tried again, unchanged, on a new
-    connection."""
+    broken, a statement prepared on it went missing (see _give_up_plans), one prepared on it
+    no longer fits the table (a migration changed a column it returns: PostgreSQL refuses it
+    from then on), or it reached a database that refuses writes (refuses_writes). What the
+    statement was to do is then tried again, unchanged, on a new connection."""
     return (
         isinstance(error, OperationalError | InterfaceError)
         or isinstance(error.__cause__, _PREPARED_GONE)
         or plan_unfit(error)
+        or refuses_writes(error)
     )
+
+
+def refuses_writes(error: DatabaseError) -> bool:
+    """Whether `error` is the database refusing a write (read_only_sql_transaction: a standby,
+    or transaction_read_only on). After a failover that is the connection's node, the old
+    primary or a replica, and a new connection to the same address may reach the new one."""
+    return isinstance(error.__cause__, psycopg.errors.ReadOnlySqlTransaction)
+
+
+def check_writable(db: str) -> None:
+    """Raise the DatabaseError of refuses_writes when `db` refuses writes: a worker back from
+    an outage whose turn wrote nothing (every handler busy) would otherwise say the database
+    is back while it is on a standby."""
+    with connections[db].cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
+        )
+        (refuses,) = cursor.fetchone()
+    if refuses:
+        cause = psycopg.errors.ReadOnlySqlTransaction(
+            "the database refuses writes: it is in recovery, or transaction_read_only is on"
+        )
+        raise InternalError(str(cause)) from cause
 
 
 def timed_out(error: DatabaseError) -> bool:

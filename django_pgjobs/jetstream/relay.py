@@ -194,7 +194,7 @@ class RelayChore(Chore):
 def relay_until(relay: Relay, stopped: threading.Event, once: bool = False) -> None:
     """Relay rounds on this thread until `stopped` is set (with `once`, until a round comes
     back short: the outbox is drained), riding out database outages as a worker does."""
-    chore, outage = RelayChore(relay), Outage()
+    chore, outage = RelayChore(relay), Outage("the relay", prefix="relay: ")
     # Its sessions as a worker's own (runtime/locks.py): no statement waits long on a lock, a
     # database gone from the network is noticed within seconds, no idle_session_timeout.
     locks.keep_alive(relay.jobs.db)

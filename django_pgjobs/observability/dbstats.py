@@ -55,6 +55,9 @@ class DatabaseStats:
     #: pg_monitor includes); else other users' sessions hide their state, transaction and
     #: snapshot, and connections, idle transactions and the oldest snapshot count this user's.
     sees_all_sessions: bool = True
+    #: Why the database refuses writes ("in recovery": a standby; "read-only": the
+    #: transaction_read_only setting); "" when it takes them.
+    refuses_writes: str = ""
 
     @property
     def connections_ratio(self) -> float:
@@ -203,11 +206,16 @@ def database_stats(db: str | None = None) -> DatabaseStats:
                    pg_notification_queue_usage(),
                    (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0)
                     FROM pg_prepared_xacts),
-                   pg_has_role('pg_read_all_stats', 'USAGE')
+                   pg_has_role('pg_read_all_stats', 'USAGE'),
+                   CASE WHEN pg_is_in_recovery() THEN 'in recovery'
+                        WHEN current_setting('transaction_read_only') = 'on' THEN 'read-only'
+                        ELSE '' END
             FROM pg_stat_activity WHERE datname = current_database()
             """
         )
-        used, usable, idle, idle_seconds, notify_usage, prepared, all_sessions = cursor.fetchone()
+        used, usable, idle, idle_seconds, notify_usage, prepared, all_sessions, refuses = (
+            cursor.fetchone()
+        )
         cursor.execute(HORIZON_SQL)
         seconds, xids, pid, state, query = cursor.fetchone() or (0, 0, None, "", "")
         cursor.execute(
@@ -233,4 +241,5 @@ def database_stats(db: str | None = None) -> DatabaseStats:
         slots=slots,
         notify_queue_usage=float(notify_usage),
         sees_all_sessions=bool(all_sessions),
+        refuses_writes=refuses,
     )

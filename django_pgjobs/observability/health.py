@@ -282,6 +282,19 @@ def _vacuum(report: Figures, limits: Thresholds) -> list[Reason]:
 
 def _database(report: Figures, limits: Thresholds) -> list[Reason]:
     db, reasons = report.database, []
+    if db.refuses_writes:
+        why = {"in recovery": "it is a standby: pg_is_in_recovery()"}.get(
+            db.refuses_writes, "transaction_read_only is on"
+        )
+        reasons.append(
+            _reason(
+                "database_refuses_writes",
+                Level.CRITICAL,
+                "the database refuses writes",
+                f"{why}; workers can claim, run and record nothing there (after a failover, "
+                "they and this report may still be connected to the old primary or a replica)",
+            )
+        )
     if db.connections_ratio >= limits.CONNECTIONS_RATIO:
         reasons.append(
             _reason(

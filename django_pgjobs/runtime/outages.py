@@ -23,9 +23,10 @@ class WorkerError(Exception):
 
 
 class Outage:
-    """Failures of the worker's own statements in a row."""
+    """Failures in a row of the statements of `who` (the worker's loop, or the relay)."""
 
-    def __init__(self) -> None:
+    def __init__(self, who: str = "the worker loop", prefix: str = "") -> None:
+        self.who, self.prefix = who, prefix  # prefix: the lines of another than the worker's
         self.failures = 0
         self.database = True  # whether the last failure was the database's
 
@@ -36,27 +37,27 @@ class Outage:
         pause = policy.outage_pause(self.failures)
         if self.failures == 1:
             quietly(
-                logger.error, "%s; retrying in %.2fs", self.describe(error), pause, exc_info=error
-            )
+                logger.error, "%s%s; retrying in %.2fs", self.prefix, self.describe(error), pause,
+                exc_info=error,
+            )  # fmt: skip
         else:
             quietly(
-                logger.warning, "%s (attempt %d); retrying in %.1fs",
-                self.describe(error), self.failures, pause,
+                logger.warning, "%s%s (attempt %d); retrying in %.1fs",
+                self.prefix, self.describe(error), self.failures, pause,
             )  # fmt: skip
         return pause
 
     def over(self) -> None:
         if self.failures:
-            what = "the database is back" if self.database else "the worker's loop runs again"
-            quietly(logger.info, "%s after %d failed attempts", what, self.failures)
+            what = "the database is back" if self.database else f"{self.who} runs again"
+            quietly(logger.info, "%s%s after %d failed attempts", self.prefix, what, self.failures)
             self.failures = 0
 
-    @staticmethod
-    def describe(error: Exception) -> str:
+    def describe(self, error: Exception) -> str:
         """One line saying what is wrong and, where we know, what to do."""
         first = first_line(error)
         if not isinstance(error, DatabaseError):
-            return f"error in the worker loop: {type(error).__qualname__}: {first}"
+            return f"error in {self.who}: {type(error).__qualname__}: {first}"
         # An undefined table or column: the schema is older than the code.
         if schema.is_not_migrated(error):
             return schema.explained(error)
@@ -71,6 +72,12 @@ class Outage:
             return f"a statement ran out of time ({first})"
         if rows.rolled_back(error):  # the same: not the connection's fault
             return f"the database rolled a transaction back ({first})"
+        if rows.refuses_writes(error):
+            return (
+                f"the database refuses writes ({first}): a standby, or read-only; after a "
+                "failover the connection may have reached the old primary or a replica: "
+                "connecting again"
+            )
         if isinstance(error, OperationalError | InterfaceError):
             return f"cannot reach the database: {first}"
-        return f"database error in the worker loop: {type(error).__name__}: {first}"
+        return f"database error in {self.who}: {type(error).__name__}: {first}"

@@ -124,6 +124,8 @@ class Worker(Stoppable):
                 # Over only once a turn reached the database: one that had nothing to do (all
                 # slots busy, or stopping) ran no statement on the connection closed below.
                 if connections[self.db].connection is not None:
+                    if outage.failures and outage.database:  # its turn may have written nothing
+                        rows.check_writable(self.db)
                     outage.over()
                     self._reaper.calm()
             except Exception as error:  # the database, or a bug (outages.py): pause, try again

@@ -768,7 +768,7 @@ def test_a_statement_timeout_is_said_to_be_one_not_an_unreachable_database():
         cursor.execute("SET statement_timeout = '10ms'")
         cursor.execute("SELECT pg_sleep(1)")
     connection.close()
-    assert Outage.describe(raised.value) == (
+    assert Outage().describe(raised.value) == (
         "a statement ran out of time (canceling statement due to statement timeout)"
     )
 
@@ -816,7 +816,7 @@ def test_a_transaction_the_database_rolled_back_is_not_said_to_be_an_unreachable
 
     error = OperationalError("could not serialize access due to concurrent update")
     error.__cause__ = psycopg.errors.SerializationFailure("could not serialize access")
-    assert Outage.describe(error) == (
+    assert Outage().describe(error) == (
         "the database rolled a transaction back (could not serialize access due to concurrent "
         "update)"
     )

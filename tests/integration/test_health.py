@@ -224,6 +224,24 @@ def test_a_listener_stuck_in_a_transaction_fills_the_notify_queue(settings, othe
     assert codes(report) == {"notify_queue_filling"}
 
 
+def test_a_database_that_refuses_writes_is_critical_and_says_why():
+    # Before: on a standby after a failover (or with default_transaction_read_only on),
+    # jobstats said HEALTHY, exit 0, while workers could record nothing (attack 15).
+    worker_row()
+    with connection.cursor() as cursor:
+        cursor.execute("SET default_transaction_read_only = on")
+    try:
+        report = reports.collect()
+        code, out = jobstats()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET default_transaction_read_only")
+    assert report.database.refuses_writes == "read-only"
+    assert codes(report) == {"database_refuses_writes"}
+    assert code == 2
+    assert "the database refuses writes: transaction_read_only is on" in out
+
+
 def test_strain_at_high_throughput_is_past_the_design_envelope(settings):
     settings.PGJOBS = {"HEALTH": {"ENVELOPE_JOBS_PER_SECOND": 10}}
     worker_row(claimed=9000, succeeded=9000, seconds=900)  # 10 jobs/s over 15 minutes

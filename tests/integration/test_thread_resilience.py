@@ -16,13 +16,12 @@ from uuid import UUID
 import psycopg
 import pytest
 from django.db import connection
-from django.db.backends.signals import connection_created
 
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import listener
 from django_pgjobs.runtime.leases import LeaseKeeper
 from django_pgjobs.runtime.locks import LockWaits
-from tests.conftest import wait_until
+from tests.conftest import ReadOnlySessions, read_only_sessions, wait_until
 from tests.factories import JobFactory
 from tests.integration.test_transitions import claim_one
 from tests.logfilters import RequestUser
@@ -61,27 +60,15 @@ def raising_filter() -> Iterator[NeedsARequest]:
         logger.removeFilter(needs_a_request)
 
 
-class ReadOnly:
+@pytest.fixture
+def read_only() -> Iterator[ReadOnlySessions]:
     """While `refusing`, every session the lease keeper's thread opens is read-only, as those
     of a primary that failed over are: the server refuses its heartbeats. The keeper drops its
     connection after a database error, so its first connection after `refusing` is unset is
     writable again."""
-
-    def __init__(self) -> None:
-        self.refusing = True
-
-    def __call__(self, sender: object, connection: Any, **kwargs: object) -> None:
-        if self.refusing and threading.current_thread().name == "pgjobs-leases":  # its thread
-            with connection.cursor() as cursor:
-                cursor.execute("SET default_transaction_read_only = on")
-
-
-@pytest.fixture
-def read_only() -> Iterator[ReadOnly]:
-    receiver = ReadOnly()
-    connection_created.connect(receiver, weak=False)
-    yield receiver
-    connection_created.disconnect(receiver)
+    with read_only_sessions("pgjobs-leases") as receiver:
+        receiver.refusing = True
+        yield receiver
 
 
 class Keeper:
@@ -151,7 +138,7 @@ def test_the_pause_after_failed_rounds_doubles_from_half_a_second_to_a_sixth_of_
 
 @pytest.mark.django_db(transaction=True)  # the keeper's thread has its own connection
 def test_a_read_only_database_is_tried_a_few_times_a_second_and_renewed_once_writable(
-    read_only: ReadOnly, caplog: Any
+    read_only: ReadOnlySessions, caplog: Any
 ) -> None:
     JobFactory()
     with Keeper(claim_one()) as keeper:
@@ -193,7 +180,7 @@ def test_a_round_that_raises_every_time_logs_one_traceback_and_renews_once_it_st
 
 @pytest.mark.django_db(transaction=True)
 def test_a_logging_filter_that_raises_does_not_end_the_lease_keeper(
-    read_only: ReadOnly, raising_filter: NeedsARequest
+    read_only: ReadOnlySessions, raising_filter: NeedsARequest
 ) -> None:
     """A filter that raises for the keeper's warning would end its thread, and the worker would
     run on with leases nothing renews (reaped by other workers, run twice)."""
