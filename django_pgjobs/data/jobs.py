@@ -439,6 +439,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
           again shortly.
         """
         db = self._write_db()
+        self.drop_superseded(job, below=job.claims)  # committed, whatever follows
         with transaction.atomic(using=db):
             if (found := self._written_back(job, job.attempts)) is not None:
                 return found
@@ -452,6 +453,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """`job`, run from NATS by `job.worker`, asked to run again in `delay` seconds (Retry),
         its attempt counted: written as an outbox row due then, as write_back's `hand_back`.
         Returns ``ready``, or WRITTEN or IN_OUTBOX as write_back."""
+        self.drop_superseded(job, below=job.claims)
         with transaction.atomic(using=self._write_db()):
             # Written with one attempt more, which retry_later's release gives back: the
             # attempt counts, as a Retry's negative acknowledgement would count it.
@@ -460,6 +462,14 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             released = self.retry_later(job, delay)
             assert released, "the row was inserted as held by this worker"
             return Status.READY
+
+    def drop_superseded(self, job: Job, below: int) -> bool:
+        """Delete the outbox row of NATS job `job` that an older delivery of it wrote (its
+        claims under `below`: sql.SUPERSEDED), unless a relay is publishing it; whether there
+        was one. Before an attempt's outcome is written back: else that row stood in the way
+        (IN_OUTBOX), and this delivery was delivered again every second, its backoff and errors
+        lost, until it was dead-lettered as a lost worker's."""
+        return bool(rows.execute(self._write_db(), sql.SUPERSEDED, {"id": job.pk, "below": below}))
 
     def _written_back(self, job: Job, attempts: int) -> str | None:
         """Insert `job` as a running row held by `job.worker` (sql.WRITE_BACK) with `attempts`;

@@ -539,6 +539,20 @@ RELAY = f"""
 
 # The outbox rows a relay round is done with (their messages stored by the stream, or the job
 # refused), among those it locked (RELAY).
+# A NATS job's outbox row that an older delivery of it wrote (a retry handed back, whose
+# message's acknowledgement was then lost, so that the message ran again): the delivery that
+# ran after it supersedes it, and it goes (SKIP LOCKED: a row a relay is publishing is left
+# to it, whose message then runs as one more copy).
+SUPERSEDED = """
+    DELETE FROM pgjobs_job
+    WHERE id = ANY (ARRAY(
+        SELECT id FROM pgjobs_job
+        WHERE id = %(id)s AND status = 'ready' AND claims < %(below)s
+        FOR UPDATE SKIP LOCKED
+    ))
+    RETURNING id
+"""
+
 RELAYED = """
     DELETE FROM pgjobs_job WHERE id = ANY (%(ids)s::uuid[]) AND status = 'ready' RETURNING id
 """

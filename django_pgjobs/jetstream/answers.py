@@ -53,14 +53,20 @@ def nak_limit(published_at: datetime, ack_wait: float, max_age: float) -> float:
     return max(limit, 0.0)
 
 
-def answer(jobs: JobManager, job: Job, handled: Handled, nak_limit: float) -> Answer:
+def answer(
+    jobs: JobManager, job: Job, handled: Handled, nak_limit: float, redelivered: bool = False
+) -> Answer:
     """Success acks; Retry naks with its delay; an error is recorded by the worker's own rule
     (JobManager.write_back): attempts left nak with the backoff, a dead letter terms. A delay
     over `nak_limit` (the longest the message may wait out in the stream: see
     NatsWorker._nak_limit) is not a NAK: the job is handed back to PostgreSQL, an outbox row
-    due after the delay, and the message acked. May raise DatabaseError (the attempt is then
-    answered later)."""
+    due after the delay, and the message acked. A success of a message delivered again
+    (`redelivered`) also deletes such a row that an earlier delivery of it wrote before its
+    acknowledgement was lost: else the job ran once more at its retry. May raise
+    DatabaseError (the attempt is then answered later)."""
     if handled.verdict is Verdict.SUCCEEDED:
+        if redelivered:
+            jobs.drop_superseded(job, below=job.claims + 1)
         return Answer(Reply.ACK, 0.0, Outcome.SUCCEEDED)
     if handled.verdict is Verdict.RETRY and job.attempts >= job.max_attempts:
         # A Retry is a delivery, so an attempt: on the last one it is the job's end, said so

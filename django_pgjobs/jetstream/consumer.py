@@ -273,7 +273,8 @@ class NatsWorker(Stoppable):
                         self._acks.ack_wait,
                         self._queues[job.queue].max_age,
                     )
-                    reply, delay, outcome = answer(self.jobs, job, handled, limit)
+                    redelivered = delivery.msg.metadata.num_delivered > 1
+                    reply, delay, outcome = answer(self.jobs, job, handled, limit, redelivered)
                     delivery.decide(reply, delay, handled, outcome)
                     self._acks.unanswered.append(delivery)
                 else:
