@@ -55,8 +55,9 @@ class DatabaseStats:
     #: pg_monitor includes); else other users' sessions hide their state, transaction and
     #: snapshot, and connections, idle transactions and the oldest snapshot count this user's.
     sees_all_sessions: bool = True
-    #: Why the database refuses writes ("in recovery": a standby; "read-only": the
-    #: transaction_read_only setting); "" when it takes them.
+    #: Why the database refuses writes ("in recovery": a standby; "read-only":
+    #: default_transaction_read_only set for the database or the server, as failover tools
+    #: fence an old primary); "" when it takes them.
     refuses_writes: str = ""
 
     @property
@@ -184,6 +185,14 @@ HORIZON_SQL = """
 """
 
 
+#: default_transaction_read_only on for everyone: the server's or the database's setting, not
+#: the report's own role's or session's (a read-only monitoring role is a good idea).
+_READ_ONLY = """
+    SELECT setting = 'on' AND source NOT IN ('user', 'database user', 'client', 'session')
+    FROM pg_settings WHERE name = 'default_transaction_read_only'
+"""
+
+
 def database_stats(db: str | None = None) -> DatabaseStats:
     """Connections, idle transactions, the oldest snapshot, prepared transactions, replication
     slots and the NOTIFY queue (pg_stat_activity and a few catalog views)."""
@@ -208,7 +217,7 @@ def database_stats(db: str | None = None) -> DatabaseStats:
                     FROM pg_prepared_xacts),
                    pg_has_role('pg_read_all_stats', 'USAGE'),
                    CASE WHEN pg_is_in_recovery() THEN 'in recovery'
-                        WHEN current_setting('transaction_read_only') = 'on' THEN 'read-only'
+                        WHEN ({_READ_ONLY}) THEN 'read-only'
                         ELSE '' END
             FROM pg_stat_activity WHERE datname = current_database()
             """

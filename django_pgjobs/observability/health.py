@@ -284,7 +284,7 @@ def _database(report: Figures, limits: Thresholds) -> list[Reason]:
     db, reasons = report.database, []
     if db.refuses_writes:
         why = {"in recovery": "it is a standby: pg_is_in_recovery()"}.get(
-            db.refuses_writes, "transaction_read_only is on"
+            db.refuses_writes, "default_transaction_read_only is on for the database"
         )
         reasons.append(
             _reason(

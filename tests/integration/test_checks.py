@@ -6,6 +6,7 @@ from unittest import mock
 
 import pytest
 from django.core.checks import run_checks
+from django.core.management import CommandError, call_command
 from django.db import connection
 
 from django_pgjobs.models import QueueStat
@@ -117,3 +118,13 @@ def test_use_tz_false_is_an_error_saying_what_to_set(settings):
     settings.USE_TZ = False
     (found,) = messages_with("pgjobs.E003")
     assert found.startswith("django-pgjobs needs USE_TZ = True")
+
+
+def test_jobstats_failing_a_system_check_is_unknown_not_a_warning(settings):
+    # Django exits 1 for a failed check, which a monitoring probe reads as a warning; with
+    # USE_TZ = False (or a broken PGJOBS setting) the report cannot be taken (attack 16).
+    settings.USE_TZ = False
+    with pytest.raises(CommandError) as raised:
+        call_command("jobstats", skip_checks=False)
+    assert raised.value.returncode == 3
+    assert "pgjobs.E003" in str(raised.value)

@@ -6,6 +6,7 @@ import json
 from datetime import timedelta
 from io import StringIO
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection
@@ -15,7 +16,7 @@ from django_pgjobs.models import Queue, QueueStat
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability import stats
 from tests import plans
-from tests.conftest import wait_until
+from tests.conftest import connection_kwargs, wait_until
 from tests.factories import JobFactory, backlog
 
 # The report's now() is the start of its transaction: inside a test's transaction it would be
@@ -225,21 +226,43 @@ def test_a_listener_stuck_in_a_transaction_fills_the_notify_queue(settings, othe
 
 
 def test_a_database_that_refuses_writes_is_critical_and_says_why():
-    # Before: on a standby after a failover (or with default_transaction_read_only on),
-    # jobstats said HEALTHY, exit 0, while workers could record nothing (attack 15).
+    # Before: on a standby after a failover, or an old primary fenced with
+    # default_transaction_read_only, jobstats said HEALTHY, exit 0, while workers could
+    # record nothing (attack 15).
     worker_row()
-    with connection.cursor() as cursor:
-        cursor.execute("SET default_transaction_read_only = on")
+    name = connection.settings_dict["NAME"]
+    with psycopg.connect(**connection_kwargs(), autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+    connection.close()  # the next session has it
     try:
         report = reports.collect()
         code, out = jobstats()
     finally:
-        with connection.cursor() as cursor:
-            cursor.execute("RESET default_transaction_read_only")
+        connection.close()
+        writable = {**connection_kwargs(), "options": "-c default_transaction_read_only=off"}
+        with psycopg.connect(**writable, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
     assert report.database.refuses_writes == "read-only"
     assert codes(report) == {"database_refuses_writes"}
     assert code == 2
-    assert "the database refuses writes: transaction_read_only is on" in out
+    assert (
+        "the database refuses writes: default_transaction_read_only is on for the database; " in out
+    )
+    assert "threshold ;" not in out  # it has none
+
+
+def test_a_read_only_monitoring_role_is_not_a_database_that_refuses_writes():
+    # A read-only role for the probe is good practice: its own sessions refuse writes, the
+    # database does not (attack 16: CRITICAL, exit 2, for ever).
+    worker_row()
+    with connection.cursor() as cursor:
+        cursor.execute("SET default_transaction_read_only = on")  # as ALTER ROLE monitor SET ...
+    try:
+        report = reports.collect()
+    finally:
+        connection.close()
+    assert report.database.refuses_writes == ""
+    assert codes(report) == set()
 
 
 def test_strain_at_high_throughput_is_past_the_design_envelope(settings):

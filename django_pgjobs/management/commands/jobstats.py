@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from traceback import format_exception
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser, SystemCheckError
 from django.db import DatabaseError, InterfaceError, OperationalError
 
 from django_pgjobs import schema
@@ -71,6 +71,14 @@ class Command(BaseCommand):
 
         parser.exit = exit  # type: ignore[method-assign]
         return parser
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        # A system check that fails (a broken setting, USE_TZ = False) exits 1 in Django, which
+        # a probe reads as a warning: the report could not be taken, so it is unknown.
+        try:
+            super().check(*args, **kwargs)
+        except SystemCheckError as error:
+            raise CommandError(str(error), returncode=int(Level.UNKNOWN)) from error
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -213,7 +221,8 @@ def render(report: Report) -> str:
     lines.append(f"verdict: {report.verdict.status.upper()}")
     for reason in report.verdict.reasons:
         lines.append(f"  {reason.level.name.lower():<8} {reason.summary}: {reason.detail}")
-        lines.append(f"  {'':<8} threshold {reason.threshold}; see {reason.doc}")
+        judged = f"threshold {reason.threshold}; " if reason.threshold else ""
+        lines.append(f"  {'':<8} {judged}see {reason.doc}")
     return "\n".join(lines)
 
 
