@@ -19,7 +19,7 @@ from tests.plans import Plan, nodes, shown
 #: A value for every parameter name in data/sql.py: a statement with a new name fails below
 #: until it is given one here.
 SAMPLES: dict[str, Any] = {
-    "after_id": [None], "after_priority": [None], "after_run_at": [None],
+    "after_id": [None], "after_priority": [None], "after_run_at": [None], "below": 1,
     "attempts": 1, "base": 1.0, "cap": 60.0, "channel": None, "claims": [1],
     "created_at": datetime(2026, 1, 1, tzinfo=UTC), "delay": 0.0, "delays": [1.0],
     "error": "{}", "errors": ["{}"], "errors_kept": "$[last - 9 to last]",

@@ -91,12 +91,28 @@ def test_a_permanent_error_is_written_back_at_the_first_attempt():
 
 
 @pytest.mark.django_db
-def test_a_job_still_in_the_outbox_is_written_back_later_and_a_replayed_one_never():
-    row = JobFactory(queue="events", max_attempts=1)  # its relay has not committed yet
+def test_an_outbox_row_no_relay_holds_is_superseded_by_a_newer_delivery():
+    # Left by a relay that published its message and died before its commit, or written by an
+    # older delivery of the job (a handed-back retry whose acknowledgement was lost): the
+    # delivery that ran after it writes its outcome in its place (test_nats_copies.py).
+    row = JobFactory(queue="events", max_attempts=1)
+    assert Job.objects.write_back(attempt_of(row, 1), BOOM, permanent=True, delay=0) == "failed"
+    dead = Job.objects.get(pk=row.pk)
+    assert (dead.status, dead.claims) == (Status.FAILED, row.claims + 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_still_in_the_outbox_is_written_back_later_and_a_replayed_one_never(
+    other_connection: Any,
+):
+    row = JobFactory(queue="events", max_attempts=1)
     attempt = attempt_of(row, 1)
+    other_connection.execute("BEGIN")  # its relay's round, which has not committed yet
+    other_connection.execute("SELECT FROM pgjobs_job WHERE id = %s FOR UPDATE", [row.pk])
     assert Job.objects.write_back(attempt, BOOM, permanent=True, delay=0) == IN_OUTBOX
 
-    Job.objects.filter(pk=row.pk).delete()  # the relay committed
+    other_connection.execute("DELETE FROM pgjobs_job WHERE id = %s", [row.pk])
+    other_connection.execute("COMMIT")  # the relay committed
     assert Job.objects.write_back(attempt, BOOM, permanent=True, delay=0) == "failed"
     assert Job.objects.filter(pk=row.pk).replay() == [row.pk]
     # A late delivery of the old message meets the replayed job: it is not the old one's.
