@@ -179,7 +179,7 @@ def check_writable(db: str) -> None:
         (refuses,) = cursor.fetchone()
     if refuses:
         cause = psycopg.errors.ReadOnlySqlTransaction(
-            "the database refuses writes: it is in recovery, or transaction_read_only is on"
+            "it is in recovery, or transaction_read_only is on"
         )
         raise InternalError(str(cause)) from cause
 
