@@ -111,8 +111,6 @@ class NatsWorker(Stoppable):
             "worker %s started: NATS queues=%s concurrency=%d lease=%gs",
             self.id, ",".join(q.queue for q in self.queues), options.concurrency, self.lease,
         )  # fmt: skip
-        if locks.keep_alive(self.db) and not connections[self.db].in_atomic_block:
-            connections[self.db].close()  # opened before (checks): made again with them
         locks.warn_of_a_small_pool(self.db, options.concurrency, f"worker {self.id}")
         self._lock_waits.limit_this_thread()
         self._handlers.start()

@@ -197,7 +197,6 @@ def relay_until(relay: Relay, stopped: threading.Event, once: bool = False) -> N
     chore, outage = RelayChore(relay), Outage("the relay", prefix="relay: ")
     # Its sessions as a worker's own (runtime/locks.py): no statement waits long on a lock, a
     # database gone from the network is noticed within seconds, no idle_session_timeout.
-    locks.keep_alive(relay.jobs.db)
     lock_waits = locks.LockWaits(relay.jobs.db, f"pgjobs relay {os.getpid()}")
     lock_waits.limit_this_thread()
     try:

@@ -176,6 +176,10 @@ class LockWaits:
         self.enabled = not pooled(db)
 
     def limit_this_thread(self, plans: bool = False) -> None:
+        # TCP keepalives for every connection of the process (not a session setting: behind a
+        # pooler too); one opened before them (the system checks') is made again with them.
+        if keep_alive(self.db) and not connections[self.db].in_atomic_block:
+            connections[self.db].close()
         unpooled(self.db)
         if not self.enabled:
             return

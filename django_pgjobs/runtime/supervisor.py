@@ -24,7 +24,7 @@ from types import FrameType
 from django.db import DatabaseError, connections, router
 
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import exiting, locks, policy
+from django_pgjobs.runtime import exiting, policy
 from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, worker_id
@@ -82,7 +82,6 @@ class Supervisor:
         # Taking back a dead child's jobs must not hold up this loop (restarts, stop signals):
         # its statement skips rows locked elsewhere and waits for no lock on the table for long.
         db = router.db_for_write(Job)
-        locks.keep_alive(db)  # a database gone from the network: noticed within seconds
         lock_waits = LockWaits(db, f"pgjobs supervisor {os.getpid()}")
         lock_waits.limit_this_thread()
         try:

@@ -96,8 +96,6 @@ class Worker(Stoppable):
             self.id, ",".join(options.queues), options.concurrency, options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
-        if locks.keep_alive(self.db) and not connections[self.db].in_atomic_block:
-            connections[self.db].close()  # opened before (checks): made again with them
         if options.parent_pid is None:  # a supervisor's children: it said so once for all
             served.warn(self.db, options.queues, f"worker {self.id}")
         locks.warn_of_a_small_pool(self.db, options.concurrency, f"worker {self.id}")
