@@ -30,17 +30,28 @@ pytestmark = pytest.mark.django_db(transaction=True)
 __all__ = ["queue"]  # a fixture
 
 
+def five_relayed(queue: str) -> tuple[list[Job], Any, Any]:
+    """Five jobs of `queue` relayed to its stream; a bridge to read it, and the queue's NATS
+    settings."""
+    first = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(5)], queue=queue)
+    relay().round()
+    return first, bridge(), transports.nats_queues()[queue]
+
+
+def ran_and_acknowledged(reader: Any, queue: str, count: int) -> None:
+    """Wait until `count` jobs ran and the queue's consumer acknowledged them in order."""
+    wait_until(lambda: ChaosExecution.objects.count() >= count, timeout=30)
+    wait_until(lambda: consumer_info(reader, queue).ack_floor.stream_seq == count, timeout=10)
+
+
 def test_a_consumer_deleted_while_a_worker_runs_is_made_again_after_what_it_acknowledged(
     queue: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Before: it was made again delivering every message of the stream, and under the
     # default "limits" retention every job of the last MAX_AGE (7 days) ran again.
-    first = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(5)], queue=queue)
-    relay().round()
-    reader, stream = bridge(), transports.nats_queues()[queue]
+    first, reader, stream = five_relayed(queue)
     with caplog.at_level(logging.WARNING, "django_pgjobs"), WorkerThread(queue):
-        wait_until(lambda: ChaosExecution.objects.count() >= 5, timeout=30)
-        wait_until(lambda: consumer_info(reader, queue).ack_floor.stream_seq == 5, timeout=10)
+        ran_and_acknowledged(reader, queue, 5)
         time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer again meanwhile
         reader.call(reader.js.delete_consumer(stream.stream, stream.consumer))
         wait_until(lambda: consumer_info(reader, queue) is not None, timeout=10)
@@ -61,9 +72,7 @@ def test_a_consumer_deleted_twice_with_no_acknowledgement_between_is_made_again_
     # Before: the server says an ack floor of 0 for a consumer made to start at a sequence
     # until its first acknowledgement; deleted again before that, it was made again from the
     # stream's first message, and every job the stream held ran again (attack 15).
-    first = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(5)], queue=queue)
-    relay().round()
-    reader, stream = bridge(), transports.nats_queues()[queue]
+    first, reader, stream = five_relayed(queue)
 
     def delete_and_wait_for_it_again() -> Any:
         time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer meanwhile
@@ -71,8 +80,7 @@ def test_a_consumer_deleted_twice_with_no_acknowledgement_between_is_made_again_
         return wait_until(lambda: consumer_info(reader, queue), timeout=10)
 
     with WorkerThread(queue):
-        wait_until(lambda: ChaosExecution.objects.count() >= 5, timeout=30)
-        wait_until(lambda: consumer_info(reader, queue).ack_floor.stream_seq == 5, timeout=10)
+        ran_and_acknowledged(reader, queue, 5)
         assert delete_and_wait_for_it_again().config.opt_start_seq == 6
         assert delete_and_wait_for_it_again().config.opt_start_seq == 6  # idle: no ack between
         second = tasks.ledger.using(queue=queue).enqueue(n=9)
@@ -88,12 +96,9 @@ def test_a_stream_made_again_while_a_worker_runs_has_every_message_delivered(
 ) -> None:
     # The consumer (gone with its stream) was made again after the old stream's ack floor:
     # the new stream's first messages, their outbox rows deleted, never ran (attack 13).
-    first = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(5)], queue=queue)
-    relay().round()
-    reader, stream = bridge(), transports.nats_queues()[queue]
+    first, reader, stream = five_relayed(queue)
     with WorkerThread(queue):
-        wait_until(lambda: ChaosExecution.objects.count() >= 5, timeout=30)
-        wait_until(lambda: consumer_info(reader, queue).ack_floor.stream_seq == 5, timeout=10)
+        ran_and_acknowledged(reader, queue, 5)
         time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer's floor meanwhile
         reader.call(reader.js.delete_stream(stream.stream))  # `nats stream rm`, say
         second = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(2)], queue=queue)
