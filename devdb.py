@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -94,6 +96,9 @@ def start_embedded() -> Path:
     Every way this can fail ends the process with one line that says what to do
     (DatabaseUnavailable), never a traceback from inside pgserver.
     """
+    running = running_socket_dir()
+    if running is not None:
+        return running
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
@@ -109,8 +114,12 @@ def start_embedded() -> Path:
     pgserver_log.handlers = [failures]
     if os.geteuid() == 0:
         _ensure_system_user()
+    mend_pid_list(PGDATA / PID_LIST)
     try:
         server = pgserver.get_server(PGDATA, cleanup_mode=None)
+        # With cleanup_mode=None the exit hook only takes this pid off the list again: a read
+        # and rewrite of that file that can fail, and that nothing of ours needs.
+        atexit.unregister(server._cleanup)
         return Path(server.get_postmaster_info().socket_dir)
     except Exception as error:  # whatever pgserver raises, the reader needs one line
         said = failures.last_line or _one_line(error)
@@ -118,6 +127,53 @@ def start_embedded() -> Path:
             f"the embedded PostgreSQL did not start in {PGDATA} ({said})",
             hint=f"See {PGDATA / 'log'} if it exists. {USE_YOUR_OWN_SERVER}",
         ) from error
+
+
+#: pgserver's list of the processes using its server, a JSON file it rewrites in place.
+PID_LIST = ".handle_pids.json"
+
+
+def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
+    """The socket folder of the embedded server when it already runs and takes connections.
+
+    Found from its postmaster.pid, without pgserver: every Django process of the tests, the demo
+    and their workers asks, and pgserver would read and rewrite its list of processes in each
+    (PID_LIST). A process killed while rewriting it (the crash tests SIGKILL workers as they
+    start) leaves it empty, and pgserver then failed every later process on its JSON.
+    """
+    import psycopg
+
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+    except OSError:
+        return None
+    # Line 5 is the socket folder and line 8 the status ("ready" once it takes connections).
+    if len(lines) < 8 or lines[7].strip() != "ready" or not lines[4].strip():
+        return None
+    socket_dir = Path(lines[4].strip())
+    try:
+        psycopg.connect(
+            host=str(socket_dir), user="postgres", dbname="postgres", connect_timeout=5
+        ).close()
+    except psycopg.Error:
+        return None  # stopping, or a stale file: pgserver (re)starts it
+    return socket_dir
+
+
+def mend_pid_list(path: Path) -> None:
+    """Empty pgserver's list of processes if it is not JSON, so that pgserver can start.
+
+    The list only decides whether the last process to exit stops the server, which ours never
+    asks for (cleanup_mode=None).
+    """
+    try:
+        json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        spare = path.with_name(f"{path.name}.{os.getpid()}")
+        spare.write_text("[]")
+        os.replace(spare, path)  # at once: pgserver in another process may be reading it
 
 
 class _LastError(logging.Handler):
