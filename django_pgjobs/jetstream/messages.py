@@ -122,6 +122,16 @@ def job_of(msg: Msg, worker: str) -> Job:
     )
 
 
+def due_at(data: bytes | None) -> datetime | None:
+    """When the job in a message's body was due (its run_at, written by the database's
+    clock); None for a body that is not one of ours."""
+    try:
+        due = datetime.fromisoformat(json.loads(data or b"")["run_at"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    return due if timezone.is_aware(due) else None
+
+
 #: The largest attempt or claim count a job's row holds (an int4 column).
 MAX_COUNT = 2**31 - 1
 

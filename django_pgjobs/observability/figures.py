@@ -94,7 +94,7 @@ def measure(db: str | None = None) -> Figures:
         workers=workers,
         table=table,
         database=database,
-        streams=stream_stats(),  # a network call to NATS: outside the transaction
+        streams=stream_stats(now),  # a network call to NATS: outside the transaction
         load=load,
         locks=locks,
     )
@@ -154,12 +154,12 @@ _RESTORE = """
 """
 
 
-def stream_stats() -> list[stats.StreamStats]:
+def stream_stats(now: datetime) -> list[stats.StreamStats]:
     """The figures of the queues carried by NATS, asked of the server; none without such queues
-    (and then nats is never imported)."""
+    (and then nats is never imported). `now` is the database's clock, for the ages of messages."""
     queues = transports.nats_queues()
     if not queues:
         return []
     from django_pgjobs.jetstream.figures import measure  # needs nats-py: only when used
 
-    return measure(queues)
+    return measure(queues, now)

@@ -349,15 +349,24 @@ def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
                     "RELAY_LAG_SECONDS",
                 )
             )
-        if stream.pending and stream.queue not in served:
+        # As for a PostgreSQL queue, only once they have waited UNSERVED_SECONDS: workers
+        # restarting in a deploy leave messages unserved for a moment. An age that could not be
+        # read counts as old enough.
+        waited = stream.oldest_pending_seconds
+        if (
+            stream.pending
+            and stream.queue not in served
+            and (waited is None or waited >= limits.UNSERVED_SECONDS)
+        ):
+            oldest = "" if waited is None else f", the oldest due {waited:.0f}s ago,"
             reasons.append(
                 _reason(
                     "no_worker_serves_a_queue",
                     Level.CRITICAL,
                     f"no worker serves {stream.queue!r}",
-                    f"{stream.pending} messages wait in stream {stream.stream} and no live "
-                    "worker has this queue",
-                    "NATS_PENDING",
+                    f"{stream.pending} messages wait in stream {stream.stream}{oldest} and no "
+                    "live worker has this queue",
+                    "UNSERVED_SECONDS",
                 )
             )
         elif stream.pending >= limits.NATS_PENDING:

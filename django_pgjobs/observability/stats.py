@@ -100,6 +100,9 @@ class StreamStats:
     pending: int = 0  # not yet delivered to any worker of the consumer
     ack_pending: int = 0  # delivered and not yet acknowledged: running, or lost with a worker
     redelivered: int = 0  # delivered more than once and not yet acknowledged
+    # How long the oldest message not yet delivered has been due (the job's run_at it carries,
+    # by the database's clock); None when there is none, or it could not be read.
+    oldest_pending_seconds: float | None = None
 
 
 def served_queues(workers: Iterable[WorkerStats]) -> set[str]:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.urls import reverse
 
 from django_pgjobs.models import Job, QueueStat
@@ -66,18 +67,43 @@ def test_a_relay_that_falls_behind_is_a_warning_not_workers_behind(
     assert "workers_behind" not in found and "no_worker_serves_a_queue" not in found
 
 
-def test_messages_no_worker_takes_are_critical(queue: str) -> None:
+def a_stream_its_worker_left(queue: str, **waiting: Any) -> None:
+    """The queue's consumer exists, its only worker has stopped, and a job enqueued with
+    `waiting` (e.g. run_at) is relayed to the stream, where nothing takes it."""
     Job.objects.bulk_enqueue(tasks.ledger, [{"n": 1}], queue=queue)
     relay().round()
-    with WorkerThread(queue):  # the consumer exists, then its only worker stops
+    with WorkerThread(queue):
         wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
-    Job.objects.bulk_enqueue(tasks.ledger, [{"n": 2}], queue=queue)
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": 2}], queue=queue, **waiting)
     relay().round()
     # The worker's QueueStat row says it is alive for a while: judge without it.
     QueueStat.objects.all().delete()
+
+
+def test_messages_no_worker_takes_are_critical_once_they_have_waited(
+    queue: str, settings: Any
+) -> None:
+    a_stream_its_worker_left(queue)
     report = reports.collect()
-    assert stream_of(report, queue).pending >= 1
-    assert "no_worker_serves_a_queue" in codes(report)
+    stream = stream_of(report, queue)
+    assert stream.pending == 1
+    assert stream.oldest_pending_seconds is not None and stream.oldest_pending_seconds < 60
+    # A moment without a worker, as in a deploy, is not an alarm (UNSERVED_SECONDS, 60)
+    assert "no_worker_serves_a_queue" not in codes(report)
+
+    settings.PGJOBS = {**settings.PGJOBS, "HEALTH": {"UNSERVED_SECONDS": 0}}
+    assert "no_worker_serves_a_queue" in codes(reports.collect())
+
+
+def test_the_age_is_the_waiting_jobs_own_by_the_databases_clock(queue: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now() - interval '5 minutes'")
+        (due,) = cursor.fetchone()
+    a_stream_its_worker_left(queue, run_at=due)
+    report = reports.collect()
+    assert 300 <= stream_of(report, queue).oldest_pending_seconds < 400
+    [reason] = [r for r in report.verdict.reasons if r.code == "no_worker_serves_a_queue"]
+    assert "the oldest due 30" in reason.detail and "UNSERVED_SECONDS" in reason.threshold
 
 
 def test_nats_unreachable_is_critical_in_jobstats_and_the_admin(

@@ -1,7 +1,9 @@
-"""What a NATS worker answers a delivered message (jetstream/answers.py)."""
+"""What a NATS worker answers a delivered message (jetstream/answers.py), and what the report
+reads of one (jetstream/messages.py)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 pytest.importorskip("nats")
 
 from django_pgjobs.jetstream.answers import MAX_NAK_DELAY, Reply, answer
+from django_pgjobs.jetstream.messages import due_at
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 
 
@@ -33,3 +36,17 @@ def test_a_nak_delay_is_at_most_a_few_ack_waits_and_ends_before_the_message_expi
     # Stored 20 s ago in a stream keeping messages 120 s: 100 s left, less an ack wait.
     assert 69.0 < nak_limit(just_published - timedelta(seconds=20), 30.0, 120) <= 70.0
     assert nak_limit(just_published - timedelta(seconds=3590), 30.0, 3600) == 0.0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [None, b"", b"{", b"[]", b'"x"', b"{}", b'{"run_at": 5}', b'{"run_at": "soon"}',
+     b'{"run_at": "2026-12-02T10:00:00"}'],  # the last: no time zone, so no instant
+)  # fmt: skip
+def test_a_body_not_ours_has_no_due_time(body):
+    assert due_at(body) is None
+
+
+def test_a_body_of_ours_gives_its_jobs_run_at():
+    found = due_at(b'{"v": 1, "run_at": "2026-12-02T10:00:00.5+01:00"}')
+    assert found == datetime(2026, 12, 2, 9, 0, 0, 500000, tzinfo=UTC)
