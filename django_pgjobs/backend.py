@@ -19,6 +19,7 @@ import inspect
 import json
 import logging
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,7 @@ from uuid import UUID
 from django.apps import apps
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
-from django.db import router
+from django.db import connections, router
 from django.dispatch import Signal
 from django.utils import timezone
 
@@ -39,7 +40,7 @@ from django_pgjobs.data import enqueue
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, PermanentError, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
-from django_pgjobs.runtime import awaiting, execute
+from django_pgjobs.runtime import awaiting, execute, timeouts
 from django_pgjobs.status import Status
 
 if TYPE_CHECKING:
@@ -226,14 +227,41 @@ def run(job: Job) -> Handled:
                 raise PermanentError(f"{task.module_path}: {error}") from error
         except BaseException as error:
             handled = execute.raised(job, error, None, (), began)
-            if handled.verdict is Verdict.ERROR and (
-                handled.permanent or job.attempts >= job.max_attempts
-            ):
+            # in_time: an attempt timed out meanwhile is the time limit's to tell (timed_out)
+            if _the_last(job, handled) and timeouts.in_time(job):
                 finished(result, error=error)
             return handled
     duration = time.perf_counter() - began
-    finished(result, json.loads(kept))
+    if timeouts.in_time(job):
+        finished(result, json.loads(kept))
     return Handled(Verdict.SUCCEEDED, duration=duration, result_json=kept)
+
+
+def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
+    """A Task's attempt passed its time limit (runtime/timeouts.py): when it was the last one,
+    task_finished says FAILED with the JobTimeout now, not when (or if) the function returns;
+    what it returns or raises later is not sent (run). Called on the worker's main thread, so
+    the receivers run on a thread of their own: a slow one must not hold the worker up."""
+    if not _the_last(job, handled):
+        return
+
+    def tell() -> None:
+        try:
+            result = running(job, get_django_task(job.task))
+            finished(result, error=error)
+        except Exception:  # e.g. TASKS changed under the worker: the job's row says it all
+            logger.exception("task_finished could not be sent for job %s", job.pk)
+        finally:
+            connections.close_all()  # this thread's, if a receiver used the database
+
+    threading.Thread(target=tell, name="pgjobs-task-finished", daemon=True).start()
+
+
+def _the_last(job: Job, handled: Handled) -> bool:
+    """Whether this failed attempt ends the job (no retry follows)."""
+    return handled.verdict is Verdict.ERROR and (
+        handled.permanent or job.attempts >= job.max_attempts
+    )
 
 
 def get_django_task(name: str) -> Task[Any, Any]:
@@ -458,4 +486,4 @@ def _shape(payload: Any) -> str:
     return type(payload).__name__
 
 
-registry.add_runner(registry.DJANGO_TASK_PREFIX, run)
+registry.add_runner(registry.DJANGO_TASK_PREFIX, run, timed_out)

@@ -271,14 +271,29 @@ def is_django_task(name: str) -> bool:
 #: Runs a job whose task is not a registered @task but belongs to an integration (e.g. Django's
 #: Tasks framework, see backend.py), and says how its handler ended.
 Runner = Callable[["Job"], "Handled"]
+#: Told, on the worker's main thread, that an attempt of an integration's job passed its time
+#: limit: the job, the JobTimeout and how the attempt is recorded. Its handler may still run.
+TimedOut = Callable[["Job", BaseException, "Handled"], None]
 
 _runners: dict[str, Runner] = {}
+_timed_out: dict[str, TimedOut] = {}
 
 
-def add_runner(prefix: str, runner: Runner) -> None:
+def add_runner(prefix: str, runner: Runner, timed_out: TimedOut | None = None) -> None:
     """Let `runner` run the jobs whose task name starts with `prefix` (an integration calls
-    this when it is imported: see backend.py)."""
+    this when it is imported: see backend.py), and `timed_out` hear of their attempts that pass
+    their time limit."""
     _runners[prefix] = runner
+    if timed_out is not None:
+        _timed_out[prefix] = timed_out
+
+
+def timed_out_hook(name: str) -> TimedOut | None:
+    """The time-out hook of an integration's job (see add_runner), else None."""
+    for prefix, hook in _timed_out.items():
+        if name.startswith(prefix):
+            return hook
+    return None
 
 
 def runner_for(name: str) -> Runner | None:

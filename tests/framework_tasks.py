@@ -41,6 +41,23 @@ async def add_async(a: int, b: int) -> int:
 
 
 @task
+def returns_late(seconds: float) -> str:
+    """Takes `seconds`, then returns (past a short PGJOBS["TIMEOUT"])."""
+    import time
+
+    time.sleep(seconds)
+    return "late"
+
+
+@task
+async def ignores_its_cancellation() -> None:
+    """Swallows its cancellation and awaits on, until tests.hostile.stubborn_tasks_end is set."""
+    from tests.hostile import _ignores_cancellation
+
+    await _ignores_cancellation()
+
+
+@task
 async def add_async_leaving_a_stubborn_task(a: int, b: int) -> int:
     """add_async, leaving a task that ignores its cancellation (tests/hostile.py)."""
     from tests.hostile import _ignores_cancellation

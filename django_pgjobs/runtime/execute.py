@@ -130,7 +130,8 @@ def raised(
 def timed_out(job: Job, timeout: float) -> Handled:
     """How an attempt that ran past its time limit ends: a failed attempt (JobTimeout), retried
     after the task's backoff or dead-lettered, like any error. Called on the worker's main
-    thread: a backoff that does not return within BACKOFF_PATIENCE gives way to the default."""
+    thread: a backoff that does not return within BACKOFF_PATIENCE gives way to the default.
+    An integration's job is told to its time-out hook (registry.add_runner)."""
     try:
         task = registry.get_task(job.task)
         backoff, permanent_errors = task.backoff, task.permanent_errors
@@ -138,7 +139,11 @@ def timed_out(job: Job, timeout: float) -> Handled:
         backoff, permanent_errors = None, ()
     error = JobTimeout(f"the attempt ran longer than its time limit of {timeout:g}s")
     started = time.perf_counter() - timeout
-    return raised(job, error, backoff, permanent_errors, started, within=BACKOFF_PATIENCE)
+    handled = raised(job, error, backoff, permanent_errors, started, within=BACKOFF_PATIENCE)
+    hook = registry.timed_out_hook(job.task)  # an integration's (Django's task_finished)
+    if hook is not None:
+        hook(job, error, handled)
+    return handled
 
 
 def settle(job: Job, handled: Handled) -> Outcome:

@@ -16,6 +16,19 @@ import time
 
 from django_pgjobs.models import Job
 
+#: The Deadlines of the pool whose handler thread this is (set as each attempt begins).
+_pool = threading.local()
+
+
+def in_time(job: Job) -> bool:
+    """Whether the attempt of `job` running on this thread ended before its time limit, asked
+    by a runner when the handler has returned, before it tells anyone how it ended (Django's
+    task_finished, backend.py). True: the limit no longer applies to the attempt. False: it was
+    timed out meanwhile, its outcome recorded as JobTimeout. Outside a worker's handler thread
+    (testing.run_jobs), True."""
+    deadlines: Deadlines | None = getattr(_pool, "deadlines", None)
+    return deadlines is None or deadlines.returned(job)
+
 
 class Deadlines:
     """The attempts running on handler threads, each with its deadline (time.monotonic())."""
@@ -30,6 +43,16 @@ class Deadlines:
         deadline = float("inf") if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._running[id(job)] = (job, deadline, threading.current_thread())
+        _pool.deadlines = self
+
+    def returned(self, job: Job) -> bool:
+        """The handler of `job` returned, and its thread finishes the attempt: False when the
+        attempt was timed out already; else True, and it can no longer be (see in_time)."""
+        with self._lock:
+            running = self._running.get(id(job))
+            if running is not None:
+                self._running[id(job)] = (running[0], float("inf"), running[2])
+            return running is not None
 
     def end(self, job: Job) -> bool:
         """The handler of `job` returned; False when its attempt was timed out meanwhile (its

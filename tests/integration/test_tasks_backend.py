@@ -8,6 +8,8 @@ workers that only ever run Tasks of this backend.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -25,9 +27,11 @@ from django_pgjobs import registry
 from django_pgjobs.backend import PgJobsBackend, WorkerLost
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
+from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
 from tests import framework_tasks as tasks
+from tests.conftest import wait_until
 from tests.factories import JobFactory
 from tests.integration.test_hardening import ReadReplicaRouter, replica  # noqa: F401
 
@@ -530,6 +534,60 @@ def test_an_attempt_that_will_be_retried_sends_no_task_finished(signals):
         ("started", "RUNNING"),
         ("started", "RUNNING"),
         ("finished", "SUCCESSFUL"),
+    ]
+
+
+def worked_past_the_time_limit(signals: list[tuple[str, str, Any]], task: Any, *args: Any) -> Any:
+    """Run `task` on a worker whose time limit (PGJOBS["TIMEOUT"], 0.5 s) it passes, until
+    task_finished has been sent; returns its result."""
+    result = task.enqueue(*args)
+    signals.clear()
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: job_of(result).status == Status.FAILED, 10)
+        wait_until(lambda: any(name == "finished" for name, _, _ in signals), 5)
+    finally:
+        worker.stop()
+        thread.join(10)
+    return result
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_past_its_time_limit_finishes_failed_once_and_not_again_when_it_returns(
+    signals, settings
+):
+    # It sent nothing at its time limit, then SUCCESSFUL when the function returned, though its
+    # result (the row) said FAILED.
+    settings.PGJOBS = {**settings.PGJOBS, "TIMEOUT": 0.5}
+    result = worked_past_the_time_limit(signals, tasks.returns_late, 1.5)
+    time.sleep(1.5)  # the function has returned meanwhile
+
+    assert [(name, status) for name, status, _ in signals] == [
+        ("started", "RUNNING"),
+        ("finished", "FAILED"),
+    ]
+    [error] = signals[1][2].errors
+    assert error.exception_class_path == "django_pgjobs.errors.JobTimeout"
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_task_that_ignores_its_cancellation_still_finishes_failed(signals, settings):
+    # Its coroutine never ends, so task_finished was never sent.
+    from tests import hostile
+
+    settings.PGJOBS = {**settings.PGJOBS, "TIMEOUT": 0.5}
+    hostile.stubborn_tasks_end.clear()
+    try:
+        worked_past_the_time_limit(signals, tasks.ignores_its_cancellation)
+    finally:
+        hostile.stubborn_tasks_end.set()
+    assert [(name, status) for name, status, _ in signals] == [
+        ("started", "RUNNING"),
+        ("finished", "FAILED"),
     ]
 
 

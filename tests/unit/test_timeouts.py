@@ -1,0 +1,35 @@
+"""The handler threads' time limits (runtime/timeouts.py): a returned attempt and its time-out
+cannot both end it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from django_pgjobs.models import Job
+from django_pgjobs.runtime.timeouts import Deadlines, in_time
+
+
+def test_an_attempt_that_returned_in_time_can_no_longer_be_timed_out():
+    deadlines, job = Deadlines(), Job()
+    deadlines.begin(job, 0.01)
+    assert in_time(job)
+    time.sleep(0.02)
+    assert deadlines.overdue() == []  # its runner is telling how it ended: not timed out
+    assert deadlines.end(job)  # and the handler thread records it
+
+
+def test_an_attempt_timed_out_first_is_not_in_time():
+    deadlines, job = Deadlines(), Job()
+    deadlines.begin(job, 0.0)
+    assert deadlines.overdue() == [job]
+    assert not in_time(job)
+    assert not deadlines.end(job)
+
+
+def test_outside_a_handler_thread_every_attempt_is_in_time():
+    answers: list[bool] = []
+    thread = threading.Thread(target=lambda: answers.append(in_time(Job())))
+    thread.start()
+    thread.join()
+    assert answers == [True]
