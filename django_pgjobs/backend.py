@@ -254,7 +254,10 @@ def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
         finally:
             connections.close_all()  # this thread's, if a receiver used the database
 
-    threading.Thread(target=tell, name="pgjobs-task-finished", daemon=True).start()
+    try:
+        threading.Thread(target=tell, name="pgjobs-task-finished", daemon=True).start()
+    except RuntimeError:  # no thread to be had: the worker goes on, the row says it all
+        logger.exception("task_finished could not be sent for job %s", job.pk)
 
 
 def _the_last(job: Job, handled: Handled) -> bool:
