@@ -330,3 +330,8 @@ def counts_frozen() -> None:
     import gc
 
     frozen_while_running.append(gc.get_freeze_count())
+
+
+@task(timeout=30)
+def quick_with_a_time_limit() -> None:
+    """Returns at once, well within its time limit."""

@@ -16,18 +16,20 @@ import time
 
 from django_pgjobs.models import Job
 
-#: The Deadlines of the pool whose handler thread this is (set as each attempt begins).
-_pool = threading.local()
+#: The attempt with a time limit begun last on this thread, and its pool's Deadlines.
+_thread = threading.local()
 
 
 def in_time(job: Job) -> bool:
     """Whether the attempt of `job` running on this thread ended before its time limit, asked
     by a runner when the handler has returned, before it tells anyone how it ended (Django's
     task_finished, backend.py). True: the limit no longer applies to the attempt. False: it was
-    timed out meanwhile, its outcome recorded as JobTimeout. Outside a worker's handler thread
-    (testing.run_jobs), True."""
-    deadlines: Deadlines | None = getattr(_pool, "deadlines", None)
-    return deadlines is None or deadlines.returned(job)
+    timed out meanwhile, its outcome recorded as JobTimeout. An attempt without a time limit, or
+    outside a worker's handler thread (testing.run_jobs), is in time."""
+    begun: tuple[Deadlines, Job] | None = getattr(_thread, "begun", None)
+    if begun is None or begun[1] is not job:
+        return True
+    return begun[0].returned(job)
 
 
 class Deadlines:
@@ -43,7 +45,7 @@ class Deadlines:
         deadline = float("inf") if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._running[id(job)] = (job, deadline, threading.current_thread())
-        _pool.deadlines = self
+        _thread.begun = (self, job)
 
     def returned(self, job: Job) -> bool:
         """The handler of `job` returned, and its thread finishes the attempt: False when the

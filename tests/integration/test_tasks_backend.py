@@ -591,6 +591,28 @@ def test_an_async_task_that_ignores_its_cancellation_still_finishes_failed(signa
     ]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_task_without_a_time_limit_after_a_job_with_one_on_the_same_thread_finishes(signals):
+    # The thread took the Task for the job before it, and for one timed out: no task_finished.
+    from tests import tasks as plain_tasks
+
+    Job.objects.enqueue(plain_tasks.quick_with_a_time_limit, priority=10)
+    result = tasks.calculate_meaning_of_life.enqueue()
+    signals.clear()
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: job_of(result).status == Status.SUCCEEDED, 10)
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert [(name, status) for name, status, _ in signals] == [
+        ("started", "RUNNING"),
+        ("finished", "SUCCESSFUL"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("signal", "error"),
     [(task_started, RuntimeError("receiver bug")), (task_finished, SystemExit(7))],

@@ -33,3 +33,12 @@ def test_outside_a_handler_thread_every_attempt_is_in_time():
     thread.start()
     thread.join()
     assert answers == [True]
+
+
+def test_an_attempt_without_a_time_limit_after_one_with_a_limit_is_in_time():
+    # The thread remembered the pool of its last limited attempt, and the next attempt, without
+    # a limit, was taken for one timed out: a Django Task's task_finished was never sent.
+    deadlines, limited, unlimited = Deadlines(), Job(), Job()
+    deadlines.begin(limited, 30)
+    assert deadlines.end(limited)
+    assert in_time(unlimited)
