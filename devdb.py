@@ -79,8 +79,21 @@ def describe(config: dict[str, Any], *, must_exist: bool) -> str:
 
 
 def _embedded_config() -> dict[str, Any]:
+    import psycopg
+
     socket_dir = start_embedded()
-    _create_database(socket_dir)
+    try:
+        _create_database(socket_dir)
+    except psycopg.Error as error:
+        # pgserver took a postmaster.pid whose process is alive for a running server: a
+        # postmaster killed and not yet reaped, or a pid since given to another process.
+        raise DatabaseUnavailable(
+            f"the embedded PostgreSQL in {PGDATA} does not answer ({_one_line(error)})",
+            hint=(
+                f"Stop it with `python3 dev.py stopdb`; if no PostgreSQL of {PGDATA.name}/ runs, "
+                f"delete {PGDATA / 'postmaster.pid'} and run again. {USE_YOUR_OWN_SERVER}"
+            ),
+        ) from error
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": DATABASE_NAME,
@@ -96,9 +109,11 @@ def start_embedded() -> Path:
     Every way this can fail ends the process with one line that says what to do
     (DatabaseUnavailable), never a traceback from inside pgserver.
     """
-    running = running_socket_dir()
+    running = running_socket_dir(PGDATA)
     if running is not None:
         return running
+    if os.geteuid() == 0:
+        _refuse_anothers_data()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
@@ -114,8 +129,8 @@ def start_embedded() -> Path:
     pgserver_log.handlers = [failures]
     if os.geteuid() == 0:
         _ensure_system_user()
-    mend_pid_list(PGDATA / PID_LIST)
     try:
+        mend_pid_list(PGDATA / PID_LIST)
         server = pgserver.get_server(PGDATA, cleanup_mode=None)
         # With cleanup_mode=None the exit hook only takes this pid off the list again: a read
         # and rewrite of that file that can fail, and that nothing of ours needs.
@@ -148,7 +163,16 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
     except OSError:
         return None
     # Line 5 is the socket folder and line 8 the status ("ready" once it takes connections).
-    if len(lines) < 8 or lines[7].strip() != "ready" or not lines[4].strip():
+    status = lines[7].strip() if len(lines) >= 8 else ""
+    if status == "stopping":
+        raise DatabaseUnavailable(
+            f"the embedded PostgreSQL in {pgdata} is shutting down",
+            hint=(
+                "Run again once it has stopped (a smart shutdown waits for its clients to "
+                f"disconnect). {USE_YOUR_OWN_SERVER}"
+            ),
+        )
+    if status != "ready" or not lines[4].strip():
         return None
     socket_dir = Path(lines[4].strip())
     try:
@@ -156,7 +180,7 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
             host=str(socket_dir), user="postgres", dbname="postgres", connect_timeout=5
         ).close()
     except psycopg.Error:
-        return None  # stopping, or a stale file: pgserver (re)starts it
+        return None  # not running after all: pgserver starts it, or says why it cannot
     return socket_dir
 
 
@@ -168,9 +192,9 @@ def mend_pid_list(path: Path) -> None:
     """
     try:
         json.loads(path.read_text())
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError):
+    except (OSError, ValueError) as error:
+        if not isinstance(error, ValueError):
+            return  # missing, or not ours to read: pgserver says what is wrong
         spare = path.with_name(f"{path.name}.{os.getpid()}")
         spare.write_text("[]")
         os.replace(spare, path)  # at once: pgserver in another process may be reading it
@@ -210,6 +234,27 @@ USE_YOUR_OWN_SERVER = (
 
 #: The system user pgserver runs PostgreSQL as when we are root (PostgreSQL refuses root).
 SYSTEM_USER = "pgserver"
+
+
+def _refuse_anothers_data() -> None:
+    """As root, refuse a .pgdata/ that a normal user made: pgserver would make it its system
+    user's, and its owner could no longer use it."""
+    import pwd
+
+    try:
+        owner = PGDATA.stat().st_uid
+    except FileNotFoundError:
+        return
+    try:
+        name = pwd.getpwuid(owner).pw_name
+    except KeyError:
+        name = str(owner)
+    if owner != 0 and name != SYSTEM_USER:
+        raise DatabaseUnavailable(
+            f"{PGDATA} belongs to the user {name!r}, and as root the embedded PostgreSQL would "
+            f"take it over for the system user {SYSTEM_USER!r}",
+            hint=f"Run this as {name!r}. {USE_YOUR_OWN_SERVER}",
+        )
 
 
 def _ensure_system_user() -> None:

@@ -73,3 +73,38 @@ def test_a_sound_list_or_none_is_left_alone(tmp_path):
     path.write_text("[1, 2]")
     devdb.mend_pid_list(path)
     assert path.read_text() == "[1, 2]"
+
+
+def test_a_server_shutting_down_is_said_to_be(tmp_path):
+    lines = ["4242", str(tmp_path), "0", "5432", str(tmp_path), "", "0", "stopping"]
+    (tmp_path / "postmaster.pid").write_text("\n".join(lines) + "\n")
+    with pytest.raises(devdb.DatabaseUnavailable, match=r"is shutting down\. Run again once"):
+        devdb.running_socket_dir(tmp_path)
+
+
+def test_a_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
+    # pgserver trusts a postmaster.pid whose pid is alive (a zombie postmaster, a reused pid)
+    # and hands back its socket folder, where nothing answers: a psycopg traceback.
+    monkeypatch.setattr(devdb, "start_embedded", lambda: tmp_path)
+    with pytest.raises(devdb.DatabaseUnavailable) as raised:
+        devdb.database_config()
+    said = str(raised.value)
+    assert "does not answer" in said and "dev.py stopdb" in said and "postmaster.pid" in said
+
+
+def test_a_list_that_cannot_be_read_is_left_to_pgserver(tmp_path):
+    path = tmp_path / devdb.PID_LIST
+    path.mkdir()  # not a file: an OSError, as a list of another user's is
+    devdb.mend_pid_list(path)
+    assert path.is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only")
+def test_as_root_a_normal_users_data_is_refused_not_taken_over(tmp_path, monkeypatch):
+    data = tmp_path / ".pgdata"
+    data.mkdir()
+    os.chown(data, 54321, 54321)
+    monkeypatch.setattr(devdb, "PGDATA", data)
+    with pytest.raises(devdb.DatabaseUnavailable, match="belongs to the user '54321'"):
+        devdb.start_embedded()
+    assert data.stat().st_uid == 54321
