@@ -65,6 +65,6 @@ def _oldest_pending_due(bridge: Bridge, queue: NatsQueue, after: int) -> datetim
             bridge.js.get_msg(queue.stream, seq=after, subject=queue.subject, next=True),
             REPORT_TIMEOUT,
         )
-    except Exception:  # gone since (its stream's limits), or the server is slow: no age
+        return due_at(message.data)
+    except Exception:  # gone since (its stream's limits), the server is slow, a bug: no age
         return None
-    return due_at(message.data)

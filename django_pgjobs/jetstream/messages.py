@@ -127,7 +127,7 @@ def due_at(data: bytes | None) -> datetime | None:
     clock); None for a body that is not one of ours."""
     try:
         due = datetime.fromisoformat(json.loads(data or b"")["run_at"])
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):  # deep nesting: RecursionError
         return None
     return due if timezone.is_aware(due) else None
 

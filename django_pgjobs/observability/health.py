@@ -319,6 +319,10 @@ def _database(report: Figures, limits: Thresholds) -> list[Reason]:
     return reasons
 
 
+def _messages(count: int) -> str:
+    return "1 message" if count == 1 else f"{count} messages"
+
+
 def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
     """The queues carried by NATS: the server unreachable, the relay behind (due jobs waiting in
     the outbox), the consumer's workers behind or absent."""
@@ -349,23 +353,29 @@ def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
                     "RELAY_LAG_SECONDS",
                 )
             )
-        # As for a PostgreSQL queue, only once they have waited UNSERVED_SECONDS: workers
-        # restarting in a deploy leave messages unserved for a moment. An age that could not be
-        # read counts as old enough.
+        # As for a PostgreSQL queue, only once they have waited UNSERVED_SECONDS (workers
+        # restarting in a deploy leave messages unserved for a moment), and not when paused. An
+        # age that could not be read counts as old enough.
         waited = stream.oldest_pending_seconds
+        paused = stream.queue in outbox and outbox[stream.queue].paused
         if (
             stream.pending
             and stream.queue not in served
+            and not paused
             and (waited is None or waited >= limits.UNSERVED_SECONDS)
         ):
-            oldest = "" if waited is None else f", the oldest due {waited:.0f}s ago,"
+            oldest = (
+                " (the oldest one's age could not be read)"
+                if waited is None
+                else f", the oldest due {waited:.0f}s ago,"
+            )
             reasons.append(
                 _reason(
                     "no_worker_serves_a_queue",
                     Level.CRITICAL,
                     f"no worker serves {stream.queue!r}",
-                    f"{stream.pending} messages wait in stream {stream.stream}{oldest} and no "
-                    "live worker has this queue",
+                    f"{_messages(stream.pending)} not yet delivered in stream {stream.stream}"
+                    f"{oldest} and no live worker has this queue",
                     "UNSERVED_SECONDS",
                 )
             )

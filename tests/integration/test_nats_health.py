@@ -11,13 +11,20 @@ import pytest
 from django.db import connection
 from django.urls import reverse
 
-from django_pgjobs.models import Job, QueueStat
+from django_pgjobs import transports
+from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability import stats
 from tests import tasks
 from tests.chaos.nats_server import free_port
 from tests.conftest import wait_until
-from tests.integration.nats_helpers import WorkerThread, nats_queue, queue_settings, relay
+from tests.integration.nats_helpers import (
+    WorkerThread,
+    bridge,
+    nats_queue,
+    queue_settings,
+    relay,
+)
 from tests.integration.test_health import codes, jobstats
 from tests.models import ChaosExecution
 
@@ -67,17 +74,22 @@ def test_a_relay_that_falls_behind_is_a_warning_not_workers_behind(
     assert "workers_behind" not in found and "no_worker_serves_a_queue" not in found
 
 
-def a_stream_its_worker_left(queue: str, **waiting: Any) -> None:
-    """The queue's consumer exists, its only worker has stopped, and a job enqueued with
-    `waiting` (e.g. run_at) is relayed to the stream, where nothing takes it."""
+def a_consumer_its_worker_left(queue: str) -> None:
+    """The queue's consumer exists, having delivered one job, and its only worker has stopped
+    (its QueueStat row, which says it is alive for a while, deleted)."""
     Job.objects.bulk_enqueue(tasks.ledger, [{"n": 1}], queue=queue)
     relay().round()
     with WorkerThread(queue):
         wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+    QueueStat.objects.all().delete()
+
+
+def a_stream_its_worker_left(queue: str, **waiting: Any) -> None:
+    """a_consumer_its_worker_left, then a job enqueued with `waiting` (e.g. run_at) is relayed
+    to the stream, where nothing takes it."""
+    a_consumer_its_worker_left(queue)
     Job.objects.bulk_enqueue(tasks.ledger, [{"n": 2}], queue=queue, **waiting)
     relay().round()
-    # The worker's QueueStat row says it is alive for a while: judge without it.
-    QueueStat.objects.all().delete()
 
 
 def test_messages_no_worker_takes_are_critical_once_they_have_waited(
@@ -104,6 +116,35 @@ def test_the_age_is_the_waiting_jobs_own_by_the_databases_clock(queue: str) -> N
     assert 300 <= stream_of(report, queue).oldest_pending_seconds < 400
     [reason] = [r for r in report.verdict.reasons if r.code == "no_worker_serves_a_queue"]
     assert "the oldest due 30" in reason.detail and "UNSERVED_SECONDS" in reason.threshold
+
+
+def test_a_paused_queue_is_not_said_to_be_unserved(queue: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now() - interval '5 minutes'")
+        (due,) = cursor.fetchone()
+    a_stream_its_worker_left(queue, run_at=due)
+    Queue.objects.create(name=queue, paused=True)
+    assert "no_worker_serves_a_queue" not in codes(reports.collect())
+
+
+def test_a_foreign_message_the_report_cannot_read_is_judged_old_and_said_so(
+    queue: str, admin_client: Any
+) -> None:
+    # A deeply nested body raised RecursionError out of the report: jobstats exited 3 with a
+    # traceback, the admin's report page answered 500, for every queue.
+    a_consumer_its_worker_left(queue)
+    publisher = bridge()
+    publisher.publish(
+        [(transports.nats_queues()[queue].subject, b"[" * 100_000, {"Nats-Msg-Id": "deep"})]
+    )
+    report = reports.collect()
+    assert stream_of(report, queue).pending == 1
+    assert stream_of(report, queue).oldest_pending_seconds is None
+    [reason] = [r for r in report.verdict.reasons if r.code == "no_worker_serves_a_queue"]
+    assert "the oldest one's age could not be read" in reason.detail
+    code, out = jobstats()
+    assert code == 2 and "Traceback" not in out
+    assert admin_client.get(reverse("admin:pgjobs_queue_report")).status_code == 200
 
 
 def test_nats_unreachable_is_critical_in_jobstats_and_the_admin(
