@@ -227,7 +227,7 @@ def run(job: Job) -> Handled:
                 raise PermanentError(f"{task.module_path}: {error}") from error
         except BaseException as error:
             handled = execute.raised(job, error, None, (), began)
-            # in_time: an attempt timed out meanwhile is the time limit's to tell (timed_out)
+            # in_time: an attempt timed out meanwhile is its time limit's to tell (timed_out)
             if _the_last(job, handled) and timeouts.in_time(job):
                 finished(result, error=error)
             return handled
@@ -240,22 +240,29 @@ def run(job: Job) -> Handled:
 def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
     """A Task's attempt passed its time limit (runtime/timeouts.py): when it was the last one,
     task_finished says FAILED with the JobTimeout now, not when (or if) the function returns;
-    what it returns or raises later is not sent (run). Called on the worker's main thread, so
-    the receivers run on a thread of their own: a slow one must not hold the worker up."""
-    if not _the_last(job, handled):
+    what it returns or raises later is not sent (run). Unless run was already sending it: its
+    receivers are part of the attempt, and one past the limit fails it without a second signal.
+
+    Called on the worker's main thread, so the receivers run on a thread of their own (a slow
+    one must not hold the worker up), not a daemon: a worker that exits now (a recycle, a stop)
+    waits for them, as long as its exit waits for what handlers left (runtime/exiting.py)."""
+    if not _the_last(job, handled) or timeouts.told(job):
         return
 
     def tell() -> None:
         try:
             result = running(job, get_django_task(job.task))
-            finished(result, error=error)
+            try:
+                raise error  # as in run: receivers that log with exc_info see the JobTimeout
+            except BaseException:
+                finished(result, error=error)
         except Exception:  # e.g. TASKS changed under the worker: the job's row says it all
             logger.exception("task_finished could not be sent for job %s", job.pk)
         finally:
             connections.close_all()  # this thread's, if a receiver used the database
 
     try:
-        threading.Thread(target=tell, name="pgjobs-task-finished", daemon=True).start()
+        threading.Thread(target=tell, name="task_finished receivers").start()
     except RuntimeError:  # no thread to be had: the worker goes on, the row says it all
         logger.exception("task_finished could not be sent for job %s", job.pk)
 

@@ -10,8 +10,10 @@ from django.utils import timezone
 
 try:
     from django.tasks import TaskContext, task
+    from django.tasks.signals import task_finished
 except ImportError:
     from django_tasks import TaskContext, task  # type: ignore[no-redef]
+    from django_tasks.signals import task_finished  # type: ignore[no-redef]
 
 
 @task
@@ -134,3 +136,28 @@ async def reports_progress_async(steps: int) -> None:
     for step in range(1, steps + 1):
         await asyncio.sleep(0)
         progress(step, steps, note=f"async step {step}")
+
+
+@task
+def its_receiver_takes_a_moment(seconds: float, receiver_seconds: float) -> None:
+    """Takes `seconds`; its task_finished receiver (below) takes `receiver_seconds`, then
+    writes an Execution row whose n is -1 (FAILED) or 1 (any other status)."""
+    import time
+
+    time.sleep(seconds)
+
+
+def _takes_a_moment(sender: Any, task_result: Any, **kwargs: Any) -> None:
+    if task_result.task.func is not its_receiver_takes_a_moment.func:
+        return
+    import os
+    import time
+
+    from tests.models import Execution
+
+    time.sleep(task_result.kwargs["receiver_seconds"])
+    failed = str(task_result.status) == "FAILED"
+    Execution.objects.create(n=-1 if failed else 1, pid=os.getpid())
+
+
+task_finished.connect(_takes_a_moment)

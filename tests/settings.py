@@ -92,6 +92,8 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05}
 # The schedules of the periodic crash tests' runjobs processes.
+if os.environ.get("PGJOBS_TEST_TIMEOUT"):  # PGJOBS["TIMEOUT"], seconds
+    PGJOBS["TIMEOUT"] = float(os.environ["PGJOBS_TEST_TIMEOUT"])
 if os.environ.get("PGJOBS_TEST_PERIODIC"):
     PGJOBS["PERIODIC"] = json.loads(os.environ["PGJOBS_TEST_PERIODIC"])
 # The NATS tests' runjobs and relayjobs processes: the queues NATS carries, and its server.

@@ -13,23 +13,34 @@ from __future__ import annotations
 
 import threading
 import time
+from weakref import WeakValueDictionary
 
 from django_pgjobs.models import Job
 
 #: The attempt with a time limit begun last on this thread, and its pool's Deadlines.
 _thread = threading.local()
+#: The attempts whose runner has told how they ended (in_time), by id(job) while the job lives.
+_told: WeakValueDictionary[int, Job] = WeakValueDictionary()
 
 
 def in_time(job: Job) -> bool:
     """Whether the attempt of `job` running on this thread ended before its time limit, asked
     by a runner when the handler has returned, before it tells anyone how it ended (Django's
-    task_finished, backend.py). True: the limit no longer applies to the attempt. False: it was
-    timed out meanwhile, its outcome recorded as JobTimeout. An attempt without a time limit, or
-    outside a worker's handler thread (testing.run_jobs), is in time."""
+    task_finished, backend.py). False: it was timed out meanwhile, its outcome recorded as
+    JobTimeout. True: the runner tells, and a time-out that comes while it does (the telling
+    is part of the attempt, within its limit) is not to be told again (told). An attempt
+    without a time limit, or outside a worker's handler thread (testing.run_jobs), is in
+    time."""
     begun: tuple[Deadlines, Job] | None = getattr(_thread, "begun", None)
     if begun is None or begun[1] is not job:
         return True
     return begun[0].returned(job)
+
+
+def told(job: Job) -> bool:
+    """Whether the runner of `job`'s attempt has told how it ended (in_time): asked of an
+    attempt timed out, so that it is not told twice."""
+    return _told.get(id(job)) is job
 
 
 class Deadlines:
@@ -48,13 +59,13 @@ class Deadlines:
         _thread.begun = (self, job)
 
     def returned(self, job: Job) -> bool:
-        """The handler of `job` returned, and its thread finishes the attempt: False when the
-        attempt was timed out already; else True, and it can no longer be (see in_time)."""
+        """The handler of `job` returned, and its runner tells how the attempt ended: False
+        when it was timed out already (see in_time)."""
         with self._lock:
-            running = self._running.get(id(job))
-            if running is not None:
-                self._running[id(job)] = (running[0], float("inf"), running[2])
-            return running is not None
+            if id(job) not in self._running:
+                return False
+            _told[id(job)] = job
+            return True
 
     def end(self, job: Job) -> bool:
         """The handler of `job` returned; False when its attempt was timed out meanwhile (its

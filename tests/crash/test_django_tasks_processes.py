@@ -55,3 +55,15 @@ def test_a_task_whose_worker_is_killed_runs_again_after_its_lease(start_worker):
     assert [error.exception_class for error in result.errors] == [WorkerLost]
     assert f":{doomed.pid}:" in result.worker_ids[0]
     assert Execution.objects.filter(n=2).count() == 2
+
+
+def test_a_worker_exiting_at_a_tasks_time_limit_waits_for_its_task_finished_receivers(
+    start_worker,
+):
+    # With one thread, the time-out abandons the worker's last thread and it exits at once to
+    # be replaced: the receivers, on a daemon thread, were cut off after their first step.
+    tasks.its_receiver_takes_a_moment.enqueue(seconds=30, receiver_seconds=1.0)
+    worker = start_worker("--concurrency", "1", env={"PGJOBS_TEST_TIMEOUT": "0.5"})
+
+    assert worker.wait(30) == 75  # replaced: its only thread was abandoned
+    assert list(Execution.objects.values_list("n", flat=True)) == [-1]  # FAILED, told in full

@@ -8,6 +8,7 @@ workers that only ever run Tasks of this backend.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -572,6 +573,56 @@ def test_a_task_past_its_time_limit_finishes_failed_once_and_not_again_when_it_r
     assert error.exception_class_path == "django_pgjobs.errors.JobTimeout"
     result.refresh()
     assert result.status == TaskResultStatus.FAILED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_time_limits_task_finished_is_sent_while_its_jobtimeout_is_being_handled(
+    signals, settings
+):
+    # The framework's own receiver logs FAILED with logger.exception: it logged "NoneType: None"
+    # and error trackers got no exception.
+    seen: list[Any] = []
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(sys.exc_info()[1])
+
+    settings.PGJOBS = {**settings.PGJOBS, "TIMEOUT": 0.5}
+    task_finished.connect(receiver)
+    try:
+        worked_past_the_time_limit(signals, tasks.returns_late, 1.0)
+        wait_until(lambda: seen, 5)  # the receiver after the fixture's
+    finally:
+        task_finished.disconnect(receiver)
+    assert type(seen[0]).__name__ == "JobTimeout"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_receivers_that_outlast_the_time_limit_fail_the_attempt_without_a_second_signal(
+    signals, settings
+):
+    # Once the function had returned, its receivers were outside the time limit: a hung one
+    # kept the job running and its thread busy for good.
+    from tests.models import Execution
+
+    settings.PGJOBS = {**settings.PGJOBS, "TIMEOUT": 0.5}
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    result = tasks.its_receiver_takes_a_moment.enqueue(seconds=0, receiver_seconds=2.0)
+    signals.clear()
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: job_of(result).status == Status.FAILED, 1.8)  # before they return
+        wait_until(lambda: Execution.objects.exists(), 5)
+        time.sleep(0.3)
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert job_of(result).errors[-1]["type"].endswith("JobTimeout")
+    assert [(name, status) for name, status, _ in signals] == [
+        ("started", "RUNNING"),
+        ("finished", "SUCCESSFUL"),  # told once: by the function's return
+    ]
+    assert list(Execution.objects.values_list("n", flat=True)) == [1]
 
 
 @pytest.mark.django_db(transaction=True)

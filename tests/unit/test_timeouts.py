@@ -7,16 +7,31 @@ import threading
 import time
 
 from django_pgjobs.models import Job
-from django_pgjobs.runtime.timeouts import Deadlines, in_time
+from django_pgjobs.runtime.timeouts import Deadlines, in_time, told
 
 
-def test_an_attempt_that_returned_in_time_can_no_longer_be_timed_out():
+def test_an_attempt_that_returned_in_time_is_told_once_even_if_telling_takes_too_long():
     deadlines, job = Deadlines(), Job()
     deadlines.begin(job, 0.01)
-    assert in_time(job)
-    time.sleep(0.02)
-    assert deadlines.overdue() == []  # its runner is telling how it ended: not timed out
+    assert in_time(job) and told(job)  # its runner tells how it ended
     assert deadlines.end(job)  # and the handler thread records it
+    assert told(job)  # not to be told again
+
+    slow = Job()
+    deadlines.begin(slow, 0.01)
+    assert in_time(slow)
+    time.sleep(0.02)  # its runner's telling (task_finished's receivers) passes the limit
+    assert deadlines.overdue() == [slow]  # still timed out: a hung receiver holds no thread
+    assert told(slow)  # but it is not told a second time
+    assert not deadlines.end(slow)
+
+
+def test_an_attempt_not_yet_returned_is_not_told():
+    deadlines, job = Deadlines(), Job()
+    deadlines.begin(job, 0.0)
+    assert not told(job)
+    assert deadlines.overdue() == [job]
+    assert not told(job) and not in_time(job)
 
 
 def test_an_attempt_timed_out_first_is_not_in_time():
