@@ -11,7 +11,10 @@ import shutil
 import subprocess
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psycopg
 
 ROOT = Path(__file__).resolve().parent
 PGDATA = ROOT / ".pgdata"
@@ -86,11 +89,14 @@ def _embedded_config() -> dict[str, Any]:
         _create_database(socket_dir)
     except psycopg.Error as error:
         # pgserver took a postmaster.pid whose process is alive for a running server: a
-        # postmaster killed and not yet reaped, or a pid since given to another process.
+        # postmaster killed and not yet reaped, a pid since given to another process, or a
+        # postmaster stopped (SIGSTOP: its socket takes the connection and nothing answers).
+        pid = _postmaster_pid(PGDATA)
         raise DatabaseUnavailable(
             f"the embedded PostgreSQL in {PGDATA} does not answer ({_one_line(error)})",
             hint=(
-                f"Stop it with `python3 dev.py stopdb`; if no PostgreSQL of {PGDATA.name}/ runs, "
+                f"If its postmaster (pid {pid}) is stopped, `kill -CONT {pid}`; else stop it "
+                f"with `python3 dev.py stopdb`, and if no PostgreSQL of {PGDATA.name}/ runs, "
                 f"delete {PGDATA / 'postmaster.pid'} and run again. {USE_YOUR_OWN_SERVER}"
             ),
         ) from error
@@ -144,6 +150,9 @@ def start_embedded() -> Path:
         ) from error
 
 
+#: How long a connection to the embedded server may take before it is said not to answer.
+CONNECT_SECONDS = 5
+
 #: pgserver's list of the processes using its server, a JSON file it rewrites in place.
 PID_LIST = ".handle_pids.json"
 
@@ -176,12 +185,18 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
         return None
     socket_dir = Path(lines[4].strip())
     try:
-        psycopg.connect(
-            host=str(socket_dir), user="postgres", dbname="postgres", connect_timeout=5
-        ).close()
+        _connect(socket_dir).close()
     except psycopg.Error:
         return None  # not running after all: pgserver starts it, or says why it cannot
     return socket_dir
+
+
+def _postmaster_pid(pgdata: Path) -> str:
+    """The postmaster's pid its postmaster.pid gives, or "unknown"."""
+    try:
+        return (pgdata / "postmaster.pid").read_text().split("\n", 1)[0].strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def mend_pid_list(path: Path) -> None:
@@ -341,12 +356,22 @@ def stop_embedded() -> None:
     subprocess.run([pg_ctl, "-D", str(PGDATA), "-w", "stop", "-m", "fast"], check=False, user=user)
 
 
+def _connect(socket_dir: Path) -> psycopg.Connection[Any]:
+    """An autocommit connection to the embedded server's maintenance database, bounded: a
+    postmaster stopped (SIGSTOP) takes it into its socket's backlog and never answers, and
+    every process of the tests and the demo would wait for ever."""
+    import psycopg
+
+    return psycopg.connect(
+        host=str(socket_dir), user="postgres", dbname="postgres", autocommit=True,
+        connect_timeout=CONNECT_SECONDS,
+    )  # fmt: skip
+
+
 def _create_database(socket_dir: Path) -> None:
     import psycopg
 
-    with psycopg.connect(
-        host=str(socket_dir), user="postgres", dbname="postgres", autocommit=True
-    ) as connection:
+    with _connect(socket_dir) as connection:
         exists = connection.execute(
             "SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE_NAME]
         ).fetchone()

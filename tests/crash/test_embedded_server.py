@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,6 +92,35 @@ def test_a_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp_path, m
         devdb.database_config()
     said = str(raised.value)
     assert "does not answer" in said and "dev.py stopdb" in said and "postmaster.pid" in said
+
+
+def test_a_server_that_takes_connections_and_never_answers_is_said_within_a_bound(
+    tmp_path, monkeypatch
+):
+    # A postmaster stopped (SIGSTOP) still has its socket: the kernel takes the connection into
+    # its backlog and nothing answers. Every process of the tests waited for ever.
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(tmp_path / ".s.PGSQL.5432"))
+    listening.listen(8)
+    (tmp_path / "postmaster.pid").write_text("4242\n")
+    monkeypatch.setattr(devdb, "PGDATA", tmp_path)
+    monkeypatch.setattr(devdb, "start_embedded", lambda: tmp_path)
+    raised: list[BaseException] = []
+
+    def configure() -> None:
+        try:
+            devdb.database_config()
+        except BaseException as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=configure, daemon=True)
+    thread.start()
+    thread.join(timeout=devdb.CONNECT_SECONDS + 20)
+    listening.close()
+    assert not thread.is_alive(), "database_config() still waits on a server that never answers"
+    assert isinstance(raised[0], devdb.DatabaseUnavailable), raised
+    said = str(raised[0])
+    assert "does not answer" in said and "kill -CONT 4242" in said, said
 
 
 def test_a_list_that_cannot_be_read_is_left_to_pgserver(tmp_path):
