@@ -45,13 +45,16 @@ def bound(code: int, grace: float) -> None:
             if thread is not threading.main_thread() and thread is not threading.current_thread()
             and not thread.name.startswith("pgjobs")
         ]  # fmt: skip
-        loops = " (with the event loops of async handlers that left tasks ignoring their "
-        loops += "cancellation)" if awaiting.lingering() else ""
+        loops = (
+            " (with the event loops of async handlers that left tasks ignoring their "
+            "cancellation)" if awaiting.lingering() else ""
+        )  # fmt: skip
         quietly(
             logger.warning,
-            "the process is still running after its worker stopped (%gs): threads its handlers "
-            "started have not ended (%s)%s: Python's exit waits for threads that are not daemons "
-            "and for concurrent.futures pools; exiting without them",
+            "the process is still running after its worker stopped (%gs): threads left by its "
+            "handlers or their signals' receivers have not ended (%s)%s: Python's exit waits "
+            "for threads that are not daemons and for concurrent.futures pools; exiting "
+            "without them",
             within, ", ".join(repr(name) for name in left) or "none found", loops,
         )  # fmt: skip
         for stream in (sys.stdout, sys.stderr):

@@ -387,6 +387,7 @@ def test_a_thread_a_handler_leaves_behind_does_not_keep_its_worker_from_exiting(
     assert worker.wait(SETTLE) == 0
     assert "still running after its worker stopped" in worker.log()
     assert "left behind" in worker.log()
+    assert "event loops" not in worker.log()  # no async handler ran: none is said to linger
 
     once = start_worker("--once", *WORKER)
     again = Job.objects.enqueue(f"tests.hostile.{task}")
