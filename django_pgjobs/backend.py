@@ -19,7 +19,6 @@ import inspect
 import json
 import logging
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -227,26 +226,27 @@ def run(job: Job) -> Handled:
                 raise PermanentError(f"{task.module_path}: {error}") from error
         except BaseException as error:
             handled = execute.raised(job, error, None, (), began)
-            # in_time: an attempt timed out meanwhile is its time limit's to tell (timed_out)
-            if _the_last(job, handled) and timeouts.in_time(job):
+            # decided: an attempt timed out meanwhile is its time limit's to tell (timed_out)
+            if timeouts.decided(job, handled) and _the_last(job, handled):
                 finished(result, error=error)
             return handled
-    duration = time.perf_counter() - began
-    if timeouts.in_time(job):
+    handled = Handled(Verdict.SUCCEEDED, duration=time.perf_counter() - began, result_json=kept)
+    if timeouts.decided(job, handled):
         finished(result, json.loads(kept))
-    return Handled(Verdict.SUCCEEDED, duration=duration, result_json=kept)
+    return handled
 
 
 def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
     """A Task's attempt passed its time limit (runtime/timeouts.py): when it was the last one,
     task_finished says FAILED with the JobTimeout now, not when (or if) the function returns;
-    what it returns or raises later is not sent (run). Unless run was already sending it: its
-    receivers are part of the attempt, and one past the limit fails it without a second signal.
+    what it returns or raises later is not sent (run). An attempt whose function returned
+    within the limit is not timed out, even when its receivers outlast the limit
+    (timeouts.decided): it is recorded as run told it.
 
-    Called on the worker's main thread, so the receivers run on a thread of their own (a slow
-    one must not hold the worker up), not a daemon: a worker that exits now (a recycle, a stop)
-    waits for them, as long as its exit waits for what handlers left (runtime/exiting.py)."""
-    if not _the_last(job, handled) or timeouts.told(job):
+    Called on the worker's main thread, so the receivers run on a thread of their own
+    (timeouts.tell: a slow one must not hold the worker up; one that never returns counts
+    towards the worker's recycle, as an abandoned handler thread does)."""
+    if not _the_last(job, handled):
         return
 
     def tell() -> None:
@@ -262,7 +262,7 @@ def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
             connections.close_all()  # this thread's, if a receiver used the database
 
     try:
-        threading.Thread(target=tell, name="task_finished receivers").start()
+        timeouts.tell(tell, "task_finished receivers")
     except RuntimeError:  # no thread to be had: the worker goes on, the row says it all
         logger.exception("task_finished could not be sent for job %s", job.pk)
 

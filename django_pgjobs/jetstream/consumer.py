@@ -155,16 +155,14 @@ class NatsWorker(Stoppable):
     def _turn(self) -> None:
         self._check_limits()  # first: it needs no database, nor NATS
         self.controls.read_if_due(self.db)
-        for job in self._handlers.time_out():
+        for job, decided in self._handlers.time_out():
             timeout = self._timeout_of(job) or 0.0
-            quietly(
-                logger.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout
-            )
-            self._finished(job, execute.timed_out(job, timeout))
+            self._finished(job, execute.past_time_limit(job, timeout, decided, logger))
         try:
             self._settle()
         finally:
             self._announcer.flush()
+        self._check_abandoned(self._handlers.deadlines)
         if self._stopping:
             self._acks.give_back_unstarted()
             self._note_recycle(len(self._in_flight))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import traceback
 from contextvars import ContextVar
@@ -17,6 +18,7 @@ from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.retry import BACKOFF_PATIENCE, ExponentialBackoff, backoff_seconds, is_permanent
 from django_pgjobs.runtime import awaiting
+from django_pgjobs.runtime.logs import quietly
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
@@ -144,6 +146,26 @@ def timed_out(job: Job, timeout: float) -> Handled:
     if hook is not None:
         hook(job, error, handled)
     return handled
+
+
+def past_time_limit(
+    job: Job, timeout: float, decided: Handled | None, log: logging.Logger
+) -> Handled:
+    """How an attempt abandoned at its time limit (Handlers.time_out) is recorded, said on
+    `log`: as timed out (JobTimeout), unless its handler had returned and its runner decided
+    the outcome before (timeouts.decided): then that outcome, which its runner may have told
+    already (Django's task_finished; it was its receivers that passed the limit)."""
+    if decided is None:
+        quietly(log.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
+        return timed_out(job, timeout)
+    quietly(
+        log.warning,
+        "job %s (%s) returned within its time limit of %gs, and what ran after it (the "
+        "receivers of its task_finished signal) passed it: recorded as it ended (%s), its "
+        "thread left to them",
+        job.pk, job.task, timeout, decided.verdict.value,
+    )  # fmt: skip
+    return decided
 
 
 def settle(job: Job, handled: Handled) -> Outcome:

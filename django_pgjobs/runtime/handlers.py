@@ -79,10 +79,11 @@ class HandlerPool:
         since = time.perf_counter() - longer_than
         return sum(1 for started in list(self._since.values()) if started < since)
 
-    def time_out(self) -> list[Job]:
-        """The attempts past their time limit: abandoned, each thread replaced by a new one."""
+    def time_out(self) -> list[tuple[Job, Handled | None]]:
+        """The attempts past their time limit: abandoned, each thread replaced by a new one;
+        each with the outcome its runner had decided before it passed the limit, or None."""
         late = self.deadlines.overdue()
-        for job in late:
+        for job, _ in late:
             job.cancel_requested = True  # what cancel_requested() tells the handler
             awaiting.cancel(job)  # an async one's coroutine can be stopped, at its next await
             self._since.pop(id(job), None)

@@ -10,9 +10,10 @@ import os
 import signal
 import time
 
-from django_pgjobs.runtime import policy
+from django_pgjobs.runtime import awaiting, policy, timeouts
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, Options
+from django_pgjobs.runtime.timeouts import Deadlines
 from django_pgjobs.runtime.wake import Wake
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
@@ -99,6 +100,19 @@ class Stoppable:
                 "worker %s waits for %d running jobs before it is replaced (%.0fs at most)",
                 self.id, running, max(0.0, self._deadline - time.monotonic()),
             )  # fmt: skip
+
+    def _check_abandoned(self, deadlines: Deadlines) -> None:
+        """Recycle once as many threads as the worker has are left behind at time limits: handler
+        threads abandoned, companions running an async handler's tasks that ignore their
+        cancellation, and threads telling of a timed-out Django Task (task_finished's receivers,
+        timeouts.tell). Each may hold memory and a connection for good."""
+        left = deadlines.abandoned_alive() + awaiting.lingering() + timeouts.telling()
+        if left >= self.options.concurrency:
+            self._recycle(
+                f"{left} threads were left behind past time limits (handler threads abandoned, "
+                "async handlers' tasks that ignore cancellation, timed-out Tasks' task_finished "
+                f"receivers), as many as its --concurrency {self.options.concurrency}"
+            )
 
     def _check_limits(self) -> None:
         """At most every LIMITS_INTERVAL: stop when the supervisor is gone; recycle past

@@ -13,34 +13,54 @@ from __future__ import annotations
 
 import threading
 import time
-from weakref import WeakValueDictionary
+from collections.abc import Callable
 
 from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Handled
 
 #: The attempt with a time limit begun last on this thread, and its pool's Deadlines.
 _thread = threading.local()
-#: The attempts whose runner has told how they ended (in_time), by id(job) while the job lives.
-_told: WeakValueDictionary[int, Job] = WeakValueDictionary()
 
 
-def in_time(job: Job) -> bool:
-    """Whether the attempt of `job` running on this thread ended before its time limit, asked
-    by a runner when the handler has returned, before it tells anyone how it ended (Django's
-    task_finished, backend.py). False: it was timed out meanwhile, its outcome recorded as
-    JobTimeout. True: the runner tells, and a time-out that comes while it does (the telling
-    is part of the attempt, within its limit) is not to be told again (told). An attempt
-    without a time limit, or outside a worker's handler thread (testing.run_jobs), is in
-    time."""
+def decided(job: Job, handled: Handled) -> bool:
+    """Whether the attempt of `job` running on this thread ended within its time limit, asked
+    by a runner once the handler has returned and its outcome is `handled`, before it tells
+    anyone how it ended (Django's task_finished, backend.py). False: it was timed out
+    meanwhile, its outcome recorded as JobTimeout; the runner tells nothing. True: `handled`
+    is the attempt's outcome, and the runner tells it; should the telling outlast the limit
+    (a receiver that hangs), the thread is abandoned as at any time-out, but `handled` is what
+    is recorded (Deadlines.overdue), so what was told and the job's row agree. An attempt
+    without a time limit, or outside a worker's handler thread (testing.run_jobs), is within
+    it."""
     begun: tuple[Deadlines, Job] | None = getattr(_thread, "begun", None)
     if begun is None or begun[1] is not job:
         return True
-    return begun[0].returned(job)
+    return begun[0].decided(job, handled)
 
 
-def told(job: Job) -> bool:
-    """Whether the runner of `job`'s attempt has told how it ended (in_time): asked of an
-    attempt timed out, so that it is not told twice."""
-    return _told.get(id(job)) is job
+#: Threads telling of attempts timed out (an integration's: Django's task_finished receivers).
+_telling: list[threading.Thread] = []
+_telling_lock = threading.Lock()
+
+
+def tell(target: Callable[[], None], name: str) -> None:
+    """Run `target` on a thread of its own, for an integration's time-out hook (registry's
+    TimedOut, called on the worker's main thread), so that slow receivers do not hold the
+    worker up. Not a daemon: a worker that exits now (a recycle, a stop) waits for it, as long
+    as it waits for what handlers left (runtime/exiting.py). Counted while it runs (telling):
+    a worker recycles when these and its abandoned threads add up to its concurrency.
+    RuntimeError when no thread can be started."""
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    with _telling_lock:
+        _telling.append(thread)
+
+
+def telling() -> int:
+    """Threads started by tell that still run."""
+    with _telling_lock:
+        _telling[:] = [thread for thread in _telling if thread.is_alive()]
+        return len(_telling)
 
 
 class Deadlines:
@@ -49,6 +69,7 @@ class Deadlines:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: dict[int, tuple[Job, float, threading.Thread]] = {}
+        self._decided: dict[int, Handled] = {}
         self._abandoned: list[threading.Thread] = []
 
     def begin(self, job: Job, timeout: float | None) -> None:
@@ -58,29 +79,31 @@ class Deadlines:
             self._running[id(job)] = (job, deadline, threading.current_thread())
         _thread.begun = (self, job)
 
-    def returned(self, job: Job) -> bool:
-        """The handler of `job` returned, and its runner tells how the attempt ended: False
-        when it was timed out already (see in_time)."""
+    def decided(self, job: Job, handled: Handled) -> bool:
+        """The handler of `job` returned with `handled` as its outcome (see decided): False
+        when it was timed out already."""
         with self._lock:
             if id(job) not in self._running:
                 return False
-            _told[id(job)] = job
+            self._decided[id(job)] = handled
             return True
 
     def end(self, job: Job) -> bool:
         """The handler of `job` returned; False when its attempt was timed out meanwhile (its
         outcome is not ours to record, and this thread was replaced)."""
         with self._lock:
+            self._decided.pop(id(job), None)
             return self._running.pop(id(job), None) is not None
 
-    def overdue(self) -> list[Job]:
-        """The attempts past their deadline, now abandoned with their threads."""
+    def overdue(self) -> list[tuple[Job, Handled | None]]:
+        """The attempts past their deadline, now abandoned with their threads; each with the
+        outcome its runner had decided before (decided), or None: timed out."""
         now = time.monotonic()
         with self._lock:
             late = [key for key, (_, deadline, _) in self._running.items() if deadline <= now]
-            abandoned = [self._running.pop(key) for key in late]
-            self._abandoned += [thread for _, _, thread in abandoned]
-            return [job for job, _, _ in abandoned]
+            abandoned = [(self._running.pop(key), self._decided.pop(key, None)) for key in late]
+            self._abandoned += [thread for (_, _, thread), _ in abandoned]
+            return [(job, handled) for (job, _, _), handled in abandoned]
 
     def next_in(self) -> float:
         """Seconds until the next deadline (inf without one)."""

@@ -21,7 +21,7 @@ from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
-from django_pgjobs.runtime import awaiting, execute, listener, locks, policy, served
+from django_pgjobs.runtime import execute, listener, locks, policy, served
 from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
@@ -158,12 +158,9 @@ class Worker(Stoppable):
         if self.controls.read_if_due(self.db):
             self._poll_now = True  # a queue was resumed: look at once
         self._leases.stand_in()  # the lease keeper's rounds fail: leases are renewed here
-        for job in self._handlers.time_out():
+        for job, decided in self._handlers.time_out():
             timeout = self.timeout_of(job) or 0.0
-            quietly(
-                logger.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout
-            )
-            self._settler.finished(job, execute.timed_out(job, timeout))
+            self._settler.finished(job, execute.past_time_limit(job, timeout, decided, logger))
         began = time.monotonic()
         try:
             self._settler.settle_and_fetch()
@@ -171,12 +168,7 @@ class Worker(Stoppable):
             self._announcer.flush()
         if time.monotonic() - began > policy.STALLED:
             self._reaper.stalled()
-        abandoned = self._handlers.deadlines.abandoned_alive() + awaiting.lingering()
-        if abandoned >= self.options.concurrency:
-            self._recycle(
-                "as many handler threads as it has were abandoned past their time limit or "
-                "left with an async handler's tasks that ignore cancellation"
-            )
+        self._check_abandoned(self._handlers.deadlines)
         if self._stopping:
             self._release_unstarted()
             self._note_recycle(len(self._in_flight))

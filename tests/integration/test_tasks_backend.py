@@ -28,6 +28,7 @@ from django_pgjobs import registry
 from django_pgjobs.backend import PgJobsBackend, WorkerLost
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
+from django_pgjobs.runtime.options import Exit
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
@@ -597,32 +598,70 @@ def test_the_time_limits_task_finished_is_sent_while_its_jobtimeout_is_being_han
 
 
 @pytest.mark.django_db(transaction=True)
-def test_receivers_that_outlast_the_time_limit_fail_the_attempt_without_a_second_signal(
-    signals, settings
+@pytest.mark.parametrize("backend", ["default", "retrying"])
+def test_receivers_that_outlast_the_time_limit_leave_the_attempt_as_they_were_told_it_ended(
+    signals, settings, backend
 ):
     # Once the function had returned, its receivers were outside the time limit: a hung one
-    # kept the job running and its thread busy for good.
+    # kept the job running and its thread busy for good. Then they were inside it, and a slow
+    # one failed the attempt with a JobTimeout after task_finished had said SUCCESSFUL: with
+    # attempts left, a Task that had succeeded ran again (three times under "retrying"), each
+    # run told SUCCESSFUL, the job a dead letter whose FAILED was never told.
     from tests.models import Execution
 
     settings.PGJOBS = {**settings.PGJOBS, "TIMEOUT": 0.5}
     worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
-    result = tasks.its_receiver_takes_a_moment.enqueue(seconds=0, receiver_seconds=2.0)
+    task = tasks.its_receiver_takes_a_moment.using(backend=backend)
+    result = task.enqueue(seconds=0, receiver_seconds=1.5)
     signals.clear()
     thread = threading.Thread(target=worker.run)
     thread.start()
     try:
-        wait_until(lambda: job_of(result).status == Status.FAILED, 1.8)  # before they return
+        # Recorded at the time limit, while the receiver still runs (its thread left to it)
+        wait_until(lambda: job_of(result).status == Status.SUCCEEDED, 1.4)
         wait_until(lambda: Execution.objects.exists(), 5)
-        time.sleep(0.3)
+        time.sleep(1.0)  # time for a second run, were there one
     finally:
         worker.stop()
         thread.join(10)
-    assert job_of(result).errors[-1]["type"].endswith("JobTimeout")
+    job = job_of(result)
+    assert (job.status, job.attempts, job.errors) == (Status.SUCCEEDED, 1, [])
     assert [(name, status) for name, status, _ in signals] == [
         ("started", "RUNNING"),
         ("finished", "SUCCESSFUL"),  # told once: by the function's return
     ]
     assert list(Execution.objects.values_list("n", flat=True)) == [1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_timed_out_tasks_whose_receivers_hang_recycle_the_worker_once_they_pile_up(
+    signals, settings
+):
+    # Each timed-out Task's task_finished runs on a thread of its own, which nothing counted:
+    # receivers that never return (a webhook without a timeout) piled threads and connections
+    # up for good, and the worker was never replaced.
+    from tests.models import Execution
+
+    settings.PGJOBS = {**settings.PGJOBS, "TIMEOUT": 0.5}
+    now = timezone.now()
+    for n in range(2):  # one after the other: never two handler threads abandoned at once
+        tasks.its_receiver_takes_a_moment.using(run_after=now + timedelta(seconds=n)).enqueue(
+            seconds=0.55, receiver_seconds=2.5
+        )
+    # At the second time-out: its abandoned handler thread and both receivers' threads
+    worker = Worker(Options(queues=["default"], concurrency=3, listen=False, poll_interval=0.1))
+    ended: list[Exit] = []
+    thread = threading.Thread(target=lambda: ended.append(worker.run()))
+    thread.start()
+    try:
+        thread.join(8)
+    finally:
+        worker.stop()
+        thread.join(10)
+        # The receivers write their rows last: before the next test's
+        wait_until(lambda: Execution.objects.count() == 2, 10)
+    assert ended == [Exit.RECYCLE]
+    assert list(Execution.objects.values_list("n", flat=True)) == [-1, -1]  # told FAILED
 
 
 @pytest.mark.django_db(transaction=True)

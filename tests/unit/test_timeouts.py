@@ -1,5 +1,5 @@
 """The handler threads' time limits (runtime/timeouts.py): a returned attempt and its time-out
-cannot both end it."""
+cannot both end it, and what a runner told is what is recorded."""
 
 from __future__ import annotations
 
@@ -7,44 +7,41 @@ import threading
 import time
 
 from django_pgjobs.models import Job
-from django_pgjobs.runtime.timeouts import Deadlines, in_time, told
+from django_pgjobs.outcomes import Handled, Verdict
+from django_pgjobs.runtime import timeouts
+from django_pgjobs.runtime.timeouts import Deadlines, decided
+
+SUCCEEDED = Handled(Verdict.SUCCEEDED)
 
 
-def test_an_attempt_that_returned_in_time_is_told_once_even_if_telling_takes_too_long():
+def test_an_attempt_decided_in_time_is_recorded_as_decided_even_if_telling_takes_too_long():
     deadlines, job = Deadlines(), Job()
     deadlines.begin(job, 0.01)
-    assert in_time(job) and told(job)  # its runner tells how it ended
+    assert decided(job, SUCCEEDED)  # its runner tells how it ended
     assert deadlines.end(job)  # and the handler thread records it
-    assert told(job)  # not to be told again
+    assert deadlines.overdue() == []
 
     slow = Job()
     deadlines.begin(slow, 0.01)
-    assert in_time(slow)
+    assert decided(slow, SUCCEEDED)
     time.sleep(0.02)  # its runner's telling (task_finished's receivers) passes the limit
-    assert deadlines.overdue() == [slow]  # still timed out: a hung receiver holds no thread
-    assert told(slow)  # but it is not told a second time
+    # Its thread is abandoned (a hung receiver holds no thread of the pool), and what it told
+    # is recorded: not a JobTimeout after a SUCCESSFUL task_finished (a retry ran it again).
+    assert deadlines.overdue() == [(slow, SUCCEEDED)]
     assert not deadlines.end(slow)
 
 
-def test_an_attempt_not_yet_returned_is_not_told():
+def test_an_attempt_not_yet_returned_is_timed_out():
     deadlines, job = Deadlines(), Job()
     deadlines.begin(job, 0.0)
-    assert not told(job)
-    assert deadlines.overdue() == [job]
-    assert not told(job) and not in_time(job)
-
-
-def test_an_attempt_timed_out_first_is_not_in_time():
-    deadlines, job = Deadlines(), Job()
-    deadlines.begin(job, 0.0)
-    assert deadlines.overdue() == [job]
-    assert not in_time(job)
+    assert deadlines.overdue() == [(job, None)]
+    assert not decided(job, SUCCEEDED)
     assert not deadlines.end(job)
 
 
 def test_outside_a_handler_thread_every_attempt_is_in_time():
     answers: list[bool] = []
-    thread = threading.Thread(target=lambda: answers.append(in_time(Job())))
+    thread = threading.Thread(target=lambda: answers.append(decided(Job(), SUCCEEDED)))
     thread.start()
     thread.join()
     assert answers == [True]
@@ -56,4 +53,16 @@ def test_an_attempt_without_a_time_limit_after_one_with_a_limit_is_in_time():
     deadlines, limited, unlimited = Deadlines(), Job(), Job()
     deadlines.begin(limited, 30)
     assert deadlines.end(limited)
-    assert in_time(unlimited)
+    assert decided(unlimited, SUCCEEDED)
+
+
+def test_threads_telling_of_time_outs_are_counted_while_they_run():
+    release = threading.Event()
+    before = timeouts.telling()
+    timeouts.tell(release.wait, "task_finished receivers")
+    assert timeouts.telling() == before + 1
+    release.set()
+    deadline = time.monotonic() + 5
+    while timeouts.telling() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert timeouts.telling() == before
