@@ -36,7 +36,13 @@ from django_pgjobs import registry, transports, validation
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue
-from django_pgjobs.errors import EnqueueError, PayloadMismatch, PermanentError, UnknownTask
+from django_pgjobs.errors import (
+    EnqueueError,
+    JobCancelled,
+    PayloadMismatch,
+    PermanentError,
+    UnknownTask,
+)
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
 from django_pgjobs.runtime import awaiting, execute, timeouts
@@ -213,6 +219,10 @@ def run(job: Job) -> Handled:
     except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed
         return execute.raised(job, error, None, (), time.perf_counter())
     started(result)
+    if job.cancel_requested:
+        # Timed out while task_started's receivers ran (FAILED is told, its outcome recorded),
+        # or cancelled meanwhile: the function must not begin after that.
+        return execute.refused(JobCancelled("cancelled before its function started"))
     with execute.running(job):
         began = time.perf_counter()
         try:

@@ -10,10 +10,10 @@ from django.utils import timezone
 
 try:
     from django.tasks import TaskContext, task
-    from django.tasks.signals import task_finished
+    from django.tasks.signals import task_finished, task_started
 except ImportError:
     from django_tasks import TaskContext, task  # type: ignore[no-redef]
-    from django_tasks.signals import task_finished  # type: ignore[no-redef]
+    from django_tasks.signals import task_finished, task_started  # type: ignore[no-redef]
 
 
 @task
@@ -161,3 +161,25 @@ def _takes_a_moment(sender: Any, task_result: Any, **kwargs: Any) -> None:
 
 
 task_finished.connect(_takes_a_moment)
+
+
+@task
+def its_start_takes_a_moment(start_seconds: float) -> None:
+    """Writes an Execution row (n=2) once its task_started receiver (below) has taken
+    `start_seconds`."""
+    import os
+
+    from tests.models import Execution
+
+    Execution.objects.create(n=2, pid=os.getpid())
+
+
+def _starts_slowly(sender: Any, task_result: Any, **kwargs: Any) -> None:
+    if task_result.task.func is its_start_takes_a_moment.func:
+        import time
+
+        [seconds] = [*task_result.args, *task_result.kwargs.values()]
+        time.sleep(seconds)
+
+
+task_started.connect(_starts_slowly)

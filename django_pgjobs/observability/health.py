@@ -353,15 +353,15 @@ def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
                     "RELAY_LAG_SECONDS",
                 )
             )
+        if waiting and waiting.paused:
+            continue  # its workers fetch nothing on purpose, as for a PostgreSQL queue
         # As for a PostgreSQL queue, only once they have waited UNSERVED_SECONDS (workers
-        # restarting in a deploy leave messages unserved for a moment), and not when paused. An
-        # age that could not be read counts as old enough.
+        # restarting in a deploy leave messages unserved for a moment). An age that could not be
+        # read counts as old enough.
         waited = stream.oldest_pending_seconds
-        paused = stream.queue in outbox and outbox[stream.queue].paused
         if (
             stream.pending
             and stream.queue not in served
-            and not paused
             and (waited is None or waited >= limits.UNSERVED_SECONDS)
         ):
             oldest = (

@@ -665,6 +665,22 @@ def test_timed_out_tasks_whose_receivers_hang_recycle_the_worker_once_they_pile_
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_task_timed_out_while_its_task_started_receivers_run_does_not_begin(signals, settings):
+    # task_finished said FAILED (a dead letter, to replay), then its function began anyway.
+    from tests.models import Execution
+
+    settings.PGJOBS = {**settings.PGJOBS, "TIMEOUT": 0.5}
+    worked_past_the_time_limit(signals, tasks.its_start_takes_a_moment, 1.0)
+    time.sleep(1.0)  # the receiver has returned meanwhile
+    # The test's own receiver of task_started hears it after the slow one: FAILED came first
+    assert [(name, status) for name, status, _ in signals] == [
+        ("finished", "FAILED"),
+        ("started", "RUNNING"),
+    ]
+    assert not Execution.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
 def test_an_async_task_that_ignores_its_cancellation_still_finishes_failed(signals, settings):
     # Its coroutine never ends, so task_finished was never sent.
     from tests import hostile
