@@ -49,6 +49,8 @@ class Bridge:
         self._client: Client | None = None
         self._connecting = threading.Lock()
         self._closing = False
+        #: The last error nats-py reported (a refused connection, a permissions violation).
+        self.last_error = ""
 
     def call(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
         """Run `coroutine` on the bridge's loop and wait for its result."""
@@ -209,6 +211,7 @@ class Bridge:
         async def error(exc: Exception) -> None:
             # Once per kind of error and half-minute: an outage retries every half second.
             text = f"{type(exc).__name__}: {exc}"
+            self.last_error = text
             if time.monotonic() - said.get(text, -60.0) >= 30.0:
                 said[text] = time.monotonic()
                 logger.warning("NATS: %s", text)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from datetime import datetime
 
+from nats.js.api import StreamInfo
 from nats.js.errors import NotFoundError
 
 from django_pgjobs.jetstream.bridge import Bridge
@@ -20,28 +21,56 @@ REPORT_TIMEOUT = 2.0
 
 def measure(queues: Mapping[str, NatsQueue], now: datetime) -> list[StreamStats]:
     """Each queue's stream and consumer as the server reports them; unreachable (with the
-    error) when it cannot be asked. `now` is the database's clock (oldest_pending_seconds)."""
+    error) when it cannot be asked. `now` is the database's clock (oldest_pending_seconds).
+    One connection for them all, and a server that does not answer in time is not asked
+    again for the queues after: the report (jobstats, the admin, a Prometheus scrape) takes
+    a few seconds at most, however many queues NATS carries."""
     servers = replace(
         nats_servers(), connect_timeout=REPORT_TIMEOUT, publish_timeout=REPORT_TIMEOUT
     )
     bridge = Bridge(servers)
     try:
-        return [_measure(bridge, queue, now) for queue in queues.values()]
+        try:
+            bridge.client  # noqa: B018 (connects)
+        except Exception as error:
+            why = bridge.last_error or _said(error)
+            said = f"no connection within {2 * REPORT_TIMEOUT:g}s ({why})"
+            return [_unreachable(queue, said) for queue in queues.values()]
+        found: list[StreamStats] = []
+        for queue in queues.values():
+            silent = next((s.error for s in found if s.error.startswith("TimeoutError")), None)
+            found.append(_unreachable(queue, silent) if silent else _measure(bridge, queue, now))
+        return found
     finally:
         bridge.close()
 
 
+def _unreachable(queue: NatsQueue, error: str) -> StreamStats:
+    return StreamStats(queue.queue, queue.stream, queue.consumer, reachable=False, error=error)
+
+
+def _said(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".strip().rstrip(":")
+
+
 def _measure(bridge: Bridge, queue: NatsQueue, now: datetime) -> StreamStats:
     found = StreamStats(queue.queue, queue.stream, queue.consumer, reachable=True)
+    js = bridge.js
     try:
-        js = bridge.js
         stream = bridge.call(js.stream_info(queue.stream), REPORT_TIMEOUT)
-        found = replace(found, messages=stream.state.messages)
+    except NotFoundError:
+        return found  # not created yet: nothing was relayed
+    except Exception as error:
+        return _unreachable(queue, _said(error))
+    found = replace(found, messages=stream.state.messages)
+    try:
         consumer = bridge.call(js.consumer_info(queue.stream, queue.consumer), REPORT_TIMEOUT)
     except NotFoundError:
-        return found  # not created yet: no worker or relay has started
+        # No worker of this queue ever started (its consumer is a worker's to make), while
+        # jobs are relayed into its stream: a first worker would take every one of them.
+        return _unconsumed(bridge, queue, stream, now, found)
     except Exception as error:
-        return replace(found, reachable=False, error=f"{type(error).__name__}: {error}".strip())
+        return _unreachable(queue, _said(error))
     found = replace(
         found,
         pending=consumer.num_pending or 0,
@@ -50,21 +79,49 @@ def _measure(bridge: Bridge, queue: NatsQueue, now: datetime) -> StreamStats:
     )
     if not found.pending or consumer.delivered is None:
         return found
-    due = _oldest_pending_due(bridge, queue, consumer.delivered.stream_seq + 1)
-    if due is None:
+    return _aged(bridge, queue, consumer.delivered.stream_seq + 1, now, found)
+
+
+def _unconsumed(
+    bridge: Bridge, queue: NatsQueue, stream: StreamInfo, now: datetime, found: StreamStats
+) -> StreamStats:
+    """The figures of a queue whose stream holds messages and has no consumer yet: every
+    message of its subject is pending."""
+    if not stream.state.messages:
         return found
-    return replace(found, oldest_pending_seconds=max(0.0, (now - due).total_seconds()))
+    try:
+        ours = bridge.call(
+            bridge.js.stream_info(queue.stream, subjects_filter=queue.subject), REPORT_TIMEOUT
+        )
+    except Exception as error:
+        return _unreachable(queue, _said(error))
+    pending = sum((ours.state.subjects or {}).values())
+    if not pending:
+        return found
+    return _aged(bridge, queue, stream.state.first_seq, now, replace(found, pending=pending))
 
 
-def _oldest_pending_due(bridge: Bridge, queue: NatsQueue, after: int) -> datetime | None:
-    """When the job of the consumer's next message (the first of its subject from stream
-    sequence `after` on) was due; None if there is none, or it cannot be read: the report
-    then judges without its age."""
+def _aged(
+    bridge: Bridge, queue: NatsQueue, after: int, now: datetime, found: StreamStats
+) -> StreamStats:
+    """`found` with the age of its oldest pending message: when the job of the consumer's next
+    message (the first of its subject from stream sequence `after` on) was due. When it cannot
+    be read, the report judges without it, and says why (age_error)."""
     try:
         message = bridge.call(
             bridge.js.get_msg(queue.stream, seq=after, subject=queue.subject, next=True),
             REPORT_TIMEOUT,
         )
-        return due_at(message.data)
-    except Exception:  # gone since (its stream's limits), the server is slow, a bug: no age
-        return None
+    except NotFoundError:  # gone since (its stream's limits): none left to wait
+        return found
+    except Exception as error:  # the server is slow, the report's user may not read it, a bug
+        said = bridge.last_error if "permissions violation" in bridge.last_error else _said(error)
+        if "permissions violation" in said:
+            said += (
+                f" (the report reads the next message: allow $JS.API.STREAM.MSG.GET.{queue.stream})"
+            )
+        return replace(found, age_error=said)
+    due = due_at(message.data)
+    if due is None:
+        return replace(found, age_error="the message is not one of ours")
+    return replace(found, oldest_pending_seconds=max(0.0, (now - due).total_seconds()))

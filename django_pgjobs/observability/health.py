@@ -365,7 +365,7 @@ def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
             and (waited is None or waited >= limits.UNSERVED_SECONDS)
         ):
             oldest = (
-                " (the oldest one's age could not be read)"
+                f" (the oldest one's age could not be read: {stream.age_error or 'unknown'})"
                 if waited is None
                 else f", the oldest due {waited:.0f}s ago,"
             )

@@ -101,8 +101,9 @@ class StreamStats:
     ack_pending: int = 0  # delivered and not yet acknowledged: running, or lost with a worker
     redelivered: int = 0  # delivered more than once and not yet acknowledged
     # How long the oldest message not yet delivered has been due (the job's run_at it carries,
-    # by the database's clock); None when there is none, or it could not be read.
+    # by the database's clock); None when there is none, or it could not be read (age_error).
     oldest_pending_seconds: float | None = None
+    age_error: str = ""
 
 
 def served_queues(workers: Iterable[WorkerStats]) -> set[str]:

@@ -23,11 +23,14 @@ def free_port() -> int:
 class NatsServer:
     """Started with start(), stopped with stop(); restart() keeps its port and its store."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, config: str = "") -> None:
+        """`config`: the server's configuration file's text beyond its port and store (users
+        and their permissions, say)."""
         if not Path(BINARY).exists():
             pytest.fail(f"these tests need nats-server ({BINARY} is missing): .ci/run installs it")
         self.folder = folder
         self.port = free_port()
+        self.config = config
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -36,11 +39,14 @@ class NatsServer:
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
+        arguments = ["-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.folder)]
+        if self.config:
+            (self.folder / "server.conf").write_text(self.config)
+            arguments += ["-c", str(self.folder / "server.conf")]
         with (self.folder / "server.log").open("ab") as log:  # the server keeps its own copy
             self.process = subprocess.Popen(
-                [BINARY, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.folder)],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [BINARY, *arguments], stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

@@ -4,6 +4,7 @@ jobstats and the admin, and the verdicts when the relay is behind or NATS is unr
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,15 +13,17 @@ from django.db import connection
 from django.urls import reverse
 
 from django_pgjobs import transports
+from django_pgjobs.jetstream import figures
 from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability import stats
 from tests import tasks
-from tests.chaos.nats_server import free_port
+from tests.chaos.nats_server import NatsServer, free_port
 from tests.conftest import wait_until
 from tests.integration.nats_helpers import (
     WorkerThread,
     bridge,
+    make_stream,
     nats_queue,
     queue_settings,
     relay,
@@ -168,6 +171,89 @@ def test_nats_unreachable_is_critical_in_jobstats_and_the_admin(
 
     page = admin_client.get(reverse("admin:pgjobs_queue_report")).content.decode()
     assert 'id="streams"' in page and "NATS unreachable" in page
+
+
+def test_nats_unreachable_is_asked_once_for_every_queue_and_said_as_it_is(settings: Any) -> None:
+    # Each queue connected again, 4 s each: 21 s for five queues, past a Prometheus scrape's
+    # timeout (every pgjobs figure gone while NATS is down); and a refused connection was
+    # said to be "TimeoutError:".
+    queues = [f"pgjobstest_nowhere_{n}" for n in range(5)]
+    settings.PGJOBS = {
+        **settings.PGJOBS,
+        "QUEUES": {k: v for queue in queues for k, v in queue_settings(queue).items()},
+        "NATS": {"SERVERS": f"nats://127.0.0.1:{free_port()}"},
+    }
+    began = time.monotonic()
+    report = reports.collect()
+    assert time.monotonic() - began < 3 * figures.REPORT_TIMEOUT  # one connection's wait
+    for queue in queues:
+        stream = stream_of(report, queue)
+        assert not stream.reachable
+        assert "no connection within 4s" in stream.error
+        assert "ConnectionRefusedError" in stream.error, stream.error
+
+
+def test_a_queue_no_worker_ever_served_is_critical_once_its_messages_have_waited(
+    queue: str, settings: Any
+) -> None:
+    # No worker of the queue ever started (a --queue typo): its consumer, a worker's to make,
+    # did not exist, the relayed jobs counted as none pending, and the report said HEALTHY.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now() - interval '5 minutes'")
+        (due,) = cursor.fetchone()
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue, run_at=due)
+    relay().round()
+    report = reports.collect()
+    stream = stream_of(report, queue)
+    assert (stream.messages, stream.pending) == (3, 3)
+    assert 300 <= stream.oldest_pending_seconds < 400
+    [reason] = [r for r in report.verdict.reasons if r.code == "no_worker_serves_a_queue"]
+    assert "3 messages not yet delivered" in reason.detail
+
+
+NATS_USERS = """
+accounts {
+  QUEUES {
+    jetstream: enabled
+    users: [
+      {user: admin, password: admin}
+      {user: monitor, password: monitor, permissions: {
+        publish: ["$JS.API.STREAM.INFO.>", "$JS.API.CONSUMER.INFO.>", "$JS.API.INFO"]
+        subscribe: ["_INBOX.>"]
+      }}
+    ]
+  }
+}
+"""
+
+
+def test_a_report_user_that_may_not_read_messages_is_said_to_be(
+    settings: Any, tmp_path: Any
+) -> None:
+    # A NATS user allowed the stream's and consumer's figures (enough before the report read the
+    # next message's age) got a CRITICAL saying only that the age could not be read.
+    server = NatsServer(tmp_path / "nats", config=NATS_USERS)
+    server.start()
+    try:
+        queue = "pgjobstest_guarded"
+        admin = f"nats://admin:admin@127.0.0.1:{server.port}"
+        settings.PGJOBS = {
+            **settings.PGJOBS, "QUEUES": queue_settings(queue), "NATS": {"SERVERS": admin}
+        }  # fmt: skip
+        make_stream(queue)
+        Job.objects.bulk_enqueue(tasks.ledger, [{"n": 1}], queue=queue)
+        relay().round()
+        settings.PGJOBS = {
+            **settings.PGJOBS,
+            "NATS": {"SERVERS": f"nats://monitor:monitor@127.0.0.1:{server.port}"},
+        }
+        report = reports.collect()
+        stream = stream_of(report, queue)
+        assert stream.reachable and stream.pending == 1
+        assert "permissions violation" in stream.age_error
+        assert f"$JS.API.STREAM.MSG.GET.{stream.stream}" in stream.age_error, stream
+    finally:
+        server.stop()
 
 
 def test_prometheus_shows_the_stream_figures(queue: str) -> None:
