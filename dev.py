@@ -279,8 +279,7 @@ def stopdb(args: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
     import devdb
 
-    devdb.stop_embedded()
-    return 0
+    return devdb.stop_embedded()
 
 
 def tool(command: list[str]) -> list[str]:

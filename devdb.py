@@ -9,7 +9,10 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -117,9 +120,22 @@ def start_embedded() -> Path:
     """
     running = running_socket_dir(PGDATA)
     if running is not None:
+        UNFINISHED.unlink(missing_ok=True)  # it runs: its first start finished
         return running
-    if os.geteuid() == 0:
-        _refuse_anothers_data()
+    _check_owner()
+    with _starting():
+        running = running_socket_dir(PGDATA)  # started by another process meanwhile
+        if running is not None:
+            return running
+        _clear_what_a_stopped_start_left()
+        if not (PGDATA / "PG_VERSION").exists():
+            UNFINISHED.touch()
+        socket_dir = _start()
+        UNFINISHED.unlink(missing_ok=True)
+        return socket_dir
+
+
+def _start() -> Path:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
@@ -138,9 +154,6 @@ def start_embedded() -> Path:
     try:
         mend_pid_list(PGDATA / PID_LIST)
         server = pgserver.get_server(PGDATA, cleanup_mode=None)
-        # With cleanup_mode=None the exit hook only takes this pid off the list again: a read
-        # and rewrite of that file that can fail, and that nothing of ours needs.
-        atexit.unregister(server._cleanup)
         return Path(server.get_postmaster_info().socket_dir)
     except Exception as error:  # whatever pgserver raises, the reader needs one line
         said = failures.last_line or _one_line(error)
@@ -148,6 +161,87 @@ def start_embedded() -> Path:
             f"the embedded PostgreSQL did not start in {PGDATA} ({said})",
             hint=f"See {PGDATA / 'log'} if it exists. {USE_YOUR_OWN_SERVER}",
         ) from error
+    finally:
+        # With cleanup_mode=None its exit hook only takes this pid off the list again: a read
+        # and rewrite of that file that can fail, and that nothing of ours needs. Registered
+        # before anything can fail, it is unregistered whatever happened.
+        made = pgserver.PostgresServer._instances.get(PGDATA.resolve())
+        if made is not None:
+            atexit.unregister(made._cleanup)
+
+
+#: Beside .pgdata/ while its first start has not finished: a start stopped during initdb
+#: (SIGKILL: a CI job cancelled, `docker kill`) left a half-made cluster that every later
+#: start failed on. The next start makes it again.
+UNFINISHED = ROOT / ".pgdata.unfinished"
+
+
+@contextlib.contextmanager
+def _starting() -> Iterator[None]:
+    """Held while this process starts the embedded server: one process at a time, so that what
+    a stopped start left (UNFINISHED, a stale postmaster.pid) is no other process's work."""
+    import fcntl
+
+    descriptor = os.open(ROOT / ".pgdata.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def _clear_what_a_stopped_start_left() -> None:
+    """A half-made .pgdata/ (UNFINISHED) is made again; a postmaster.pid whose process is not
+    PostgreSQL (it died and its pid went to another program, as after a container's restart;
+    or the file is damaged) is removed: PostgreSQL and pgserver refuse to start beside it."""
+    stale = _stale_postmaster(PGDATA)
+    if UNFINISHED.exists() and stale is not None:
+        print(f"devdb: {PGDATA} was left half made by a first start that was stopped; making it "
+              "again", file=sys.stderr)  # fmt: skip
+        shutil.rmtree(PGDATA, ignore_errors=True)
+    elif stale not in (None, NO_FILE):
+        (PGDATA / "postmaster.pid").unlink(missing_ok=True)
+        print(f"devdb: removed {PGDATA / 'postmaster.pid'}: no PostgreSQL runs from it ({stale})",
+              file=sys.stderr)  # fmt: skip
+
+
+NO_FILE = "no postmaster.pid"
+
+
+def _stale_postmaster(pgdata: Path) -> str | None:
+    """Why pgdata's postmaster.pid is stale (its process is not a PostgreSQL: gone, or another
+    program now; NO_FILE when there is none), or None: a PostgreSQL runs as its pid, or this
+    system cannot tell (no /proc)."""
+    try:
+        text = (pgdata / "postmaster.pid").read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        return NO_FILE
+    except OSError:
+        return None
+    try:
+        pid = abs(int(text.splitlines()[0]))  # initdb's single-user backend writes it negative
+    except (IndexError, ValueError):
+        return "the file is damaged"
+    program = _program(pid)
+    if program is None or Path(program).name == "postgres":
+        return None
+    return f"pid {pid} is {repr(program) if program else 'no process'}"
+
+
+def _program(pid: int) -> str | None:
+    """The program running as `pid` (its argv[0]), "" when none does (or a zombie), None when
+    this system cannot tell."""
+    for _ in range(2):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            return "" if Path("/proc/self").is_dir() else None
+        except OSError:
+            return None
+        if argv:
+            break
+        time.sleep(0.05)  # empty for a zombie, but also for a moment while a process execs
+    return argv.split(b"\0", 1)[0].decode(errors="replace")
 
 
 #: How long a connection to the embedded server may take before it is said not to answer.
@@ -168,7 +262,7 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
     import psycopg
 
     try:
-        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+        lines = (pgdata / "postmaster.pid").read_bytes().decode(errors="replace").splitlines()
     except OSError:
         return None
     # Line 5 is the socket folder and line 8 the status ("ready" once it takes connections).
@@ -194,7 +288,8 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
 def _postmaster_pid(pgdata: Path) -> str:
     """The postmaster's pid its postmaster.pid gives, or "unknown"."""
     try:
-        return (pgdata / "postmaster.pid").read_text().split("\n", 1)[0].strip() or "unknown"
+        text = (pgdata / "postmaster.pid").read_bytes().decode(errors="replace")
+        return text.split("\n", 1)[0].strip() or "unknown"
     except OSError:
         return "unknown"
 
@@ -251,9 +346,10 @@ USE_YOUR_OWN_SERVER = (
 SYSTEM_USER = "pgserver"
 
 
-def _refuse_anothers_data() -> None:
-    """As root, refuse a .pgdata/ that a normal user made: pgserver would make it its system
-    user's, and its owner could no longer use it."""
+def _check_owner() -> None:
+    """Refuse a .pgdata/ that another user made. As root, a normal user's: pgserver would make
+    it its system user's, and its owner could no longer use it. As a normal user, one made by a
+    run as root (its system user's): neither readable nor removable by this user."""
     import pwd
 
     try:
@@ -264,11 +360,19 @@ def _refuse_anothers_data() -> None:
         name = pwd.getpwuid(owner).pw_name
     except KeyError:
         name = str(owner)
-    if owner != 0 and name != SYSTEM_USER:
+    if os.geteuid() == 0 and owner != 0 and name != SYSTEM_USER:
         raise DatabaseUnavailable(
             f"{PGDATA} belongs to the user {name!r}, and as root the embedded PostgreSQL would "
             f"take it over for the system user {SYSTEM_USER!r}",
             hint=f"Run this as {name!r}. {USE_YOUR_OWN_SERVER}",
+        )
+    if os.geteuid() not in (0, owner):
+        raise DatabaseUnavailable(
+            f"{PGDATA} belongs to the user {name!r}: it was made by a run as root",
+            hint=(
+                f"Run this as root, or have root delete it (`sudo rm -rf {PGDATA}`; it holds "
+                f"only the demo's and the tests' databases). {USE_YOUR_OWN_SERVER}"
+            ),
         )
 
 
@@ -343,17 +447,38 @@ def _start_with_binaries_on_path() -> Path:
     return PGDATA
 
 
-def stop_embedded() -> None:
+def stop_embedded() -> int:
     """Stop the embedded server if it runs (with pgserver's pg_ctl from either virtualenv, else
-    pg_ctl on PATH; needs neither Django nor pgserver importable)."""
-    if not (PGDATA / "postmaster.pid").exists():
-        print("the embedded PostgreSQL is not running")
-        return
+    pg_ctl on PATH; needs neither Django nor pgserver importable); pg_ctl's exit status."""
+    try:
+        _check_owner()
+        running = (PGDATA / "postmaster.pid").exists()
+    except DatabaseUnavailable as refused:
+        print(str(refused.code).removeprefix("No database: "))
+        return 1
+    stale = _stale_postmaster(PGDATA) if running else None
+    if not running or stale is not None:
+        # pg_ctl would signal whatever process has the pid now (a reused one: not ours)
+        if stale is not None:
+            (PGDATA / "postmaster.pid").unlink(missing_ok=True)
+        said = f" (removed its stale postmaster.pid: {stale})" if stale else ""
+        print(f"the embedded PostgreSQL is not running{said}")
+        return 0
     bundled = sorted(ROOT.glob(".venv*/lib/python3*/site-packages/pgserver/pginstall/bin/pg_ctl"))
     pg_ctl = str(bundled[0]) if bundled else shutil.which("pg_ctl") or "pg_ctl"
-    # As root, pgserver runs the server as its own system user; pg_ctl must be that user too.
-    user = SYSTEM_USER if bundled and os.geteuid() == 0 else None
-    subprocess.run([pg_ctl, "-D", str(PGDATA), "-w", "stop", "-m", "fast"], check=False, user=user)
+    # PostgreSQL refuses root: as root, pg_ctl runs as the data's owner (pgserver's system user
+    # when a run as root made it).
+    user = _owner_name() if os.geteuid() == 0 else None
+    stopped = subprocess.run([pg_ctl, "-D", str(PGDATA), "-w", "stop", "-m", "fast"], user=user)
+    return stopped.returncode
+
+
+def _owner_name() -> str | None:
+    """The name of .pgdata/'s owner when it is not root, else None."""
+    import pwd
+
+    owner = PGDATA.stat().st_uid
+    return pwd.getpwuid(owner).pw_name if owner != 0 else None
 
 
 def _connect(socket_dir: Path) -> psycopg.Connection[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import devdb
+from tests.conftest import wait_until
 from tests.crash.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(
@@ -139,3 +141,90 @@ def test_as_root_a_normal_users_data_is_refused_not_taken_over(tmp_path, monkeyp
     with pytest.raises(devdb.DatabaseUnavailable, match="belongs to the user '54321'"):
         devdb.start_embedded()
     assert data.stat().st_uid == 54321
+
+
+@pytest.fixture
+def another_program() -> Iterator[int]:
+    """The pid of a live process that is not PostgreSQL: what a dead server's pid becomes once
+    the system gives it to another program (a container's restart)."""
+    process = subprocess.Popen(["sleep", "60"])
+    # Its command line is empty for a moment while it execs
+    wait_until(lambda: Path(f"/proc/{process.pid}/cmdline").read_bytes(), timeout=5)
+    try:
+        yield process.pid
+    finally:
+        process.kill()
+        process.wait()
+
+
+def write_postmaster_pid(folder: Path, pid: object) -> None:
+    lines = [str(pid), str(folder), "0", "5432", str(folder), "", "0", "ready"]
+    (folder / "postmaster.pid").write_text("\n".join(lines) + "\n")
+
+
+def test_a_postmaster_pid_is_stale_unless_a_postgresql_runs_as_its_pid(tmp_path, another_program):
+    assert devdb._stale_postmaster(devdb.PGDATA) is None  # the tests' own server runs
+    assert devdb._stale_postmaster(tmp_path) == devdb.NO_FILE
+    write_postmaster_pid(tmp_path, another_program)
+    assert "sleep" in devdb._stale_postmaster(tmp_path)
+    for damaged in (b"", b"\x00" * 120, bytes(range(256))):
+        (tmp_path / "postmaster.pid").write_bytes(damaged)
+        assert devdb._stale_postmaster(tmp_path) == "the file is damaged"
+        assert devdb.running_socket_dir(tmp_path) is None  # not a UnicodeDecodeError
+
+
+def test_stopdb_never_signals_the_program_that_took_a_stale_pid(
+    tmp_path, monkeypatch, another_program, capsys
+):
+    # pg_ctl stop sent SIGINT to whatever process had the pid now, killing it, and exited 0.
+    monkeypatch.setattr(devdb, "PGDATA", tmp_path)
+    write_postmaster_pid(tmp_path, another_program)
+    assert devdb.stop_embedded() == 0
+    assert "removed its stale postmaster.pid" in capsys.readouterr().out
+    assert not (tmp_path / "postmaster.pid").exists()
+    os.kill(another_program, 0)  # alive
+
+
+@pytest.fixture
+def second_cluster(monkeypatch) -> Iterator[Path]:
+    """A .pgdata of its own beside the tests' (its parents are ready for pgserver's system user
+    as root), stopped and removed afterwards."""
+    data = ROOT / f".pgdata-test-{os.getpid()}"
+    monkeypatch.setattr(devdb, "PGDATA", data)
+    monkeypatch.setattr(devdb, "UNFINISHED", data.with_name(data.name + ".unfinished"))
+    try:
+        yield data
+    finally:
+        if data.exists():
+            devdb.stop_embedded()
+        shutil.rmtree(data, ignore_errors=True)
+        devdb.UNFINISHED.unlink(missing_ok=True)
+
+
+def test_a_first_start_stopped_during_initdb_is_made_again(second_cluster, capsys):
+    # A start SIGKILLed during initdb left PG_VERSION and initdb's single-user backend's
+    # postmaster.pid (7 lines, a negative pid): every later run failed on it, for good, with a
+    # Python repr for its one line; deleting the file as told led to 'database "postgres" does
+    # not exist'.
+    second_cluster.mkdir()
+    (second_cluster / "PG_VERSION").write_text("16\n")
+    (second_cluster / "postmaster.pid").write_text(f"-424242\n{second_cluster}\n1\n5432\n\n\n0 0\n")
+    devdb.UNFINISHED.touch()
+    socket_dir = devdb.start_embedded()
+    assert "was left half made" in capsys.readouterr().err
+    assert not devdb.UNFINISHED.exists()
+    devdb._connect(socket_dir).close()
+
+
+def test_a_normal_user_is_told_in_one_line_that_root_made_the_data(tmp_path, monkeypatch, capsys):
+    # A run as root had made .pgdata/ its system user's: the owner of the checkout got a
+    # PermissionError's line from pgserver, and a traceback from stopdb.
+    data = tmp_path / ".pgdata"
+    data.mkdir()
+    os.chown(data, 0, 0)
+    monkeypatch.setattr(devdb, "PGDATA", data)
+    monkeypatch.setattr(os, "geteuid", lambda: 54321)
+    with pytest.raises(devdb.DatabaseUnavailable, match=r"made by a run as root\. Run"):
+        devdb.start_embedded()
+    assert devdb.stop_embedded() == 1
+    assert "made by a run as root" in capsys.readouterr().out
