@@ -34,7 +34,7 @@ def database_config() -> dict[str, Any]:
 
     env = environ.Env()
     if env.str("DATABASE_URL", default=""):
-        config: dict[str, Any] = env.db_url("DATABASE_URL")
+        config: dict[str, Any] = _from_url(env)
     else:
         config = _embedded_config()
     # Each Django leg of `dev.py test` (PGJOBS_LEG) has test databases of its own, so that the
@@ -45,6 +45,25 @@ def database_config() -> dict[str, Any]:
     # Tests run worker subprocesses against the test database pytest-django created.
     if os.environ.get("PGJOBS_TEST_DATABASE"):
         config["NAME"] = os.environ["PGJOBS_TEST_DATABASE"]
+    return config
+
+
+def _from_url(env: Any) -> dict[str, Any]:
+    """DATABASES["default"] from DATABASE_URL: a PostgreSQL database named in it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # environ warns of a URL it cannot read, then fails
+        try:
+            config: dict[str, Any] = env.db_url("DATABASE_URL")
+        except Exception as error:
+            raise DatabaseUnavailable(f"DATABASE_URL cannot be read ({_one_line(error)})") from None
+    if config.get("ENGINE") != "django.db.backends.postgresql":
+        engine = config.get("ENGINE", "").rsplit(".", 1)[-1]
+        raise DatabaseUnavailable(
+            "DATABASE_URL must be a PostgreSQL URL (postgres://USER@HOST:5432/NAME)"
+            + (f", not {engine}'s" if engine else "")
+        )
+    if not config.get("NAME"):
+        raise DatabaseUnavailable("DATABASE_URL names no database (postgres://USER@HOST:5432/NAME)")
     return config
 
 
@@ -65,6 +84,8 @@ def describe(config: dict[str, Any], *, must_exist: bool) -> str:
         "host": config.get("HOST") or None,
         "port": config.get("PORT") or None,
         "connect_timeout": 10,
+        # The URL's own options (sslmode, say), as Django will connect
+        **{k: v for k, v in config.get("OPTIONS", {}).items() if k != "pool"},
     }
     kwargs = {key: value for key, value in kwargs.items() if value is not None}
     missing = ""
