@@ -302,4 +302,7 @@ def step(message: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # Ctrl-C: what ran under dev.py has said how it ended
+        sys.exit(130)

@@ -20,7 +20,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
-from django.db.models import Count, Q
+from django.db.models import Count, Q, QuerySet
 
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -67,7 +67,7 @@ class Command(BaseCommand):
         self.step(f"superuser for the admin: username {USERNAME!r}, password {PASSWORD!r}")
         ensure_superuser()
         self.step(f"placing {orders} orders (each enqueues send_confirmation and charge_card)")
-        since = place_orders(orders)
+        burst = place_orders(orders)
         log = tempfile.NamedTemporaryFile(  # noqa: SIM115  (kept open for the worker's output)
             "w+", prefix="pgjobs-demo-worker-", suffix=".log", delete=False
         )
@@ -76,11 +76,13 @@ class Command(BaseCommand):
         started = time.monotonic()
         worker = subprocess.Popen(worker_command(concurrency), stdout=log, stderr=log)
         try:
-            progress = self.watch(since, started, worker, deadline=started + timeout)
+            progress = self.watch(burst, started, worker, deadline=started + timeout)
+        except KeyboardInterrupt:  # the worker had the Ctrl-C too; stop() waits for it
+            raise CommandError("interrupted; the worker stopped") from None
         finally:
             code = stop(worker)
         elapsed = time.monotonic() - started
-        self.summarise(progress, since, elapsed, code, orders)
+        self.summarise(progress, burst, elapsed, code, orders)
         if code != 0 or progress.live:
             self.stdout.write(tail(log))
             raise CommandError(
@@ -90,13 +92,13 @@ class Command(BaseCommand):
             )
 
     def watch(
-        self, since: datetime, started: float, worker: subprocess.Popen[bytes], deadline: float
+        self, burst: Burst, started: float, worker: subprocess.Popen[bytes], deadline: float
     ) -> Progress:
         """Poll the job counts until no job of the burst is ready or running."""
         tty = self.stdout.isatty()
         last_line = 0.0
         while True:
-            progress = count_jobs(since)
+            progress = count_jobs(burst)
             now = time.monotonic()
             finished = progress.total and not progress.live
             if tty or finished or now - last_line >= 2:
@@ -112,13 +114,13 @@ class Command(BaseCommand):
             time.sleep(0.2)
 
     def summarise(
-        self, progress: Progress, since: datetime, elapsed: float, code: int, orders: int
+        self, progress: Progress, burst: Burst, elapsed: float, code: int, orders: int
     ) -> None:
         rate = progress.done / elapsed if elapsed else 0.0
         python = sys.executable
         if python.startswith(os.getcwd() + os.sep):
             python = os.path.relpath(python)
-        dead_tasks = ", ".join(f"{name} × {count}" for name, count in dead_letters_by_task(since))
+        dead_tasks = ", ".join(f"{name} × {count}" for name, count in dead_letters_by_task(burst))
         self.stdout.write("")
         self.step("summary")
         self.stdout.write(
@@ -152,7 +154,7 @@ def ensure_superuser() -> None:
     user.save()
 
 
-def place_orders(count: int) -> datetime:
+def place_orders(count: int) -> Burst:
     """Create `count` orders and their first two jobs in one transaction, in bulk (the view
     does the same for one order). Returns the jobs' created_at, the database's clock."""
     rng = random.Random()
@@ -174,9 +176,7 @@ def place_orders(count: int) -> datetime:
         payloads = [{"order_id": order.pk} for order in placed]
         jobs = Job.objects.bulk_enqueue(tasks.send_confirmation, payloads)
         Job.objects.bulk_enqueue(tasks.charge_card, payloads)
-    # Every job of this burst, including those the handlers enqueue later, has a created_at
-    # at or after this transaction's.
-    return jobs[0].created_at
+    return Burst(jobs[0].created_at, [order.pk for order in placed])
 
 
 def worker_command(concurrency: int) -> list[str]:
@@ -185,8 +185,21 @@ def worker_command(concurrency: int) -> list[str]:
     return [sys.executable, str(manage), "runjobs", *queues, "--concurrency", str(concurrency)]
 
 
-def count_jobs(since: datetime) -> Progress:
-    counts = Job.objects.filter(created_at__gte=since).aggregate(
+@dataclass(frozen=True)
+class Burst:
+    """The orders one demo placed, and when."""
+
+    since: datetime
+    order_ids: list[int]
+
+    def jobs(self) -> QuerySet[Job]:
+        """Every job of this burst, those its handlers enqueue later included (each carries its
+        order's id): not the jobs of an earlier demo stopped midway, nor of another at once."""
+        return Job.objects.filter(created_at__gte=self.since, payload__order_id__in=self.order_ids)
+
+
+def count_jobs(burst: Burst) -> Progress:
+    counts = burst.jobs().aggregate(
         total=Count("pk"),
         done=Count("pk", filter=Q(status=Status.SUCCEEDED)),
         retried=Count("pk", filter=~Q(status=Status.FAILED) & ~Q(last_error="")),
@@ -196,10 +209,10 @@ def count_jobs(since: datetime) -> Progress:
     return Progress(**counts)
 
 
-def dead_letters_by_task(since: datetime) -> list[tuple[str, int]]:
+def dead_letters_by_task(burst: Burst) -> list[tuple[str, int]]:
     rows = (
-        Job.objects.dead()
-        .filter(created_at__gte=since)
+        burst.jobs()
+        .filter(status=Status.FAILED)
         .values_list("task")
         .annotate(count=Count("pk"))
         .order_by("task")
