@@ -77,6 +77,11 @@ def _measure(bridge: Bridge, queue: NatsQueue, now: datetime) -> StreamStats:
         ack_pending=consumer.num_ack_pending or 0,
         redelivered=consumer.num_redelivered or 0,
     )
+    if found.ack_pending and consumer.ack_floor is not None:
+        # Delivered and not acknowledged: running, or held by a worker that died (they wait
+        # for a worker that fetches)
+        unacked, _ = _age(bridge, queue, consumer.ack_floor.stream_seq + 1, now)
+        found = replace(found, oldest_unacked_seconds=unacked)
     if not found.pending or consumer.delivered is None:
         return found
     return _aged(bridge, queue, consumer.delivered.stream_seq + 1, now, found)
@@ -104,24 +109,28 @@ def _unconsumed(
 def _aged(
     bridge: Bridge, queue: NatsQueue, after: int, now: datetime, found: StreamStats
 ) -> StreamStats:
-    """`found` with the age of its oldest pending message: when the job of the consumer's next
-    message (the first of its subject from stream sequence `after` on) was due. When it cannot
-    be read, the report judges without it, and says why (age_error)."""
+    """`found` with the age of its oldest pending message, the consumer's next (see _age). When
+    it cannot be read, the report judges without it, and says why (age_error)."""
+    seconds, error = _age(bridge, queue, after, now)
+    return replace(found, oldest_pending_seconds=seconds, age_error=error)
+
+
+def _age(bridge: Bridge, queue: NatsQueue, after: int, now: datetime) -> tuple[float | None, str]:
+    """How long ago the job of the first message of the queue's subject from stream sequence
+    `after` on was due (its run_at), or None and why it is not known ("" when there is none)."""
     try:
         message = bridge.call(
             bridge.js.get_msg(queue.stream, seq=after, subject=queue.subject, next=True),
             REPORT_TIMEOUT,
         )
     except NotFoundError:  # gone since (its stream's limits): none left to wait
-        return found
+        return None, ""
     except Exception as error:  # the server is slow, the report's user may not read it, a bug
-        said = bridge.last_error if "permissions violation" in bridge.last_error else _said(error)
-        if "permissions violation" in said:
-            said += (
-                f" (the report reads the next message: allow $JS.API.STREAM.MSG.GET.{queue.stream})"
-            )
-        return replace(found, age_error=said)
+        if "permissions violation" not in bridge.last_error:
+            return None, _said(error)
+        said = f"{bridge.last_error}; the report reads the next message: allow its user"
+        return None, f"{said} $JS.API.STREAM.MSG.GET.{queue.stream}"
     due = due_at(message.data)
     if due is None:
-        return replace(found, age_error="the message is not one of ours")
-    return replace(found, oldest_pending_seconds=max(0.0, (now - due).total_seconds()))
+        return None, "the message is not one of ours"
+    return max(0.0, (now - due).total_seconds()), ""

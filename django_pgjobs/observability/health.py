@@ -14,7 +14,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.observability import figures
 from django_pgjobs.observability.dbstats import TableLock
 from django_pgjobs.observability.figures import Figures
-from django_pgjobs.observability.stats import served_queues
+from django_pgjobs.observability.stats import StreamStats, served_queues
 
 #: Where the reasons are explained.
 DOC = "docs/howto/monitoring.md"
@@ -191,20 +191,29 @@ def _behind(report: Figures, previous: Figures | None, limits: Thresholds) -> li
     carried = {stream.queue for stream in report.streams}  # their due jobs are the relay's
     reasons = []
     for q in report.queues:
-        if q.paused or not q.due or q.queue in carried:
+        # Running jobs whose lease ran out wait too: their worker is gone, and no live worker
+        # serves the queue to take them back (its reaper would have, within moments).
+        waited = max(q.oldest_due_seconds if q.due else 0.0, q.oldest_expired_seconds)
+        if q.paused or not (q.due or q.expired) or q.queue in carried:
             continue
-        if q.queue not in served and q.oldest_due_seconds >= limits.UNSERVED_SECONDS:
+        if q.queue not in served and waited >= limits.UNSERVED_SECONDS:
+            held = (
+                f"{q.expired} running whose leases ran out {q.oldest_expired_seconds:.0f}s ago "
+                "(their worker is gone)"
+                if q.expired
+                else ""
+            )
+            due = f"{q.due} due, the oldest waiting {q.oldest_due_seconds:.0f}s" if q.due else ""
             reasons.append(
                 _reason(
                     "no_worker_serves_a_queue",
                     Level.CRITICAL,
                     f"no worker serves {q.queue!r}",
-                    f"{q.due} due, the oldest waiting {q.oldest_due_seconds:.0f}s, and no live "
-                    "worker has this queue",
+                    f"{'; '.join(filter(None, [due, held]))}, and no live worker has this queue",
                     "UNSERVED_SECONDS",
                 )
             )
-        elif q.oldest_due_seconds >= limits.OLDEST_DUE_SECONDS:
+        elif q.due and q.oldest_due_seconds >= limits.OLDEST_DUE_SECONDS:
             detail = f"{q.queue!r}: {q.due} due, the oldest waiting {q.oldest_due_seconds:.0f}s"
             if q.max_running is not None:
                 detail += f"; at most {q.max_running} may run at once (Queue.max_running)"
@@ -323,6 +332,27 @@ def _messages(count: int) -> str:
     return "1 message" if count == 1 else f"{count} messages"
 
 
+def _unserved(stream: StreamStats) -> str:
+    """What waits in a NATS queue no live worker serves, and since when."""
+    said = []
+    if stream.pending:
+        waited = stream.oldest_pending_seconds
+        said.append(
+            f"{_messages(stream.pending)} not yet delivered"
+            + (
+                f" (the oldest one's age could not be read: {stream.age_error or 'unknown'})"
+                if waited is None
+                else f", the oldest due {waited:.0f}s ago"
+            )
+        )
+    if stream.ack_pending and stream.oldest_unacked_seconds is not None:
+        said.append(
+            f"{_messages(stream.ack_pending)} delivered to workers that are gone, the oldest due "
+            f"{stream.oldest_unacked_seconds:.0f}s ago"
+        )
+    return "; ".join(said)
+
+
 def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
     """The queues carried by NATS: the server unreachable, the relay behind (due jobs waiting in
     the outbox), the consumer's workers behind or absent."""
@@ -359,23 +389,18 @@ def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
         # restarting in a deploy leave messages unserved for a moment). An age that could not be
         # read counts as old enough.
         waited = stream.oldest_pending_seconds
-        if (
-            stream.pending
-            and stream.queue not in served
-            and (waited is None or waited >= limits.UNSERVED_SECONDS)
+        unacked = stream.oldest_unacked_seconds or 0.0
+        if stream.queue not in served and (
+            (stream.pending and (waited is None or waited >= limits.UNSERVED_SECONDS))
+            or (stream.ack_pending and unacked >= limits.UNSERVED_SECONDS)
         ):
-            oldest = (
-                f" (the oldest one's age could not be read: {stream.age_error or 'unknown'})"
-                if waited is None
-                else f", the oldest due {waited:.0f}s ago,"
-            )
             reasons.append(
                 _reason(
                     "no_worker_serves_a_queue",
                     Level.CRITICAL,
                     f"no worker serves {stream.queue!r}",
-                    f"{_messages(stream.pending)} not yet delivered in stream {stream.stream}"
-                    f"{oldest} and no live worker has this queue",
+                    f"{_unserved(stream)} in stream {stream.stream}, and no live worker has this "
+                    "queue",
                     "UNSERVED_SECONDS",
                 )
             )

@@ -39,6 +39,10 @@ class QueueDepth:
     oldest_due_seconds: float  # how long the oldest due job has waited: the latency to watch
     paused: bool = False
     max_running: int | None = None
+    # Running jobs whose lease has run out (their worker gone, until a live worker's reaper
+    # takes them back), and how long ago the first ran out.
+    expired: int = 0
+    oldest_expired_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,9 @@ class StreamStats:
     # by the database's clock); None when there is none, or it could not be read (age_error).
     oldest_pending_seconds: float | None = None
     age_error: str = ""
+    # The same of the oldest message delivered and not acknowledged (ack_pending): held by a
+    # worker, or by one that died, until a worker fetches it again.
+    oldest_unacked_seconds: float | None = None
 
 
 def served_queues(workers: Iterable[WorkerStats]) -> set[str]:
@@ -144,14 +151,16 @@ def job_database(db: str | None = None) -> str:
 # index's rows (a bound parameter or an IN list would not match the index predicates).
 QUEUES_SQL = """
     SELECT queue, sum(due), sum(scheduled), sum(retrying), sum(running), sum(failed),
-           COALESCE(EXTRACT(EPOCH FROM now() - min(oldest_due)), 0)
+           COALESCE(EXTRACT(EPOCH FROM now() - min(oldest_due)), 0),
+           sum(expired), COALESCE(EXTRACT(EPOCH FROM now() - min(oldest_expired)), 0)
     FROM (
         SELECT queue,
                count(*) FILTER (WHERE run_at <= now()) AS due,
                count(*) FILTER (WHERE run_at > now()) AS scheduled,
                count(*) FILTER (WHERE attempts > 0) AS retrying,
                0 AS running, 0 AS failed,
-               min(run_at) FILTER (WHERE run_at <= now()) AS oldest_due
+               min(run_at) FILTER (WHERE run_at <= now()) AS oldest_due,
+               0 AS expired, NULL::timestamptz AS oldest_expired
         FROM pgjobs_job WHERE status = 'ready' AND NOT scheduled GROUP BY queue
         UNION ALL
         SELECT queue,
@@ -159,13 +168,16 @@ QUEUES_SQL = """
                count(*) FILTER (WHERE run_at > now()),
                count(*) FILTER (WHERE attempts > 0),
                0, 0,
-               min(run_at) FILTER (WHERE run_at <= now())
+               min(run_at) FILTER (WHERE run_at <= now()),
+               0, NULL
         FROM pgjobs_job WHERE status = 'ready' AND scheduled GROUP BY queue
         UNION ALL
-        SELECT queue, 0, 0, 0, count(*), 0, NULL FROM pgjobs_job
-        WHERE status = 'running' GROUP BY queue
+        SELECT queue, 0, 0, 0, count(*), 0, NULL,
+               count(*) FILTER (WHERE leased_until < now()),
+               min(leased_until) FILTER (WHERE leased_until < now())
+        FROM pgjobs_job WHERE status = 'running' GROUP BY queue
         UNION ALL
-        SELECT queue, 0, 0, 0, 0, count(*), NULL FROM pgjobs_job
+        SELECT queue, 0, 0, 0, 0, count(*), NULL, 0, NULL FROM pgjobs_job
         WHERE status = 'failed' GROUP BY queue
     ) AS per_status
     GROUP BY queue
@@ -184,8 +196,8 @@ def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueD
     controls = {queue.name: queue for queue in Queue.objects.using(db)}
     depths = []
     for name in sorted(rows.keys() | controls.keys() | set(also)):
-        _, due, scheduled, retrying, running, failed, oldest = rows.get(
-            name, (name, 0, 0, 0, 0, 0, 0)
+        _, due, scheduled, retrying, running, failed, oldest, expired, expired_for = rows.get(
+            name, (name, 0, 0, 0, 0, 0, 0, 0, 0)
         )
         control = controls.get(name)
         depths.append(
@@ -199,6 +211,8 @@ def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueD
                 float(oldest),
                 paused=bool(control and control.paused),
                 max_running=control.max_running if control else None,
+                expired=int(expired),
+                oldest_expired_seconds=float(expired_for),
             )
         )
     return depths

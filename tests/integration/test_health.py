@@ -11,6 +11,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from django_pgjobs.models import Queue, QueueStat
 from django_pgjobs.observability import report as reports
@@ -159,6 +160,28 @@ def test_due_jobs_in_a_queue_no_live_worker_serves_are_critical():
     report = reports.collect()
     assert codes(report) == {"no_worker_serves_a_queue"}
     assert "'default'" in report.verdict.reasons[0].summary
+    assert jobstats()[0] == 2
+
+
+def test_jobs_left_running_by_a_worker_that_is_gone_are_critical_once_their_leases_ran_out():
+    # Every worker of the queue died holding jobs, the queue otherwise quiet: nothing reaps
+    # them, and the report said HEALTHY for ever.
+    worker_row(queue="default", worker="host:9:zz", ago=600)  # gone
+    JobFactory.create_batch(
+        2, status="running", worker="host:9:zz", attempts=1, claims=1, leased_until=timezone.now()
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE pgjobs_job SET leased_until = now() - interval '30 seconds'")
+    report = reports.collect()
+    [depth] = [q for q in report.queues if q.queue == "default"]
+    assert depth.expired == 2 and 30 <= depth.oldest_expired_seconds < 60
+    assert codes(report) == set()  # a lease may run out just before a live reaper takes it
+
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE pgjobs_job SET leased_until = now() - interval '5 minutes'")
+    report = reports.collect()
+    assert codes(report) == {"no_worker_serves_a_queue"}
+    assert "2 running whose leases ran out 300s ago" in report.verdict.reasons[0].detail
     assert jobstats()[0] == 2
 
 

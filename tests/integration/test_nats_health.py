@@ -77,6 +77,20 @@ def test_a_relay_that_falls_behind_is_a_warning_not_workers_behind(
     assert "workers_behind" not in found and "no_worker_serves_a_queue" not in found
 
 
+def five_minutes_ago() -> Any:
+    """By the database's clock."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now() - interval '5 minutes'")
+        return cursor.fetchone()[0]
+
+
+def unserved(queue: str) -> tuple[Any, str]:
+    """The queue's stream figures and the detail of its 'no worker serves' reason."""
+    report = reports.collect()
+    [reason] = [r for r in report.verdict.reasons if r.code == "no_worker_serves_a_queue"]
+    return stream_of(report, queue), reason.detail
+
+
 def a_consumer_its_worker_left(queue: str) -> None:
     """The queue's consumer exists, having delivered one job, and its only worker has stopped
     (its QueueStat row, which says it is alive for a while, deleted)."""
@@ -111,9 +125,7 @@ def test_messages_no_worker_takes_are_critical_once_they_have_waited(
 
 
 def test_the_age_is_the_waiting_jobs_own_by_the_databases_clock(queue: str) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now() - interval '5 minutes'")
-        (due,) = cursor.fetchone()
+    due = five_minutes_ago()
     a_stream_its_worker_left(queue, run_at=due)
     report = reports.collect()
     assert 300 <= stream_of(report, queue).oldest_pending_seconds < 400
@@ -121,13 +133,30 @@ def test_the_age_is_the_waiting_jobs_own_by_the_databases_clock(queue: str) -> N
     assert "the oldest due 30" in reason.detail and "UNSERVED_SECONDS" in reason.threshold
 
 
+def test_messages_a_worker_took_and_died_with_are_critical_once_they_have_waited(
+    queue: str,
+) -> None:
+    # Delivered to a worker that was then SIGKILLed, nothing pending: they wait for a worker
+    # that fetches, and the report said HEALTHY for ever.
+    a_consumer_its_worker_left(queue)
+    due = five_minutes_ago()
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": 2}, {"n": 3}], queue=queue, run_at=due)
+    relay().round()
+    taker, carried = bridge(), transports.nats_queues()[queue]
+    # As a worker takes them, and then it dies: nothing is acknowledged
+    subscription = taker.call(taker.js.pull_subscribe_bind(carried.consumer, stream=carried.stream))
+    assert len(taker.fetch(subscription, 2, timeout=5)) == 2
+    stream, detail = unserved(queue)
+    assert (stream.pending, stream.ack_pending) == (0, 2)
+    assert 300 <= stream.oldest_unacked_seconds < 400
+    assert "2 messages delivered to workers that are gone, the oldest due 30" in detail
+
+
 def test_a_paused_queue_is_not_said_to_be_unserved_nor_behind(queue: str, settings: Any) -> None:
     # Paused with a backlog, it was "workers are behind" (a WARNING to add workers, which fetch
     # nothing from a paused queue); a paused PostgreSQL queue is left out.
     settings.PGJOBS = {**settings.PGJOBS, "HEALTH": {"NATS_PENDING": 1}}
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now() - interval '5 minutes'")
-        (due,) = cursor.fetchone()
+    due = five_minutes_ago()
     a_stream_its_worker_left(queue, run_at=due)
     Queue.objects.create(name=queue, paused=True)
     found = codes(reports.collect())
@@ -198,17 +227,13 @@ def test_a_queue_no_worker_ever_served_is_critical_once_its_messages_have_waited
 ) -> None:
     # No worker of the queue ever started (a --queue typo): its consumer, a worker's to make,
     # did not exist, the relayed jobs counted as none pending, and the report said HEALTHY.
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now() - interval '5 minutes'")
-        (due,) = cursor.fetchone()
+    due = five_minutes_ago()
     Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue, run_at=due)
     relay().round()
-    report = reports.collect()
-    stream = stream_of(report, queue)
+    stream, detail = unserved(queue)
     assert (stream.messages, stream.pending) == (3, 3)
     assert 300 <= stream.oldest_pending_seconds < 400
-    [reason] = [r for r in report.verdict.reasons if r.code == "no_worker_serves_a_queue"]
-    assert "3 messages not yet delivered" in reason.detail
+    assert "3 messages not yet delivered" in detail
 
 
 NATS_USERS = """
