@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import psycopg
@@ -112,6 +112,13 @@ def _embedded_config() -> dict[str, Any]:
     try:
         _create_database(socket_dir)
     except psycopg.Error as error:
+        if _is_busy(error):
+            raise _busy(error) from None
+        if not isinstance(error, psycopg.OperationalError):  # e.g. a PGJOBS_DB_NAME it refuses
+            raise DatabaseUnavailable(
+                f"the embedded PostgreSQL refused to create the database {DATABASE_NAME!r} "
+                f"({_one_line(error)})"
+            ) from None
         # pgserver took a postmaster.pid whose process is alive for a running server: a
         # postmaster killed and not yet reaped, a pid since given to another process, or a
         # postmaster stopped (SIGSTOP: its socket takes the connection and nothing answers).
@@ -129,7 +136,7 @@ def _embedded_config() -> dict[str, Any]:
         "NAME": DATABASE_NAME,
         "USER": "postgres",
         "HOST": str(socket_dir),
-        "PORT": "",
+        "PORT": str(_port()),  # not the caller's PGPORT: the one it was started with
     }
 
 
@@ -170,14 +177,28 @@ def _start() -> Path:
     pgserver_log.setLevel(logging.ERROR)
     pgserver_log.propagate = False
     pgserver_log.handlers = [failures]
+    if any(character.isspace() for character in str(PGDATA)):
+        raise DatabaseUnavailable(
+            f"the embedded PostgreSQL cannot start in {PGDATA}: pgserver gives PostgreSQL its "
+            "folder unquoted, and the path has a space",
+            hint=f"Clone the project to a path without spaces. {USE_YOUR_OWN_SERVER}",
+        )
     if os.geteuid() == 0:
         _ensure_system_user()
+    # pgserver waits for ever for a lock of its own, one per user and machine: held by a process
+    # stopped while it started a server (Ctrl-Z), every later start of any checkout hung.
+    lock = pgserver.PostgresServer._lock
+    if not lock.acquire(timeout=STARTING_SECONDS):
+        raise _held_up(f"an embedded PostgreSQL (it holds pgserver's lock {lock.path!r})")
+    lock.release()
     try:
         mend_pid_list(PGDATA / PID_LIST)
         server = pgserver.get_server(PGDATA, cleanup_mode=None)
         return Path(server.get_postmaster_info().socket_dir)
     except Exception as error:  # whatever pgserver raises, the reader needs one line
         said = failures.last_line or _one_line(error)
+        if isinstance(error, subprocess.TimeoutExpired):  # its log's last line is an old one
+            said = f"it had not started within {error.timeout:g}s; it may still be starting"
         raise DatabaseUnavailable(
             f"the embedded PostgreSQL did not start in {PGDATA} ({said})",
             hint=f"See {PGDATA / 'log'} if it exists. {USE_YOUR_OWN_SERVER}",
@@ -197,15 +218,32 @@ def _start() -> Path:
 UNFINISHED = ROOT / ".pgdata.unfinished"
 
 
+def _held_up(what: str) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"another process has been starting {what} for over {STARTING_SECONDS}s",
+        hint=f"If it is stopped (Ctrl-Z), resume it or end it. {USE_YOUR_OWN_SERVER}",
+    )
+
+
 @contextlib.contextmanager
 def _starting() -> Iterator[None]:
     """Held while this process starts the embedded server: one process at a time, so that what
-    a stopped start left (UNFINISHED, a stale postmaster.pid) is no other process's work."""
+    a stopped start left (UNFINISHED, a stale postmaster.pid) is no other process's work. Waited
+    for STARTING_SECONDS at most (its holder may be stopped: Ctrl-Z)."""
     import fcntl
 
-    descriptor = os.open(ROOT / ".pgdata.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    path = ROOT / ".pgdata.lock"
+    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        deadline = time.monotonic() + STARTING_SECONDS
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise _held_up(f"the embedded PostgreSQL (it holds {path})") from None
+                time.sleep(0.1)
         yield
     finally:
         os.close(descriptor)
@@ -222,6 +260,8 @@ def _clear_what_a_stopped_start_left() -> None:
         shutil.rmtree(PGDATA, ignore_errors=True)
     elif stale not in (None, NO_FILE):
         (PGDATA / "postmaster.pid").unlink(missing_ok=True)
+        for socket_lock in PGDATA.glob(".s.PGSQL.*.lock"):  # the same server's, in a copy
+            socket_lock.unlink(missing_ok=True)
         print(f"devdb: removed {PGDATA / 'postmaster.pid'}: no PostgreSQL runs from it ({stale})",
               file=sys.stderr)  # fmt: skip
 
@@ -231,22 +271,22 @@ NO_FILE = "no postmaster.pid"
 
 def _stale_postmaster(pgdata: Path) -> str | None:
     """Why pgdata's postmaster.pid is stale (its process is not a PostgreSQL: gone, or another
-    program now; NO_FILE when there is none), or None: a PostgreSQL runs as its pid, or this
-    system cannot tell (no /proc)."""
+    program now; it is a copied checkout's; NO_FILE when there is none), or None: a PostgreSQL
+    runs as its pid, or this system cannot tell (no /proc)."""
     try:
-        text = (pgdata / "postmaster.pid").read_bytes().decode(errors="replace")
-    except FileNotFoundError:
-        return NO_FILE
+        found = PostmasterPid.read(pgdata)
     except OSError:
         return None
-    try:
-        pid = abs(int(text.splitlines()[0]))  # initdb's single-user backend writes it negative
-    except (IndexError, ValueError):
+    if found is None:
+        return NO_FILE
+    if found.pid is None:
         return "the file is damaged"
-    program = _program(pid)
+    if found.data_dir and not found.of(pgdata):
+        return f"it is the server's of {found.data_dir}, copied with this checkout"
+    program = _program(found.pid)
     if program is None or Path(program).name == "postgres":
         return None
-    return f"pid {pid} is {repr(program) if program else 'no process'}"
+    return f"pid {found.pid} is {repr(program) if program else 'no process'}"
 
 
 def _program(pid: int) -> str | None:
@@ -272,6 +312,40 @@ CONNECT_SECONDS = 5
 PID_LIST = ".handle_pids.json"
 
 
+class PostmasterPid(NamedTuple):
+    """What a data folder's postmaster.pid says (PostgreSQL writes it; see its pidfile.h)."""
+
+    pid: int | None  # None: the file is damaged
+    data_dir: str  # line 2
+    port: int  # line 4: the socket's name is .s.PGSQL.<port>
+    socket_dir: str  # line 5
+    status: str  # line 8: "starting", "ready", "stopping"
+
+    @classmethod
+    def read(cls, pgdata: Path) -> PostmasterPid | None:
+        """None when there is none; OSError when it cannot be read."""
+        try:
+            data = (pgdata / "postmaster.pid").read_bytes()
+        except FileNotFoundError:
+            return None
+        lines = [*data.decode(errors="replace").splitlines(), *[""] * 8]
+        try:
+            pid: int | None = abs(int(lines[0]))  # initdb's single-user backend: negative
+        except ValueError:
+            pid = None
+        port = int(lines[3]) if lines[3].strip().isdigit() else 5432
+        return cls(pid, lines[1].strip(), port, lines[4].strip(), lines[7].strip())
+
+    def of(self, pgdata: Path) -> bool:
+        """Whether it is `pgdata`'s own: not a copy of another checkout's (cp -a, a tarball)."""
+        return bool(self.data_dir) and Path(self.data_dir).resolve() == pgdata.resolve()
+
+
+#: How long a process waits for a server another one is starting (a crash recovery on a busy
+#: machine takes a while) before it says so.
+STARTING_SECONDS = 60
+
+
 def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
     """The socket folder of the embedded server when it already runs and takes connections.
 
@@ -282,37 +356,80 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
     """
     import psycopg
 
-    try:
-        lines = (pgdata / "postmaster.pid").read_bytes().decode(errors="replace").splitlines()
-    except OSError:
+    deadline = time.monotonic() + STARTING_SECONDS
+    while True:
+        try:
+            found = PostmasterPid.read(pgdata)
+        except OSError:
+            return None
+        if found is None or not found.of(pgdata):
+            return None  # none, or a copied checkout's: not this one's server
+        if found.status == "stopping":
+            raise DatabaseUnavailable(
+                f"the embedded PostgreSQL in {pgdata} is shutting down",
+                hint=(
+                    "Run again once it has stopped (a smart shutdown waits for its clients to "
+                    f"disconnect). {USE_YOUR_OWN_SERVER}"
+                ),
+            )
+        starting = found.status == "starting" and _is_postgres(found.pid)
+        if not starting:
+            break
+        if time.monotonic() > deadline:
+            raise DatabaseUnavailable(
+                f"the embedded PostgreSQL in {pgdata} (pid {found.pid}) has been starting for "
+                f"over {STARTING_SECONDS}s",
+                hint=f"See {pgdata / 'log'}, and run again in a moment. {USE_YOUR_OWN_SERVER}",
+            )
+        time.sleep(0.2)
+    if found.status != "ready" or not found.socket_dir:
         return None
-    # Line 5 is the socket folder and line 8 the status ("ready" once it takes connections).
-    status = lines[7].strip() if len(lines) >= 8 else ""
-    if status == "stopping":
-        raise DatabaseUnavailable(
-            f"the embedded PostgreSQL in {pgdata} is shutting down",
-            hint=(
-                "Run again once it has stopped (a smart shutdown waits for its clients to "
-                f"disconnect). {USE_YOUR_OWN_SERVER}"
-            ),
-        )
-    if status != "ready" or not lines[4].strip():
-        return None
-    socket_dir = Path(lines[4].strip())
+    socket_dir = Path(found.socket_dir)
     try:
-        _connect(socket_dir).close()
-    except psycopg.Error:
+        _connect(socket_dir, found.port).close()
+    except psycopg.OperationalError as error:
+        if _is_busy(error):
+            raise _busy(error) from None
         return None  # not running after all: pgserver starts it, or says why it cannot
     return socket_dir
+
+
+def _is_busy(error: Exception) -> bool:
+    """Whether the server refused a connection because every one it allows is in use (53300;
+    a refused connection carries no SQLSTATE in psycopg, only the server's message)."""
+    return getattr(error, "sqlstate", None) == "53300" or "too many clients" in str(error)
+
+
+def _busy(error: Exception) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"the embedded PostgreSQL in {PGDATA} is busy ({_one_line(error)})",
+        hint="End some of the processes using it (test runs, workers), or run again later",
+    )
+
+
+def _is_postgres(pid: int | None) -> bool:
+    """Whether a PostgreSQL runs as `pid` (True when this system cannot tell)."""
+    program = None if pid is None else _program(pid)
+    return pid is not None and (program is None or Path(program).name == "postgres")
 
 
 def _postmaster_pid(pgdata: Path) -> str:
     """The postmaster's pid its postmaster.pid gives, or "unknown"."""
     try:
-        text = (pgdata / "postmaster.pid").read_bytes().decode(errors="replace")
-        return text.split("\n", 1)[0].strip() or "unknown"
+        found = PostmasterPid.read(pgdata)
     except OSError:
-        return "unknown"
+        found = None
+    return str(found.pid) if found is not None and found.pid is not None else "unknown"
+
+
+def _port() -> int:
+    """The port of the embedded server's socket (.s.PGSQL.<port>), as its postmaster.pid says:
+    it took PGPORT from the environment of the process that started it, if any."""
+    try:
+        found = PostmasterPid.read(PGDATA)
+    except OSError:
+        found = None
+    return found.port if found is not None else 5432
 
 
 def mend_pid_list(path: Path) -> None:
@@ -339,8 +456,10 @@ class _LastError(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage().split("stderr:", 1)[-1]
         lines = [line.strip() for line in text.splitlines() if line.strip() not in ("", "---")]
-        if lines:
-            self.last_line = lines[-1]
+        # The server's log ends with "database system is shut down" after the reason it gives
+        fatal = [line for line in lines if "FATAL:" in line]
+        if fatal or lines:
+            self.last_line = (fatal or lines)[-1]
 
 
 class DatabaseUnavailable(SystemExit):
@@ -459,7 +578,7 @@ def _start_with_binaries_on_path() -> Path:
                 "-l",
                 str(PGDATA / "log"),
                 "-o",
-                f"-h '' -k {PGDATA}",
+                f"-h '' -k '{PGDATA}'",
                 "start",
             ],
             check=True,
@@ -502,14 +621,14 @@ def _owner_name() -> str | None:
     return pwd.getpwuid(owner).pw_name if owner != 0 else None
 
 
-def _connect(socket_dir: Path) -> psycopg.Connection[Any]:
+def _connect(socket_dir: Path, port: int) -> psycopg.Connection[Any]:
     """An autocommit connection to the embedded server's maintenance database, bounded: a
     postmaster stopped (SIGSTOP) takes it into its socket's backlog and never answers, and
     every process of the tests and the demo would wait for ever."""
     import psycopg
 
     return psycopg.connect(
-        host=str(socket_dir), user="postgres", dbname="postgres", autocommit=True,
+        host=str(socket_dir), port=port, user="postgres", dbname="postgres", autocommit=True,
         connect_timeout=CONNECT_SECONDS,
     )  # fmt: skip
 
@@ -517,7 +636,7 @@ def _connect(socket_dir: Path) -> psycopg.Connection[Any]:
 def _create_database(socket_dir: Path) -> None:
     import psycopg
 
-    with _connect(socket_dir) as connection:
+    with _connect(socket_dir, _port()) as connection:
         exists = connection.execute(
             "SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE_NAME]
         ).fetchone()

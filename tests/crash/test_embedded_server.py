@@ -213,7 +213,7 @@ def test_a_first_start_stopped_during_initdb_is_made_again(second_cluster, capsy
     socket_dir = devdb.start_embedded()
     assert "was left half made" in capsys.readouterr().err
     assert not devdb.UNFINISHED.exists()
-    devdb._connect(socket_dir).close()
+    devdb._connect(socket_dir, devdb._port()).close()
 
 
 def test_a_normal_user_is_told_in_one_line_that_root_made_the_data(tmp_path, monkeypatch, capsys):
@@ -228,3 +228,49 @@ def test_a_normal_user_is_told_in_one_line_that_root_made_the_data(tmp_path, mon
         devdb.start_embedded()
     assert devdb.stop_embedded() == 1
     assert "made by a run as root" in capsys.readouterr().out
+
+
+def test_a_copied_checkouts_postmaster_pid_is_not_this_ones_server(tmp_path):
+    # A copy taken while the server ran (cp -a, a tarball) used the original's database, and
+    # its stopdb stopped the original's server.
+    write_postmaster_pid(tmp_path, os.getpid())
+    lines = (tmp_path / "postmaster.pid").read_text().replace(str(tmp_path), str(devdb.PGDATA), 1)
+    (tmp_path / "postmaster.pid").write_text(lines)
+    assert devdb.running_socket_dir(tmp_path) is None
+    assert "copied with this checkout" in devdb._stale_postmaster(tmp_path)
+
+
+def test_the_server_is_reached_on_the_port_it_was_started_with_whatever_pgport_says(
+    monkeypatch,
+):
+    # PGPORT=5433 in the caller's environment (a second PostgreSQL on the machine): the
+    # embedded server "did not answer", with advice to stop it.
+    monkeypatch.setenv("PGPORT", "5433")
+    started = devdb.PostmasterPid.read(devdb.PGDATA)
+    assert devdb.running_socket_dir() is not None
+    assert devdb.database_config()["PORT"] == str(started.port)
+
+
+def test_a_checkout_path_with_a_space_is_one_line(tmp_path, monkeypatch):
+    # pgserver gives PostgreSQL the socket folder unquoted: 'Try "postgres --help"', for good.
+    monkeypatch.setattr(devdb, "PGDATA", tmp_path / "My Projects" / ".pgdata")
+    with pytest.raises(devdb.DatabaseUnavailable, match="the path has a space"):
+        devdb._start()
+
+
+def test_a_start_held_up_by_a_stopped_process_is_one_line_not_a_hang(monkeypatch):
+    # A process stopped (Ctrl-Z) while it started the server held the lock: every later start
+    # waited for ever, silently.
+    import fcntl
+
+    monkeypatch.setattr(devdb, "STARTING_SECONDS", 0.3)
+    descriptor = os.open(ROOT / ".pgdata.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(descriptor, fcntl.LOCK_EX)
+    try:
+        with (
+            pytest.raises(devdb.DatabaseUnavailable, match=r"resume it or end it"),
+            devdb._starting(),
+        ):
+            pass
+    finally:
+        os.close(descriptor)
