@@ -109,9 +109,9 @@ class Stoppable:
         left = deadlines.abandoned_alive() + awaiting.lingering() + timeouts.telling()
         if left >= self.options.concurrency:
             self._recycle(
-                f"{left} threads were left behind past time limits (handler threads abandoned, "
-                "async handlers' tasks that ignore cancellation, timed-out Tasks' task_finished "
-                f"receivers), as many as its --concurrency {self.options.concurrency}"
+                f"{left} threads were abandoned past their time limit (handlers, async handlers' "
+                "tasks that ignore cancellation, timed-out Tasks' task_finished receivers), as "
+                f"many as its --concurrency {self.options.concurrency}"
             )
 
     def _check_limits(self) -> None:
