@@ -160,9 +160,9 @@ def past_time_limit(
         return timed_out(job, timeout)
     quietly(
         log.warning,
-        "job %s (%s) returned within its time limit of %gs, and what ran after it (the "
-        "receivers of its task_finished signal) passed it: recorded as it ended (%s), its "
-        "thread left to them",
+        "job %s (%s) returned within its time limit of %gs, and what ran after it (its "
+        "task_finished signal's receivers, say) passed it: recorded as it ended (%s), its "
+        "thread left to finish",
         job.pk, job.task, timeout, decided.verdict.value,
     )  # fmt: skip
     return decided
