@@ -157,7 +157,9 @@ def start_embedded() -> Path:
             return running
         _clear_what_a_stopped_start_left()
         if not (PGDATA / "PG_VERSION").exists():
-            UNFINISHED.touch()
+            with contextlib.suppress(OSError):  # one a run as root left: ours to remove
+                UNFINISHED.unlink(missing_ok=True)
+                UNFINISHED.touch()
         socket_dir = _start()
         UNFINISHED.unlink(missing_ok=True)
         return socket_dir
@@ -254,6 +256,10 @@ def _clear_what_a_stopped_start_left() -> None:
     PostgreSQL (it died and its pid went to another program, as after a container's restart;
     or the file is damaged) is removed: PostgreSQL and pgserver refuse to start beside it."""
     stale = _stale_postmaster(PGDATA)
+    deadline = time.monotonic() + WRITING_SECONDS + 1
+    while stale is None and _damaged(PGDATA) and time.monotonic() < deadline:
+        time.sleep(0.5)  # being written, or left damaged: it says which once old enough
+        stale = _stale_postmaster(PGDATA)
     if UNFINISHED.exists() and stale is not None:
         print(f"devdb: {PGDATA} was left half made by a first start that was stopped; making it "
               "again", file=sys.stderr)  # fmt: skip
@@ -269,23 +275,44 @@ def _clear_what_a_stopped_start_left() -> None:
 NO_FILE = "no postmaster.pid"
 
 
-def _stale_postmaster(pgdata: Path) -> str | None:
-    """Why pgdata's postmaster.pid is stale (its process is not a PostgreSQL: gone, or another
-    program now; it is a copied checkout's; NO_FILE when there is none), or None: a PostgreSQL
-    runs as its pid, or this system cannot tell (no /proc)."""
+def _damaged(pgdata: Path) -> bool:
+    """Whether pgdata's postmaster.pid exists and names no pid."""
     try:
         found = PostmasterPid.read(pgdata)
+    except OSError:
+        return False
+    return found is not None and found.pid is None
+
+
+#: A postmaster.pid younger than this may be one a server is writing (PostgreSQL creates it
+#: empty, then fills it): never called damaged.
+WRITING_SECONDS = 10
+
+
+def _stale_postmaster(pgdata: Path) -> str | None:
+    """Why pgdata's postmaster.pid is stale (NO_FILE when there is none), or None when a
+    PostgreSQL may still run on pgdata: then nothing may be removed. Stale only when nothing
+    answers on its socket nor attaches its shared memory (_alive), and it is a copied
+    checkout's, damaged and not being written, or its pid is not a PostgreSQL (gone, or
+    another program's now)."""
+    try:
+        found = PostmasterPid.read(pgdata)
+        age = time.time() - (pgdata / "postmaster.pid").stat().st_mtime
+    except FileNotFoundError:
+        return NO_FILE
     except OSError:
         return None
     if found is None:
         return NO_FILE
-    if found.pid is None:
-        return "the file is damaged"
-    if found.data_dir and not found.of(pgdata):
-        return f"it is the server's of {found.data_dir}, copied with this checkout"
-    program = _program(found.pid)
-    if program is None or Path(program).name == "postgres":
+    if _alive(pgdata, found):
         return None
+    if found.pid is None:
+        return "the file is damaged" if age > WRITING_SECONDS else None
+    if found.copied(pgdata):
+        return f"it is the server's of {found.data_dir}, copied with this checkout"
+    if _is_postgres(found.pid):
+        return None
+    program = _program(found.pid)
     return f"pid {found.pid} is {repr(program) if program else 'no process'}"
 
 
@@ -319,6 +346,7 @@ class PostmasterPid(NamedTuple):
     data_dir: str  # line 2
     port: int  # line 4: the socket's name is .s.PGSQL.<port>
     socket_dir: str  # line 5
+    shmid: int | None  # line 7: its shared memory segment (key, then id)
     status: str  # line 8: "starting", "ready", "stopping"
 
     @classmethod
@@ -334,11 +362,60 @@ class PostmasterPid(NamedTuple):
         except ValueError:
             pid = None
         port = int(lines[3]) if lines[3].strip().isdigit() else 5432
-        return cls(pid, lines[1].strip(), port, lines[4].strip(), lines[7].strip())
+        shm = lines[6].split()
+        shmid = int(shm[1]) if len(shm) == 2 and shm[1].isdigit() else None
+        return cls(pid, lines[1].strip(), port, lines[4].strip(), shmid, lines[7].strip())
 
-    def of(self, pgdata: Path) -> bool:
-        """Whether it is `pgdata`'s own: not a copy of another checkout's (cp -a, a tarball)."""
-        return bool(self.data_dir) and Path(self.data_dir).resolve() == pgdata.resolve()
+    def copied(self, pgdata: Path) -> bool:
+        """Whether it is another data folder's, copied with this checkout (cp -a, a tarball):
+        that folder exists and is not `pgdata`. One that no longer exists (the checkout was
+        moved) or that is `pgdata` under another path (a symlink, a container's mount) is
+        `pgdata`'s own."""
+        if not self.data_dir:
+            return False
+        try:
+            return not os.path.samefile(self.data_dir, pgdata)
+        except OSError:
+            return False
+
+    def socket_in(self, pgdata: Path) -> Path:
+        """Its socket folder: the one it names, or `pgdata` when that is gone (a moved checkout,
+        a container's view of it)."""
+        named = Path(self.socket_dir) if self.socket_dir else pgdata
+        return named if named.is_dir() else pgdata
+
+
+def _alive(pgdata: Path, found: PostmasterPid) -> bool:
+    """Whether a PostgreSQL may run on `pgdata` whatever its postmaster.pid's pid says (a pid of
+    another pid namespace, a container's, is no process here): its socket takes connections (a
+    stopped server's still does), or its shared memory is still attached (PostgreSQL's own
+    interlock)."""
+    import socket
+
+    sockets = {found.socket_in(pgdata) / f".s.PGSQL.{found.port}"}
+    sockets |= {path for path in pgdata.glob(".s.PGSQL.*") if path.suffix != ".lock"}
+    for path in sockets:
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.settimeout(2)
+            try:
+                probe.connect(str(path))
+                return True
+            except OSError:
+                continue
+    return found.shmid is not None and _attached(found.shmid)
+
+
+def _attached(shmid: int) -> bool:
+    """Whether a process still attaches the shared memory segment `shmid`."""
+    try:
+        rows = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    for row in rows:
+        fields = row.split()
+        if len(fields) > 6 and fields[1] == str(shmid):
+            return fields[6] != "0"
+    return False
 
 
 #: How long a process waits for a server another one is starting (a crash recovery on a busy
@@ -362,9 +439,9 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
             found = PostmasterPid.read(pgdata)
         except OSError:
             return None
-        if found is None or not found.of(pgdata):
+        if found is None or found.copied(pgdata):
             return None  # none, or a copied checkout's: not this one's server
-        if found.status == "stopping":
+        if found.status == "stopping" and _is_postgres(found.pid):
             raise DatabaseUnavailable(
                 f"the embedded PostgreSQL in {pgdata} is shutting down",
                 hint=(
@@ -382,9 +459,9 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
                 hint=f"See {pgdata / 'log'}, and run again in a moment. {USE_YOUR_OWN_SERVER}",
             )
         time.sleep(0.2)
-    if found.status != "ready" or not found.socket_dir:
+    if found.status != "ready":
         return None
-    socket_dir = Path(found.socket_dir)
+    socket_dir = found.socket_in(pgdata)
     try:
         _connect(socket_dir, found.port).close()
     except psycopg.OperationalError as error:
@@ -592,18 +669,29 @@ def stop_embedded() -> int:
     pg_ctl on PATH; needs neither Django nor pgserver importable); pg_ctl's exit status."""
     try:
         _check_owner()
-        running = (PGDATA / "postmaster.pid").exists()
+        with _starting():  # not while a process starts it: its postmaster.pid is half written
+            return _stop()
     except DatabaseUnavailable as refused:
         print(str(refused.code).removeprefix("No database: "))
         return 1
-    stale = _stale_postmaster(PGDATA) if running else None
-    if not running or stale is not None:
+
+
+def _stop() -> int:
+    stale = _stale_postmaster(PGDATA)
+    if stale is not None:
         # pg_ctl would signal whatever process has the pid now (a reused one: not ours)
-        if stale is not None:
+        if stale != NO_FILE:
             (PGDATA / "postmaster.pid").unlink(missing_ok=True)
-        said = f" (removed its stale postmaster.pid: {stale})" if stale else ""
+        said = f" (removed its stale postmaster.pid: {stale})" if stale != NO_FILE else ""
         print(f"the embedded PostgreSQL is not running{said}")
         return 0
+    found = PostmasterPid.read(PGDATA)
+    if found is None or not _is_postgres(found.pid):
+        # It answers, but its pid here is another process's: it runs in another pid
+        # namespace (a container), and pg_ctl would signal the wrong process.
+        print(f"the embedded PostgreSQL of {PGDATA} runs, but not as a process of this system "
+              "(another pid namespace: a container?): stop it where it was started")  # fmt: skip
+        return 1
     bundled = sorted(ROOT.glob(".venv*/lib/python3*/site-packages/pgserver/pginstall/bin/pg_ctl"))
     pg_ctl = str(bundled[0]) if bundled else shutil.which("pg_ctl") or "pg_ctl"
     # PostgreSQL refuses root: as root, pg_ctl runs as the data's owner (pgserver's system user

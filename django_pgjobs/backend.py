@@ -220,9 +220,13 @@ def run(job: Job) -> Handled:
         return execute.raised(job, error, None, (), time.perf_counter())
     started(result)
     if job.cancel_requested:
-        # Timed out while task_started's receivers ran (FAILED is told, its outcome recorded),
-        # or cancelled meanwhile: the function must not begin after that.
-        return execute.refused(JobCancelled("cancelled before its function started"))
+        # Cancelled while task_started's receivers ran, or timed out (its time limit's hook
+        # tells FAILED, decided says so): the function must not begin after that.
+        cancelled = JobCancelled("cancelled before its function started")
+        handled = execute.refused(cancelled)
+        if timeouts.decided(job, handled):
+            finished(result, error=cancelled)
+        return handled
     with execute.running(job):
         began = time.perf_counter()
         try:

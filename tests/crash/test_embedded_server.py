@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,10 +81,14 @@ def test_a_sound_list_or_none_is_left_alone(tmp_path):
 
 
 def test_a_server_shutting_down_is_said_to_be(tmp_path):
-    lines = ["4242", str(tmp_path), "0", "5432", str(tmp_path), "", "0", "stopping"]
+    postgres = devdb.PostmasterPid.read(devdb.PGDATA).pid  # a PostgreSQL's pid
+    lines = [str(postgres), str(tmp_path), "0", "5432", str(tmp_path), "", "0", "stopping"]
     (tmp_path / "postmaster.pid").write_text("\n".join(lines) + "\n")
     with pytest.raises(devdb.DatabaseUnavailable, match=r"is shutting down\. Run again once"):
         devdb.running_socket_dir(tmp_path)
+    # Left so by a postmaster killed while it shut down: every run failed on it, for good
+    (tmp_path / "postmaster.pid").write_text("\n".join(["4242", *lines[1:]]) + "\n")
+    assert devdb.running_socket_dir(tmp_path) is None
 
 
 def test_a_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
@@ -169,6 +174,10 @@ def test_a_postmaster_pid_is_stale_unless_a_postgresql_runs_as_its_pid(tmp_path,
     assert "sleep" in devdb._stale_postmaster(tmp_path)
     for damaged in (b"", b"\x00" * 120, bytes(range(256))):
         (tmp_path / "postmaster.pid").write_bytes(damaged)
+        # PostgreSQL creates it empty, then fills it: a moment old, it may be being written
+        assert devdb._stale_postmaster(tmp_path) is None
+        old = time.time() - devdb.WRITING_SECONDS - 1
+        os.utime(tmp_path / "postmaster.pid", (old, old))
         assert devdb._stale_postmaster(tmp_path) == "the file is damaged"
         assert devdb.running_socket_dir(tmp_path) is None  # not a UnicodeDecodeError
 
@@ -274,3 +283,28 @@ def test_a_start_held_up_by_a_stopped_process_is_one_line_not_a_hang(monkeypatch
             pass
     finally:
         os.close(descriptor)
+
+
+def test_nothing_is_removed_while_a_server_answers_on_the_data_whatever_its_pid_says(
+    tmp_path, monkeypatch, capsys
+):
+    # A server of another pid namespace (a container sharing the checkout: its pid is no
+    # process here), or of the same data reached by another path (a moved checkout): its
+    # postmaster.pid was removed, and a second postmaster started on the same data.
+    data = tmp_path / ".pgdata"
+    data.mkdir()
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(data / ".s.PGSQL.5432"))
+    listening.listen(8)
+    try:
+        write_postmaster_pid(data, 999_999)
+        lines = (data / "postmaster.pid").read_text().replace(str(data), "/gone/.pgdata")
+        (data / "postmaster.pid").write_text(lines)
+        assert devdb._stale_postmaster(data) is None
+        monkeypatch.setattr(devdb, "PGDATA", data)
+        monkeypatch.setattr(devdb, "ROOT", tmp_path)
+        assert devdb.stop_embedded() == 1  # pg_ctl would signal pid 999999 of this system
+        assert "another pid namespace" in capsys.readouterr().out
+        assert (data / "postmaster.pid").exists()
+    finally:
+        listening.close()

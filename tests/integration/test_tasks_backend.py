@@ -681,6 +681,33 @@ def test_a_task_timed_out_while_its_task_started_receivers_run_does_not_begin(si
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_task_cancelled_while_its_task_started_receivers_run_finishes_failed(signals, settings):
+    # Its function did not begin, and task_finished was never sent: RUNNING for ever to its
+    # listeners, though the job was final (cancelled).
+    from tests.models import Execution
+
+    settings.PGJOBS = {**settings.PGJOBS, "LEASE": 3}  # a heartbeat brings the cancel
+    result = tasks.its_start_takes_a_moment.enqueue(2.0)
+    signals.clear()
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: job_of(result).status == Status.RUNNING, 5)
+        Job.objects.filter(pk=result.id).cancel()
+        wait_until(lambda: job_of(result).status == Status.CANCELLED, 10)
+        wait_until(lambda: len(signals) == 2, 5)
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert [(name, status) for name, status, _ in signals] == [
+        ("started", "RUNNING"),
+        ("finished", "FAILED"),
+    ]
+    assert not Execution.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
 def test_an_async_task_that_ignores_its_cancellation_still_finishes_failed(signals, settings):
     # Its coroutine never ends, so task_finished was never sent.
     from tests import hostile
