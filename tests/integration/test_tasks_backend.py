@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -539,20 +540,27 @@ def test_an_attempt_that_will_be_retried_sends_no_task_finished(signals):
     ]
 
 
+@contextmanager
+def a_worker() -> Iterator[Worker]:
+    """A worker of one thread running on a thread of the test's, stopped afterwards."""
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(10)
+
+
 def worked_past_the_time_limit(signals: list[tuple[str, str, Any]], task: Any, *args: Any) -> Any:
     """Run `task` on a worker whose time limit (PGJOBS["TIMEOUT"], 0.5 s) it passes, until
     task_finished has been sent; returns its result."""
     result = task.enqueue(*args)
     signals.clear()
-    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with a_worker():
         wait_until(lambda: job_of(result).status == Status.FAILED, 10)
         wait_until(lambda: any(name == "finished" for name, _, _ in signals), 5)
-    finally:
-        worker.stop()
-        thread.join(10)
     return result
 
 
@@ -610,20 +618,14 @@ def test_receivers_that_outlast_the_time_limit_leave_the_attempt_as_they_were_to
     from tests.models import Execution
 
     settings.PGJOBS = {**settings.PGJOBS, "TIMEOUT": 0.5}
-    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
     task = tasks.its_receiver_takes_a_moment.using(backend=backend)
     result = task.enqueue(seconds=0, receiver_seconds=1.5)
     signals.clear()
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with a_worker():
         # Recorded at the time limit, while the receiver still runs (its thread left to it)
         wait_until(lambda: job_of(result).status == Status.SUCCEEDED, 1.4)
         wait_until(lambda: Execution.objects.exists(), 5)
         time.sleep(1.0)  # time for a second run, were there one
-    finally:
-        worker.stop()
-        thread.join(10)
     job = job_of(result)
     assert (job.status, job.attempts, job.errors) == (Status.SUCCEEDED, 1, [])
     assert [(name, status) for name, status, _ in signals] == [
@@ -689,17 +691,11 @@ def test_a_task_cancelled_while_its_task_started_receivers_run_finishes_failed(s
     settings.PGJOBS = {**settings.PGJOBS, "LEASE": 3}  # a heartbeat brings the cancel
     result = tasks.its_start_takes_a_moment.enqueue(2.0)
     signals.clear()
-    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with a_worker():
         wait_until(lambda: job_of(result).status == Status.RUNNING, 5)
         Job.objects.filter(pk=result.id).cancel()
         wait_until(lambda: job_of(result).status == Status.CANCELLED, 10)
         wait_until(lambda: len(signals) == 2, 5)
-    finally:
-        worker.stop()
-        thread.join(10)
     assert [(name, status) for name, status, _ in signals] == [
         ("started", "RUNNING"),
         ("finished", "FAILED"),
@@ -732,14 +728,8 @@ def test_a_task_without_a_time_limit_after_a_job_with_one_on_the_same_thread_fin
     Job.objects.enqueue(plain_tasks.quick_with_a_time_limit, priority=10)
     result = tasks.calculate_meaning_of_life.enqueue()
     signals.clear()
-    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with a_worker():
         wait_until(lambda: job_of(result).status == Status.SUCCEEDED, 10)
-    finally:
-        worker.stop()
-        thread.join(10)
     assert [(name, status) for name, status, _ in signals] == [
         ("started", "RUNNING"),
         ("finished", "SUCCESSFUL"),
