@@ -53,15 +53,25 @@ def _said(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".strip().rstrip(":")
 
 
+def _refused(bridge: Bridge, error: BaseException, api: str) -> str:
+    """What a request that failed with `error` ran into: the server's permissions violation
+    (the request then times out: nats-py reports the refusal apart), naming the subject to
+    allow the report's user, else the error."""
+    if "permissions violation" not in bridge.last_error:
+        return _said(error)
+    return f"{bridge.last_error}; allow the report's NATS user to publish to {api}"
+
+
 def _measure(bridge: Bridge, queue: NatsQueue, now: datetime) -> StreamStats:
     found = StreamStats(queue.queue, queue.stream, queue.consumer, reachable=True)
     js = bridge.js
+    bridge.last_error = ""  # what the server refuses is told per request
     try:
         stream = bridge.call(js.stream_info(queue.stream), REPORT_TIMEOUT)
     except NotFoundError:
         return found  # not created yet: nothing was relayed
     except Exception as error:
-        return _unreachable(queue, _said(error))
+        return _unreachable(queue, _refused(bridge, error, f"$JS.API.STREAM.INFO.{queue.stream}"))
     found = replace(found, messages=stream.state.messages)
     try:
         consumer = bridge.call(js.consumer_info(queue.stream, queue.consumer), REPORT_TIMEOUT)
@@ -70,7 +80,8 @@ def _measure(bridge: Bridge, queue: NatsQueue, now: datetime) -> StreamStats:
         # jobs are relayed into its stream: a first worker would take every one of them.
         return _unconsumed(bridge, queue, stream, now, found)
     except Exception as error:
-        return _unreachable(queue, _said(error))
+        api = f"$JS.API.CONSUMER.INFO.{queue.stream}.{queue.consumer}"
+        return _unreachable(queue, _refused(bridge, error, api))
     found = replace(
         found,
         pending=consumer.num_pending or 0,
@@ -126,10 +137,7 @@ def _age(bridge: Bridge, queue: NatsQueue, after: int, now: datetime) -> tuple[f
     except NotFoundError:  # gone since (its stream's limits): none left to wait
         return None, ""
     except Exception as error:  # the server is slow, the report's user may not read it, a bug
-        if "permissions violation" not in bridge.last_error:
-            return None, _said(error)
-        said = f"{bridge.last_error}; the report reads the next message: allow its user"
-        return None, f"{said} $JS.API.STREAM.MSG.GET.{queue.stream}"
+        return None, _refused(bridge, error, f"$JS.API.STREAM.MSG.GET.{queue.stream}")
     due = due_at(message.data)
     if due is None:
         return None, "the message is not one of ours"

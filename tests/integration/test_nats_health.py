@@ -243,7 +243,10 @@ accounts {
     users: [
       {user: admin, password: admin}
       {user: monitor, password: monitor, permissions: {
-        publish: ["$JS.API.STREAM.INFO.>", "$JS.API.CONSUMER.INFO.>", "$JS.API.INFO"]
+        publish: [
+          "$JS.API.INFO", "$JS.API.STREAM.INFO.PGJOBS_pgjobstest_guarded",
+          "$JS.API.CONSUMER.INFO.PGJOBS_pgjobstest_guarded.>"
+        ]
         subscribe: ["_INBOX.>"]
       }}
     ]
@@ -252,19 +255,20 @@ accounts {
 """
 
 
-def test_a_report_user_that_may_not_read_messages_is_said_to_be(
+def test_what_the_reports_nats_user_may_not_read_is_said_queue_by_queue(
     settings: Any, tmp_path: Any
 ) -> None:
     # A NATS user allowed the stream's and consumer's figures (enough before the report read the
-    # next message's age) got a CRITICAL saying only that the age could not be read.
+    # next message's age) got a CRITICAL saying only that the age could not be read; a queue
+    # whose stream it was not allowed (a grant forgotten) made every queue after it
+    # "unreachable", the refusal unsaid.
     server = NatsServer(tmp_path / "nats", config=NATS_USERS)
     server.start()
     try:
         queue = "pgjobstest_guarded"
         admin = f"nats://admin:admin@127.0.0.1:{server.port}"
-        settings.PGJOBS = {
-            **settings.PGJOBS, "QUEUES": queue_settings(queue), "NATS": {"SERVERS": admin}
-        }  # fmt: skip
+        queues = {**queue_settings("pgjobstest_ungranted"), **queue_settings(queue)}
+        settings.PGJOBS = {**settings.PGJOBS, "QUEUES": queues, "NATS": {"SERVERS": admin}}
         make_stream(queue)
         Job.objects.bulk_enqueue(tasks.ledger, [{"n": 1}], queue=queue)
         relay().round()
@@ -277,6 +281,9 @@ def test_a_report_user_that_may_not_read_messages_is_said_to_be(
         assert stream.reachable and stream.pending == 1
         assert "permissions violation" in stream.age_error
         assert f"$JS.API.STREAM.MSG.GET.{stream.stream}" in stream.age_error, stream
+        ungranted = stream_of(report, "pgjobstest_ungranted")
+        assert not ungranted.reachable and "permissions violation" in ungranted.error
+        assert f"$JS.API.STREAM.INFO.{ungranted.stream}" in ungranted.error
     finally:
         server.stop()
 
