@@ -310,7 +310,7 @@ def _stale_postmaster(pgdata: Path) -> str | None:
         return "the file is damaged" if age > WRITING_SECONDS else None
     if found.copied(pgdata):
         return f"it is the server's of {found.data_dir}, copied with this checkout"
-    if _is_postgres(found.pid):
+    if _is_postgres(found.pid, pgdata):
         return None
     program = _program(found.pid)
     return f"pid {found.pid} is {repr(program) if program else 'no process'}"
@@ -319,17 +319,24 @@ def _stale_postmaster(pgdata: Path) -> str | None:
 def _program(pid: int) -> str | None:
     """The program running as `pid` (its argv[0]), "" when none does (or a zombie), None when
     this system cannot tell."""
+    arguments = _arguments(pid)
+    return None if arguments is None else (arguments or [""])[0]
+
+
+def _arguments(pid: int) -> list[str] | None:
+    """The command line of `pid`, [] when no process runs as it (or a zombie), None when this
+    system cannot tell."""
     for _ in range(2):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes()
         except FileNotFoundError:
-            return "" if Path("/proc/self").is_dir() else None
+            return [] if Path("/proc/self").is_dir() else None
         except OSError:
             return None
         if argv:
             break
         time.sleep(0.05)  # empty for a zombie, but also for a moment while a process execs
-    return argv.split(b"\0", 1)[0].decode(errors="replace")
+    return [part.decode(errors="replace") for part in argv.split(b"\0") if part]
 
 
 #: How long a connection to the embedded server may take before it is said not to answer.
@@ -441,7 +448,7 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
             return None
         if found is None or found.copied(pgdata):
             return None  # none, or a copied checkout's: not this one's server
-        if found.status == "stopping" and _is_postgres(found.pid):
+        if found.status == "stopping" and _is_postgres(found.pid, pgdata):
             raise DatabaseUnavailable(
                 f"the embedded PostgreSQL in {pgdata} is shutting down",
                 hint=(
@@ -449,7 +456,7 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
                     f"disconnect). {USE_YOUR_OWN_SERVER}"
                 ),
             )
-        starting = found.status == "starting" and _is_postgres(found.pid)
+        starting = found.status == "starting" and _is_postgres(found.pid, pgdata)
         if not starting:
             break
         if time.monotonic() > deadline:
@@ -484,10 +491,20 @@ def _busy(error: Exception) -> DatabaseUnavailable:
     )
 
 
-def _is_postgres(pid: int | None) -> bool:
-    """Whether a PostgreSQL runs as `pid` (True when this system cannot tell)."""
-    program = None if pid is None else _program(pid)
-    return pid is not None and (program is None or Path(program).name == "postgres")
+def _is_postgres(pid: int | None, pgdata: Path) -> bool:
+    """Whether a PostgreSQL of `pgdata` runs as `pid`: True when this system cannot tell, or
+    when the folder it names (-D) is gone (a moved checkout's server); False for another data
+    folder's (its pid was reused by another cluster's postmaster)."""
+    arguments = None if pid is None else _arguments(pid)
+    if arguments is None:
+        return pid is not None
+    if not arguments or Path(arguments[0]).name != "postgres":
+        return False
+    folder = arguments[arguments.index("-D") + 1] if "-D" in arguments[:-1] else None
+    try:
+        return folder is None or os.path.samefile(folder, pgdata)
+    except OSError:
+        return True
 
 
 def _postmaster_pid(pgdata: Path) -> str:
@@ -686,7 +703,7 @@ def _stop() -> int:
         print(f"the embedded PostgreSQL is not running{said}")
         return 0
     found = PostmasterPid.read(PGDATA)
-    if found is None or not _is_postgres(found.pid):
+    if found is None or not _is_postgres(found.pid, PGDATA):
         # It answers, but its pid here is another process's: it runs in another pid
         # namespace (a container), and pg_ctl would signal the wrong process.
         print(f"the embedded PostgreSQL of {PGDATA} runs, but not as a process of this system "

@@ -45,7 +45,7 @@ from django_pgjobs.jetstream.deliveries import Delivery
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime import execute, locks, policy
+from django_pgjobs.runtime import execute, locks, policy, timeouts
 from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
@@ -317,7 +317,14 @@ class NatsWorker(Stoppable):
     def _shutdown(self) -> Exit:
         """Messages still running are left to their ack wait; the others are given back."""
         self._handlers.stop()
+        self._handlers.close_decided()
         try:
+            self._settle()
+            # Told already (a Task whose task_finished receivers outlast the grace): recorded
+            # as told, not left to be delivered again
+            for delivery in list(self._in_flight.values()):
+                if (decided := timeouts.decided_of(delivery.job)) is not None:
+                    self._finished(delivery.job, decided)
             self._settle()
             self._acks.give_back_unstarted()
         except Exception as error:

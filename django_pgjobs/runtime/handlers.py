@@ -16,7 +16,7 @@ from django_pgjobs import signals
 from django_pgjobs.errors import JobCancelled
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled
-from django_pgjobs.runtime import awaiting, cancellation, execute
+from django_pgjobs.runtime import awaiting, cancellation, execute, timeouts
 from django_pgjobs.runtime.timeouts import Deadlines
 
 #: A job that waited longer than this for a thread (claimed beyond the threads, or behind slow
@@ -37,6 +37,7 @@ class HandlerPool:
         self.size = size
         self.finished, self.timeout_of = finished, timeout_of
         self.deadlines = Deadlines()
+        self._closing, self._closed = threading.Lock(), False
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._count = 0
         self._since: dict[int, float] = {}  # id(job) → when its handler started (perf_counter)
@@ -90,6 +91,21 @@ class HandlerPool:
             self._start_thread()
         return late
 
+    def _hand_in(self, job: Job, handled: Handled) -> None:
+        if timeouts.decided_of(job) is None:  # most jobs: no runner decides before it tells
+            self.finished(job, handled)
+            return
+        with self._closing:
+            if not self._closed:
+                self.finished(job, handled)
+
+    def close_decided(self) -> None:
+        """From now on, the outcomes runners decided before telling them are the caller's to
+        record (a stopping worker, once its grace is over: timeouts.decided_of); a thread still
+        telling (task_finished's receivers) hands in nothing more."""
+        with self._closing:
+            self._closed = True
+
     def stop(self) -> None:
         """Let every thread that is not abandoned end after its current job."""
         for _ in range(self.size):
@@ -139,6 +155,6 @@ class HandlerPool:
             self._since.pop(id(job), None)
             if timeout is not None and not self.deadlines.end(job):
                 break  # timed out: recorded already, and this thread was replaced
-            self.finished(job, handled)
+            self._hand_in(job, handled)
         awaiting.release()
         connections.close_all()

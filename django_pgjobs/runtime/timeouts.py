@@ -18,6 +18,10 @@ from collections.abc import Callable
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled
 
+#: Seconds a thread left at a time limit must still run to count as left behind (towards a
+#: worker's recycle): a handler or receiver that ends a moment after the limit is not.
+LINGER = 1.0
+
 #: The attempt with a time limit begun last on this thread, and its pool's Deadlines.
 _thread = threading.local()
 
@@ -34,12 +38,25 @@ def decided(job: Job, handled: Handled) -> bool:
     it."""
     begun: tuple[Deadlines, Job] | None = getattr(_thread, "begun", None)
     if begun is None or begun[1] is not job:
+        setattr(job, DECIDED, handled)
         return True
     return begun[0].decided(job, handled)
 
 
+#: The attribute of a claimed Job that holds the outcome its runner decided (decided).
+DECIDED = "_pgjobs_decided"
+
+
+def decided_of(job: Job) -> Handled | None:
+    """The outcome the runner of `job`'s attempt decided and told, if it did (decided): a
+    worker that stops while the telling still runs records it, rather than release a job
+    whose outcome was told (it would run again)."""
+    handled: Handled | None = getattr(job, DECIDED, None)
+    return handled
+
+
 #: Threads telling of attempts timed out (an integration's: Django's task_finished receivers).
-_telling: list[threading.Thread] = []
+_telling: list[tuple[threading.Thread, float]] = []
 _telling_lock = threading.Lock()
 
 
@@ -53,14 +70,15 @@ def tell(target: Callable[[], None], name: str) -> None:
     thread = threading.Thread(target=target, name=name)
     thread.start()
     with _telling_lock:
-        _telling.append(thread)
+        _telling.append((thread, time.monotonic()))
 
 
 def telling() -> int:
-    """Threads started by tell that still run."""
+    """Threads started by tell that still run LINGER seconds after they started."""
+    now = time.monotonic()
     with _telling_lock:
-        _telling[:] = [thread for thread in _telling if thread.is_alive()]
-        return len(_telling)
+        _telling[:] = [(thread, at) for thread, at in _telling if thread.is_alive()]
+        return sum(1 for _, at in _telling if now - at >= LINGER)
 
 
 class Deadlines:
@@ -69,8 +87,7 @@ class Deadlines:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: dict[int, tuple[Job, float, threading.Thread]] = {}
-        self._decided: dict[int, Handled] = {}
-        self._abandoned: list[threading.Thread] = []
+        self._abandoned: list[tuple[threading.Thread, float]] = []
 
     def begin(self, job: Job, timeout: float | None) -> None:
         """The handler of `job` starts now on this thread."""
@@ -85,14 +102,13 @@ class Deadlines:
         with self._lock:
             if id(job) not in self._running:
                 return False
-            self._decided[id(job)] = handled
+            setattr(job, DECIDED, handled)  # under the lock: overdue reads it as it pops
             return True
 
     def end(self, job: Job) -> bool:
         """The handler of `job` returned; False when its attempt was timed out meanwhile (its
         outcome is not ours to record, and this thread was replaced)."""
         with self._lock:
-            self._decided.pop(id(job), None)
             return self._running.pop(id(job), None) is not None
 
     def overdue(self) -> list[tuple[Job, Handled | None]]:
@@ -101,9 +117,9 @@ class Deadlines:
         now = time.monotonic()
         with self._lock:
             late = [key for key, (_, deadline, _) in self._running.items() if deadline <= now]
-            abandoned = [(self._running.pop(key), self._decided.pop(key, None)) for key in late]
-            self._abandoned += [thread for (_, _, thread), _ in abandoned]
-            return [(job, handled) for (job, _, _), handled in abandoned]
+            abandoned = [self._running.pop(key) for key in late]
+            self._abandoned += [(thread, now) for _, _, thread in abandoned]
+            return [(job, decided_of(job)) for job, _, _ in abandoned]
 
     def next_in(self) -> float:
         """Seconds until the next deadline (inf without one)."""
@@ -112,7 +128,9 @@ class Deadlines:
         return min(deadlines, default=float("inf")) - time.monotonic()
 
     def abandoned_alive(self) -> int:
-        """Abandoned handler threads still running (those that returned are gone)."""
+        """Abandoned handler threads still running LINGER seconds after they were abandoned
+        (those that returned are gone; one that returns a moment late is not counted)."""
+        now = time.monotonic()
         with self._lock:
-            self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
-            return len(self._abandoned)
+            self._abandoned = [(t, at) for t, at in self._abandoned if t.is_alive()]
+            return sum(1 for _, at in self._abandoned if now - at >= LINGER)

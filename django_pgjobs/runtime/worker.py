@@ -21,7 +21,7 @@ from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
-from django_pgjobs.runtime import execute, listener, locks, policy, served
+from django_pgjobs.runtime import execute, listener, locks, policy, served, timeouts
 from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
 from django_pgjobs.runtime.controls import QueueControls
@@ -334,9 +334,16 @@ class Worker(Stoppable):
         """Release what is left; say how the worker ended."""
         self._leases.stop()
         self._handlers.stop()
+        self._handlers.close_decided()
         left = list(self._in_flight.values())
         clean = True
         try:
+            self._settler.settle_and_fetch()
+            # Told already (a Task whose task_finished receivers outlast the grace): recorded
+            # as told, not released to run again.
+            for job in list(self._in_flight.values()):
+                if (decided := timeouts.decided_of(job)) is not None:
+                    self._settler.finished(job, decided)
             self._settler.settle_and_fetch()
             left = list(self._in_flight.values())
             if left:

@@ -80,15 +80,28 @@ def test_a_sound_list_or_none_is_left_alone(tmp_path):
     assert path.read_text() == "[1, 2]"
 
 
-def test_a_server_shutting_down_is_said_to_be(tmp_path):
-    postgres = devdb.PostmasterPid.read(devdb.PGDATA).pid  # a PostgreSQL's pid
-    lines = [str(postgres), str(tmp_path), "0", "5432", str(tmp_path), "", "0", "stopping"]
+def test_a_server_shutting_down_is_said_to_be(tmp_path, monkeypatch):
+    lines = ["4242", str(tmp_path), "0", "5432", str(tmp_path), "", "0", "stopping"]
     (tmp_path / "postmaster.pid").write_text("\n".join(lines) + "\n")
+    # Left so by a postmaster killed while it shut down: every run failed on it, for good
+    assert devdb.running_socket_dir(tmp_path) is None
+    monkeypatch.setattr(devdb, "_is_postgres", lambda pid, pgdata: pid == 4242)  # it runs
     with pytest.raises(devdb.DatabaseUnavailable, match=r"is shutting down\. Run again once"):
         devdb.running_socket_dir(tmp_path)
-    # Left so by a postmaster killed while it shut down: every run failed on it, for good
-    (tmp_path / "postmaster.pid").write_text("\n".join(["4242", *lines[1:]]) + "\n")
-    assert devdb.running_socket_dir(tmp_path) is None
+
+
+def test_stopdb_never_stops_another_clusters_server_that_took_a_stale_pid(
+    tmp_path, monkeypatch, capsys
+):
+    # Only the program's name was looked at: "postgres", so pg_ctl stopped it.
+    monkeypatch.setattr(devdb, "PGDATA", tmp_path)
+    other = devdb.PostmasterPid.read(ROOT / ".pgdata").pid  # the tests' own server
+    write_postmaster_pid(tmp_path, other)
+    assert "postgres" in devdb._stale_postmaster(tmp_path)
+    assert devdb.stop_embedded() == 0
+    assert "removed its stale postmaster.pid" in capsys.readouterr().out
+    os.kill(other, 0)  # alive
+    assert devdb.running_socket_dir(ROOT / ".pgdata") is not None
 
 
 def test_a_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp_path, monkeypatch):

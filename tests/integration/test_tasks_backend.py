@@ -541,9 +541,11 @@ def test_an_attempt_that_will_be_retried_sends_no_task_finished(signals):
 
 
 @contextmanager
-def a_worker() -> Iterator[Worker]:
+def a_worker(**options: Any) -> Iterator[Worker]:
     """A worker of one thread running on a thread of the test's, stopped afterwards."""
-    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    options = {"queues": ["default"], "concurrency": 1, "listen": False, "poll_interval": 0.1,
+               **options}  # fmt: skip
+    worker = Worker(Options(**options))
     thread = threading.Thread(target=worker.run)
     thread.start()
     try:
@@ -650,8 +652,9 @@ def test_timed_out_tasks_whose_receivers_hang_recycle_the_worker_once_they_pile_
         tasks.its_receiver_takes_a_moment.using(run_after=now + timedelta(seconds=n)).enqueue(
             seconds=0.55, receiver_seconds=2.5
         )
-    # At the second time-out: its abandoned handler thread and both receivers' threads
-    worker = Worker(Options(queues=["default"], concurrency=3, listen=False, poll_interval=0.1))
+    # A second after the second time-out, both receivers' threads (the handler threads, ended
+    # a moment after the limit, do not count)
+    worker = Worker(Options(queues=["default"], concurrency=2, listen=False, poll_interval=0.1))
     ended: list[Exit] = []
     thread = threading.Thread(target=lambda: ended.append(worker.run()))
     thread.start()
@@ -701,6 +704,25 @@ def test_a_task_cancelled_while_its_task_started_receivers_run_finishes_failed(s
         ("finished", "FAILED"),
     ]
     assert not Execution.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_whose_receivers_outlast_a_stops_grace_is_recorded_as_told_not_released(signals):
+    # Released when the grace ended, though task_finished had said SUCCESSFUL: the next worker
+    # ran it again and told SUCCESSFUL again.
+    from tests.models import Execution
+
+    result = tasks.its_receiver_takes_a_moment.enqueue(seconds=0, receiver_seconds=2.0)
+    signals.clear()
+    with a_worker(grace=0.5):
+        wait_until(lambda: job_of(result).status == Status.RUNNING, 5)
+        time.sleep(0.3)
+    assert job_of(result).status == Status.SUCCEEDED
+    with a_worker():
+        wait_until(lambda: Execution.objects.exists(), 5)  # the receiver's, once
+        time.sleep(0.5)  # time for a second run, were there one
+    assert list(Execution.objects.values_list("n", flat=True)) == [1]
+    assert [name for name, _, _ in signals] == ["started", "finished"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -56,13 +56,36 @@ def test_an_attempt_without_a_time_limit_after_one_with_a_limit_is_in_time():
     assert decided(unlimited, SUCCEEDED)
 
 
-def test_threads_telling_of_time_outs_are_counted_while_they_run():
+def test_threads_telling_of_time_outs_are_counted_while_they_run(monkeypatch):
     release = threading.Event()
     before = timeouts.telling()
     timeouts.tell(release.wait, "task_finished receivers")
+    assert timeouts.telling() == before  # not a moment after the limit
+    monkeypatch.setattr(timeouts, "LINGER", 0.0)
     assert timeouts.telling() == before + 1
     release.set()
     deadline = time.monotonic() + 5
     while timeouts.telling() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert timeouts.telling() == before
+
+
+def test_a_handler_that_ends_a_moment_after_its_time_limit_is_not_left_behind(monkeypatch):
+    # Threads ending a few milliseconds late counted: a worker whose threads all met the limit
+    # at once recycled though every one of them then ended.
+    deadlines, job, release = Deadlines(), Job(), threading.Event()
+
+    def handler() -> None:
+        deadlines.begin(job, 0.0)
+        release.wait()
+
+    thread = threading.Thread(target=handler)
+    thread.start()
+    time.sleep(0.05)
+    assert deadlines.overdue() == [(job, None)]
+    assert deadlines.abandoned_alive() == 0  # abandoned a moment ago
+    monkeypatch.setattr(timeouts, "LINGER", 0.0)
+    assert deadlines.abandoned_alive() == 1
+    release.set()
+    thread.join()
+    assert deadlines.abandoned_alive() == 0
