@@ -277,10 +277,7 @@ NO_FILE = "no postmaster.pid"
 
 def _damaged(pgdata: Path) -> bool:
     """Whether pgdata's postmaster.pid exists and names no pid."""
-    try:
-        found = PostmasterPid.read(pgdata)
-    except OSError:
-        return False
+    found = PostmasterPid.peek(pgdata)
     return found is not None and found.pid is None
 
 
@@ -373,6 +370,14 @@ class PostmasterPid(NamedTuple):
         shmid = int(shm[1]) if len(shm) == 2 and shm[1].isdigit() else None
         return cls(pid, lines[1].strip(), port, lines[4].strip(), shmid, lines[7].strip())
 
+    @classmethod
+    def peek(cls, pgdata: Path) -> PostmasterPid | None:
+        """read, with None also when it cannot be read (not ours to read)."""
+        try:
+            return cls.read(pgdata)
+        except OSError:
+            return None
+
     def copied(self, pgdata: Path) -> bool:
         """Whether it is another data folder's, copied with this checkout (cp -a, a tarball):
         that folder exists and is not `pgdata`. One that no longer exists (the checkout was
@@ -442,10 +447,7 @@ def running_socket_dir(pgdata: Path = PGDATA) -> Path | None:
 
     deadline = time.monotonic() + STARTING_SECONDS
     while True:
-        try:
-            found = PostmasterPid.read(pgdata)
-        except OSError:
-            return None
+        found = PostmasterPid.peek(pgdata)
         if found is None or found.copied(pgdata):
             return None  # none, or a copied checkout's: not this one's server
         if found.status == "stopping" and _is_postgres(found.pid, pgdata):
@@ -509,20 +511,14 @@ def _is_postgres(pid: int | None, pgdata: Path) -> bool:
 
 def _postmaster_pid(pgdata: Path) -> str:
     """The postmaster's pid its postmaster.pid gives, or "unknown"."""
-    try:
-        found = PostmasterPid.read(pgdata)
-    except OSError:
-        found = None
+    found = PostmasterPid.peek(pgdata)
     return str(found.pid) if found is not None and found.pid is not None else "unknown"
 
 
 def _port() -> int:
     """The port of the embedded server's socket (.s.PGSQL.<port>), as its postmaster.pid says:
     it took PGPORT from the environment of the process that started it, if any."""
-    try:
-        found = PostmasterPid.read(PGDATA)
-    except OSError:
-        found = None
+    found = PostmasterPid.peek(PGDATA)
     return found.port if found is not None else 5432
 
 
@@ -702,7 +698,7 @@ def _stop() -> int:
         said = f" (removed its stale postmaster.pid: {stale})" if stale != NO_FILE else ""
         print(f"the embedded PostgreSQL is not running{said}")
         return 0
-    found = PostmasterPid.read(PGDATA)
+    found = PostmasterPid.peek(PGDATA)
     if found is None or not _is_postgres(found.pid, PGDATA):
         # It answers, but its pid here is another process's: it runs in another pid
         # namespace (a container), and pg_ctl would signal the wrong process.

@@ -75,10 +75,16 @@ def tell(target: Callable[[], None], name: str) -> None:
 
 def telling() -> int:
     """Threads started by tell that still run LINGER seconds after they started."""
-    now = time.monotonic()
     with _telling_lock:
-        _telling[:] = [(thread, at) for thread, at in _telling if thread.is_alive()]
-        return sum(1 for _, at in _telling if now - at >= LINGER)
+        return _left_behind(_telling)
+
+
+def _left_behind(threads: list[tuple[threading.Thread, float]]) -> int:
+    """How many of `threads` (each with when it was left) still run LINGER seconds after; those
+    that ended are taken off the list."""
+    now = time.monotonic()
+    threads[:] = [(thread, at) for thread, at in threads if thread.is_alive()]
+    return sum(1 for _, at in threads if now - at >= LINGER)
 
 
 class Deadlines:
@@ -130,7 +136,5 @@ class Deadlines:
     def abandoned_alive(self) -> int:
         """Abandoned handler threads still running LINGER seconds after they were abandoned
         (those that returned are gone; one that returns a moment late is not counted)."""
-        now = time.monotonic()
         with self._lock:
-            self._abandoned = [(t, at) for t, at in self._abandoned if t.is_alive()]
-            return sum(1 for _, at in self._abandoned if now - at >= LINGER)
+            return _left_behind(self._abandoned)
