@@ -16,6 +16,8 @@ import pytest
 from django.db import connection, connections
 from django.db.backends.signals import connection_created
 
+from django_pgjobs.runtime.locks import application_name
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -76,6 +78,17 @@ def connection_kwargs() -> dict[str, Any]:
         "port": settings["PORT"] or None,
     }
     return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def end_sessions_of(worker: str) -> int:
+    """Terminate the sessions of `worker` (named after it) in the test database; how many."""
+    with psycopg.connect(**connection_kwargs(), autocommit=True) as session:
+        row = session.execute(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) "
+            "FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
+            [application_name(worker)],
+        ).fetchone()
+        return int(row[0]) if row else 0
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ for PostgreSQL queues.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -305,11 +304,11 @@ class NatsWorker(Stoppable):
 
     def _report(self, seconds: float, stopping: bool = False) -> None:
         """As Worker._report: `stopping`, the last report, also says the worker stopped."""
-        activity, self.activity = self.activity, ActivityTally()
         queues = [q.queue for q in self.queues]
         QueueStat.objects.using(self.db).bulk_create(
-            activity.rows(self.id, seconds, queues, stopping)
+            self.activity.rows(self.id, seconds, queues, stopping)
         )
+        activity, self.activity = self.activity, ActivityTally()  # kept until written
         log_activity(activity, seconds, len(self._in_flight))
 
     # ---- shutdown ------------------------------------------------------------------------------
@@ -341,8 +340,8 @@ class NatsWorker(Stoppable):
                 self.id, len(self._in_flight),
             )  # fmt: skip
         reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
-        with contextlib.suppress(DatabaseError):  # the statistics of a last few seconds
-            self._report(max(1e-3, time.monotonic() - reporter.since), stopping=True)
+        if not reporter.last(self.db, self.id):
+            log_activity(self.activity, reporter.span(), len(self._in_flight))
         self.bridge.close()
         self._announcer.stop(within=policy.grace_left(self.options.grace, self._deadline))
         self._lock_waits.stop()

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable
 
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 from django.db.models.functions import Now
 
 from django_pgjobs.conf import get_settings
@@ -193,18 +193,45 @@ class Ticker(Chore):
 
 
 class Reporter(Chore):
-    """Writes what the worker did (QueueStat rows) every `interval` seconds."""
+    """Writes what the worker did (QueueStat rows) every `interval` seconds: `report(seconds,
+    stopping)`, which keeps what it could not write for the next report (then covering both
+    spans)."""
 
-    def __init__(self, interval: float, report: Callable[[float], None]) -> None:
+    def __init__(self, interval: float, report: Callable[[float, bool], None]) -> None:
         super().__init__(first_in=interval)
         self.interval, self.report = interval, report
         self.since = time.monotonic()
 
     def run(self) -> float:
         now = time.monotonic()
-        self.report(now - self.since)
+        self.report(now - self.since, False)
         self.since = now
         return self.interval
+
+    def span(self) -> float:
+        """The seconds the next report covers."""
+        return max(1e-3, time.monotonic() - self.since)
+
+    def last(self, db: str, worker: str) -> bool:
+        """The worker's last report, which also says it stopped; False (said) when it could not
+        be written. A connection found gone (a failover, a session ended while idle between
+        reports) is made again once: the stopped worker would read as alive in jobstats and the
+        admin until its reports were overdue, then as one that went silent."""
+        for again in (False, True):
+            try:
+                self.report(self.span(), True)
+                return True
+            except DatabaseError as error:
+                if again or not _connection_lost(error):
+                    quietly(
+                        logger.warning,
+                        "worker %s could not record that it stopped (%s): it reads as alive "
+                        "until its reports are overdue",
+                        worker, _first_line(error),
+                    )  # fmt: skip
+                    return False
+                connections[db].close()
+        return False
 
 
 def held_up(error: Exception) -> bool:

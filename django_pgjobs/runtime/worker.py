@@ -272,10 +272,10 @@ class Worker(Stoppable):
     def _report(self, seconds: float, stopping: bool = False) -> None:
         """Write what this worker did per queue since the last report (QueueStat rows), and
         log it in one line; `stopping`: the last report, which also says the worker stopped."""
-        activity, self.activity = self.activity, ActivityTally()
         QueueStat.objects.using(self.db).bulk_create(
-            activity.rows(self.id, seconds, self.options.queues, stopping)
+            self.activity.rows(self.id, seconds, self.options.queues, stopping)
         )
+        activity, self.activity = self.activity, ActivityTally()  # kept until written
         log_activity(activity, seconds, len(self._in_flight))
 
     def _wait_time(self) -> float:
@@ -362,11 +362,8 @@ class Worker(Stoppable):
                     len(left), first_line(error),
                 )  # fmt: skip
         reporter = next(chore for chore in self._chores if isinstance(chore, Reporter))
-        seconds = max(1e-3, time.monotonic() - reporter.since)
-        try:
-            self._report(seconds, stopping=True)
-        except Exception:
-            log_activity(self.activity, seconds, len(self._in_flight))
+        if not reporter.last(self.db, self.id):
+            log_activity(self.activity, reporter.span(), len(self._in_flight))
         self._announcer.stop(within=policy.grace_left(self.options.grace, self._deadline))
         connections.close_all()
         self._lock_waits.stop()

@@ -19,7 +19,7 @@ from django_pgjobs.observability import report as reports
 from django_pgjobs.observability import stats
 from tests import tasks
 from tests.chaos.nats_server import NatsServer, free_port
-from tests.conftest import wait_until
+from tests.conftest import end_sessions_of, wait_until
 from tests.integration.nats_helpers import (
     WorkerThread,
     bridge,
@@ -304,3 +304,15 @@ def test_a_nats_worker_that_stopped_is_reported_stopped_not_silent(queue: str) -
         wait_until(lambda: QueueStat.objects.filter(worker=worker.id).exists(), timeout=30)
     (seen,) = [w for w in stats.worker_stats() if w.worker == worker.id]
     assert (seen.alive, seen.stopped, seen.queues) == (False, True, [queue])
+
+
+def test_a_nats_worker_whose_session_ended_while_idle_still_records_that_it_stopped(
+    queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its last report, the first statement on a connection the server had ended, failed
+    # silently: the stopped worker read as alive, then as one that went silent.
+    with WorkerThread(queue, concurrency=1, stats_interval=60.0) as worker:
+        wait_until(lambda: end_sessions_of(worker.id) > 0, timeout=20)
+    (seen,) = [w for w in stats.worker_stats() if w.worker == worker.id]
+    assert (seen.alive, seen.stopped) == (False, True)
+    assert "could not record" not in caplog.text

@@ -37,10 +37,13 @@ def test_a_refused_write_is_the_connections_fault() -> None:
 
 
 def end_the_workers_sessions() -> None:
+    # This test database's only: the other test processes' workers (another xdist worker's
+    # database, the other CI leg's) are not to be cut off mid-test (a NATS worker's last report
+    # was lost that way, and another test's worker planned again).
     with psycopg.connect(**connection_kwargs(), autocommit=True) as session:
         session.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE application_name LIKE 'pgjobs worker%%'"
+            "WHERE datname = current_database() AND application_name LIKE 'pgjobs worker%%'"
         )
 
 

@@ -32,7 +32,7 @@ def waiting_on_the_lock() -> bool:
     with psycopg.connect(**connection_kwargs(), autocommit=True) as session:
         return session.execute(
             "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND application_name LIKE 'pgjobs worker%%')"
+            "AND datname = current_database() AND application_name LIKE 'pgjobs worker%%')"
         ).fetchone()[0]
 
 

@@ -216,7 +216,8 @@ def test_a_logging_filter_that_raises_does_not_end_the_listener_which_wakes_the_
     try:
         wait_until(lambda: connects, timeout=5)
         other_connection.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s",
             [name],
         )
         wait_until(lambda: len(connects) >= 2, timeout=5)  # connected again after its pause

@@ -13,7 +13,9 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from django_pgjobs.data import rows
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, QueueStat
+from django_pgjobs.observability import stats
+from django_pgjobs.outcomes import Outcome
 from django_pgjobs.runtime import listener
 from django_pgjobs.runtime.locks import (
     IDLE_IN_TRANSACTION,
@@ -23,7 +25,7 @@ from django_pgjobs.runtime.locks import (
 )
 from django_pgjobs.runtime.options import Options
 from django_pgjobs.runtime.worker import Worker
-from tests.conftest import wait_until
+from tests.conftest import end_sessions_of, wait_until
 from tests.plans import planned_once_on_an_empty_table, sequential_scans
 
 
@@ -452,3 +454,57 @@ def test_a_supervisors_connection_keeps_tcp_alive_too():
         settings_dict["OPTIONS"] = saved
         connection.close()
     assert (parameters["keepalives"], parameters["tcp_user_timeout"]) == ("1", "20000")
+
+
+class EndedBeforeItsLastReport(Worker):
+    """A worker whose session the server ends just before its last report (a failover, a
+    session terminated as the worker stops), `times` times."""
+
+    times = 1
+
+    def _report(self, seconds: float, stopping: bool = False) -> None:
+        if stopping and self.times:
+            self.times -= 1
+            connection.ensure_connection()  # this thread's, named after the worker
+            assert end_sessions_of(self.id)
+        super()._report(seconds, stopping)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_worker_whose_session_ended_before_its_last_report_still_records_that_it_stopped(
+    caplog, times
+):
+    # Its last report, the first statement on a connection the server had ended, failed with
+    # only the activity logged (silently in the NATS worker): the stopped worker read as alive,
+    # then as one gone silent. Now its connection is made again, once; failing again, it says so.
+    worker = EndedBeforeItsLastReport(Options(queues=["default"], listen=False, stats_interval=0.5))
+    worker.times = times
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    wait_until(lambda: QueueStat.objects.filter(worker=worker.id).exists(), timeout=20)
+    worker.stop()
+    thread.join(20)
+    assert not thread.is_alive() and worker.times == 0
+    (seen,) = [w for w in stats.worker_stats() if w.worker == worker.id]
+    assert seen.stopped == (times == 1)
+    said = f"worker {worker.id} could not record that it stopped (OperationalError: terminating"
+    assert (said in caplog.text) == (times == 2)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_a_report_could_not_write_is_written_by_the_next(other_connection):
+    # A report that failed (its connection gone) lost what it counted: the jobs done in that
+    # interval were missing from every throughput and retry rate.
+    worker = Worker(Options(queues=["default"], listen=False))
+    job = Job(queue="default", task="tests.tasks.record", attempts=1)
+    worker.activity.finished(job, Outcome.SUCCEEDED)
+    QueueStat.objects.count()  # a connection, which the server then ends
+    other_connection.execute(
+        "SELECT pg_terminate_backend(%s, 10000)", [connection.connection.info.backend_pid]
+    )
+    with pytest.raises(DatabaseError):
+        worker._report(1.0)
+    connection.close()  # as the worker does after its connection's fault
+    worker._report(2.0)
+    assert list(QueueStat.objects.values_list("seconds", "succeeded")) == [(2.0, 1)]
