@@ -40,7 +40,7 @@ from django_pgjobs.jetstream.acknowledging import Acknowledger
 from django_pgjobs.jetstream.answers import answer, nak_limit
 from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.jetstream.consumers import Consumers
-from django_pgjobs.jetstream.deliveries import Delivery
+from django_pgjobs.jetstream.deliveries import Delivery, DeliveryCounts
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
@@ -99,6 +99,7 @@ class NatsWorker(Stoppable):
         self._fetched_nothing = False
         self._mean_duration: float | None = None  # of recent handlers, for the prefetch
         self._recorded = 0  # outcomes answered, for --max-jobs-per-child
+        self._delivery_counts = DeliveryCounts()
         self._exit = Exit.OK
 
     # ---- control ---------------------------------------------------------------------------
@@ -220,7 +221,8 @@ class NatsWorker(Stoppable):
         jobs = []
         for msg in batch:
             try:
-                job = messages.job_of(msg, self.id)
+                delivered = self._delivery_counts.of(msg)
+                job = messages.job_of(msg, self.id, delivered)
             except Exception as error:  # malformed, of another shape, nested too deep, ...
                 # Not a message of ours (published by hand, or by a newer release): it would
                 # come back forever, so it is terminated and said once.
@@ -229,7 +231,7 @@ class NatsWorker(Stoppable):
                 self.bridge.settle([], [], [msg])
                 continue
             with self._lock:
-                self._in_flight[id(job)] = Delivery(job, msg, held_at=sent_at)
+                self._in_flight[id(job)] = Delivery(job, msg, held_at=sent_at, count=delivered)
             if job.attempts > job.max_attempts:
                 # Delivered again and again without an outcome: its workers died, as a job
                 # whose lease expired with no attempts left (the reaper's rule).
@@ -268,7 +270,7 @@ class NatsWorker(Stoppable):
                         self._acks.ack_wait,
                         self._queues[job.queue].max_age,
                     )
-                    redelivered = delivery.msg.metadata.num_delivered > 1
+                    redelivered = delivery.count > 1
                     reply, delay, outcome = answer(self.jobs, job, handled, limit, redelivered)
                     delivery.decide(reply, delay, handled, outcome)
                     self._acks.unanswered.append(delivery)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -40,6 +41,8 @@ class Delivery:
     #: Monotonic: when the worker sent the last request the server confirmed holding it for
     #: (the fetch, then each in-progress acknowledgement).
     held_at: float
+    #: Which delivery of the message this is (DeliveryCounts).
+    count: int = 1
     lost: bool = False
     reply: Reply | None = None
     delay: float = 0.0
@@ -78,3 +81,30 @@ class Delivery:
         if self.delay <= 0:
             return b"-NAK"
         return b"-NAK " + json.dumps({"delay": int(self.delay * 10**9)}).encode()
+
+
+class DeliveryCounts:
+    """The delivery count of each message, as this worker has seen it go: never backwards.
+
+    nats-server before 2.10.14 (Debian 12 ships 2.9.10) may deliver a message it is already
+    redelivering once more as a first delivery, with a count of 1, after it failed to deliver
+    it to an expired pull request (nats-server#5305, #5338). The job then counted an attempt it
+    had spent already: its attempts went 1, 2, 1, and at the server's next count, past its
+    max_attempts, it was dead-lettered as a lost worker's ("delivered 4 times without an
+    outcome") instead of running its last attempt. A count lower than one this worker saw for
+    the same message is taken as one more than that. Bounded: the LIMIT most recent messages.
+    """
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[tuple[str, int], int] = OrderedDict()
+
+    def of(self, msg: Msg) -> int:
+        meta = msg.metadata
+        key = (meta.stream, meta.sequence.stream)
+        count = max(meta.num_delivered, self._seen.pop(key, 0) + 1)
+        self._seen[key] = count
+        if len(self._seen) > self.LIMIT:
+            self._seen.popitem(last=False)
+        return count

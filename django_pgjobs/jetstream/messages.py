@@ -94,10 +94,11 @@ def given_back(job: Job, msg: Msg) -> tuple[str, bytes, dict[str, str]]:
     return msg.subject, body(unstarted), headers(unstarted) | {"Nats-Msg-Id": given_id}
 
 
-def job_of(msg: Msg, worker: str) -> Job:
+def job_of(msg: Msg, worker: str, delivered: int | None = None) -> Job:
     """The job a delivered message carries, as an unsaved Job running on `worker`: its
-    attempts count this delivery (and those made before it entered the stream), its claims one
-    more than the message's (see the module's docstring)."""
+    attempts count this delivery, the `delivered`th (by default the server's count), and those
+    made before it entered the stream; its claims one more than the message's (see the
+    module's docstring)."""
     data: dict[str, Any] = json.loads(msg.data)
     if not isinstance(data, dict):
         raise ValueError(f"the message is JSON {type(data).__name__}, not an object")
@@ -111,7 +112,8 @@ def job_of(msg: Msg, worker: str) -> Job:
         run_at=datetime.fromisoformat(data["run_at"]),
         created_at=datetime.fromisoformat(data["created_at"]),
         attempts=min(
-            _counted(data, "attempts", 0, MAX_COUNT) + msg.metadata.num_delivered, MAX_COUNT
+            _counted(data, "attempts", 0, MAX_COUNT) + (delivered or msg.metadata.num_delivered),
+            MAX_COUNT,
         ),
         max_attempts=_counted(data, "max_attempts", 1, MAX_COUNT),
         worker=worker,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -51,3 +52,34 @@ def test_a_body_not_ours_has_no_due_time(body):
 def test_a_body_of_ours_gives_its_jobs_run_at():
     found = due_at(b'{"v": 1, "run_at": "2026-12-02T10:00:00.5+01:00"}')
     assert found == datetime(2026, 12, 2, 9, 0, 0, 500000, tzinfo=UTC)
+
+
+def delivered(sequence: int, count: int, stream: str = "PGJOBS_q") -> Any:
+    """A delivered message as nats-py reads it: its metadata come from its reply subject."""
+    from nats.aio.msg import Msg
+
+    reply = f"$JS.ACK.{stream}.pgjobs_q.{count}.{sequence}.{count}.1764756000000000000.0"
+    return Msg(None, subject="pgjobs.q", reply=reply, data=b"{}")  # type: ignore[arg-type]
+
+
+def test_a_delivery_count_that_goes_back_is_taken_as_one_more_than_seen():
+    # nats-server before 2.10.14 may deliver a message it is redelivering once more with a
+    # count of 1 (nats-server#5305): the job's attempts went 1, 2, 1, then past max_attempts
+    # at the server's next count, dead-lettered as a lost worker's instead of its last attempt.
+    from django_pgjobs.jetstream.deliveries import DeliveryCounts
+
+    counts = DeliveryCounts()
+    seen = [counts.of(delivered(7, n)) for n in (1, 2, 1, 4)]
+    assert seen == [1, 2, 3, 4]
+    assert counts.of(delivered(8, 1)) == 1  # another message: its own count
+    assert counts.of(delivered(7, 1, stream="PGJOBS_other")) == 1  # another stream's
+
+
+def test_the_delivery_counts_kept_are_bounded():
+    from django_pgjobs.jetstream.deliveries import DeliveryCounts
+
+    counts = DeliveryCounts()
+    for sequence in range(DeliveryCounts.LIMIT + 1):
+        counts.of(delivered(sequence, 2))
+    assert counts.of(delivered(0, 1)) == 1  # the oldest was forgotten
+    assert counts.of(delivered(DeliveryCounts.LIMIT, 1)) == 3  # the newest kept
