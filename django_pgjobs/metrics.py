@@ -103,10 +103,20 @@ def families(report: reports.Report) -> list[Metric]:
     oldest = _gauge("pgjobs_queue_oldest_due_seconds", "Age of the oldest due job.", ["queue"])
     workers = _gauge("pgjobs_queue_workers", "Live workers serving the queue.", ["queue"])
     paused = _gauge("pgjobs_queue_paused", "1 when the queue is paused.", ["queue"])
+    expired = _gauge(
+        "pgjobs_queue_expired_leases", "Running jobs whose lease ran out (their worker gone).",
+        ["queue"],
+    )  # fmt: skip
+    oldest_expired = _gauge(
+        "pgjobs_queue_oldest_expired_seconds", "Since the first of those leases ran out.",
+        ["queue"],
+    )  # fmt: skip
     for q in report.queues:
         for state in ("due", "scheduled", "retrying", "running", "failed"):
             jobs.add_metric([q.queue, state], getattr(q, state))
         oldest.add_metric([q.queue], q.oldest_due_seconds)
+        expired.add_metric([q.queue], q.expired)
+        oldest_expired.add_metric([q.queue], q.oldest_expired_seconds)
         workers.add_metric([q.queue], len(report.serving(q.queue)))
         paused.add_metric([q.queue], int(q.paused))
     window = ["queue", "window"]
@@ -151,9 +161,21 @@ def families(report: reports.Report) -> list[Metric]:
             ("redelivered", s.redelivered),
         ):
             stream.add_metric([s.queue, state], value if s.reachable else -1)  # fmt: skip
+    waited = _gauge(
+        "pgjobs_nats_oldest_seconds", "How long a NATS queue's oldest message not yet delivered "
+        "(pending), or delivered and not acknowledged (ack_pending), has been due; none while "
+        "it cannot be read; 0 when there is none).", ["queue", "state"],
+    )  # fmt: skip
+    for s in report.streams:
+        for state, count, age in (
+            ("pending", s.pending, s.oldest_pending_seconds),
+            ("ack_pending", s.ack_pending, s.oldest_unacked_seconds),
+        ):
+            if s.reachable and (age is not None or not count):
+                waited.add_metric([s.queue, state], age or 0.0)
     return [
-        jobs, oldest, workers, paused, throughput, retry_rate, latency, tuples, sizes,
-        connections, stream,
+        jobs, oldest, workers, paused, expired, oldest_expired, throughput, retry_rate, latency,
+        tuples, sizes, connections, stream, waited,
         _single("pgjobs_idle_in_transaction", "Sessions idle in a transaction.",
                 d.idle_in_transaction),
         _single("pgjobs_oldest_snapshot_seconds", "Age of the transaction holding vacuum back.",

@@ -91,8 +91,8 @@ def _measure(bridge: Bridge, queue: NatsQueue, now: datetime) -> StreamStats:
     if found.ack_pending and consumer.ack_floor is not None:
         # Delivered and not acknowledged: running, or held by a worker that died (they wait
         # for a worker that fetches)
-        unacked, _ = _age(bridge, queue, consumer.ack_floor.stream_seq + 1, now)
-        found = replace(found, oldest_unacked_seconds=unacked)
+        unacked, unread = _age(bridge, queue, consumer.ack_floor.stream_seq + 1, now)
+        found = replace(found, oldest_unacked_seconds=unacked, age_error=unread)
     if not found.pending or consumer.delivered is None:
         return found
     return _aged(bridge, queue, consumer.delivered.stream_seq + 1, now, found)
@@ -123,7 +123,7 @@ def _aged(
     """`found` with the age of its oldest pending message, the consumer's next (see _age). When
     it cannot be read, the report judges without it, and says why (age_error)."""
     seconds, error = _age(bridge, queue, after, now)
-    return replace(found, oldest_pending_seconds=seconds, age_error=error)
+    return replace(found, oldest_pending_seconds=seconds, age_error=error or found.age_error)
 
 
 def _age(bridge: Bridge, queue: NatsQueue, after: int, now: datetime) -> tuple[float | None, str]:

@@ -11,6 +11,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 from django.db.models.functions import Now
+from django.urls import reverse
 from django.utils import timezone
 
 from django_pgjobs.models import Queue, QueueStat
@@ -163,7 +164,9 @@ def test_due_jobs_in_a_queue_no_live_worker_serves_are_critical():
     assert jobstats()[0] == 2
 
 
-def test_jobs_left_running_by_a_worker_that_is_gone_are_critical_once_their_leases_ran_out():
+def test_jobs_left_running_by_a_worker_that_is_gone_are_critical_once_their_leases_ran_out(
+    admin_client,
+):
     # Every worker of the queue died holding jobs, the queue otherwise quiet: nothing reaps
     # them, and the report said HEALTHY for ever.
     worker_row(queue="default", worker="host:9:zz", ago=600)  # gone
@@ -182,7 +185,23 @@ def test_jobs_left_running_by_a_worker_that_is_gone_are_critical_once_their_leas
     report = reports.collect()
     assert codes(report) == {"no_worker_serves_a_queue"}
     assert "2 running whose leases ran out 300s ago" in report.verdict.reasons[0].detail
-    assert jobstats()[0] == 2
+    code, out = jobstats()
+    assert code == 2
+    # The figures themselves, not only the verdict, where operators look: each queue's line
+    # in jobstats, the report page and Prometheus.
+    assert "2 of them running with a lease that ran out 300s ago" in out
+    page = admin_client.get(reverse("admin:pgjobs_queue_report")).content.decode()
+    assert "2 with their leases run out, the first 300 s ago" in page
+    pytest.importorskip("prometheus_client")
+    from django_pgjobs import metrics
+
+    found = {
+        (f.name, tuple(s.labels.values())): s.value
+        for f in metrics.families(reports.collect())
+        for s in f.samples
+    }
+    assert found["pgjobs_queue_expired_leases", ("default",)] == 2
+    assert 300 <= found["pgjobs_queue_oldest_expired_seconds", ("default",)] < 330
 
 
 def test_many_retries_over_five_minutes_are_a_retry_storm(settings):

@@ -124,6 +124,17 @@ def test_messages_no_worker_takes_are_critical_once_they_have_waited(
     assert "no_worker_serves_a_queue" in codes(reports.collect())
 
 
+def ages(queue: str) -> dict[str, float]:
+    """pgjobs_nats_oldest_seconds of `queue`, by state."""
+    pytest.importorskip("prometheus_client")
+    from django_pgjobs import metrics
+
+    (family,) = [
+        f for f in metrics.families(reports.collect()) if f.name == "pgjobs_nats_oldest_seconds"
+    ]
+    return {s.labels["state"]: s.value for s in family.samples if s.labels["queue"] == queue}
+
+
 def test_the_age_is_the_waiting_jobs_own_by_the_databases_clock(queue: str) -> None:
     due = five_minutes_ago()
     a_stream_its_worker_left(queue, run_at=due)
@@ -131,6 +142,11 @@ def test_the_age_is_the_waiting_jobs_own_by_the_databases_clock(queue: str) -> N
     assert 300 <= stream_of(report, queue).oldest_pending_seconds < 400
     [reason] = [r for r in report.verdict.reasons if r.code == "no_worker_serves_a_queue"]
     assert "the oldest due 30" in reason.detail and "UNSERVED_SECONDS" in reason.threshold
+    # The age itself, where operators look: jobstats' NATS table and Prometheus
+    (line,) = [line for line in jobstats()[1].splitlines() if line.startswith(queue)]
+    pending, age, acks_due = line.split()[4:7]
+    assert (pending, age[:2], age[-1], acks_due) == ("1", "30", "s", "0"), line
+    assert 300 <= ages(queue)["pending"] < 400 and ages(queue)["ack_pending"] == 0
 
 
 def test_messages_a_worker_took_and_died_with_are_critical_once_they_have_waited(
@@ -150,6 +166,10 @@ def test_messages_a_worker_took_and_died_with_are_critical_once_they_have_waited
     assert (stream.pending, stream.ack_pending) == (0, 2)
     assert 300 <= stream.oldest_unacked_seconds < 400
     assert "2 messages delivered to workers that are gone, the oldest due 30" in detail
+    (line,) = [line for line in jobstats()[1].splitlines() if line.startswith(queue)]
+    pending, age, acks_due, unacked = line.split()[4:8]
+    assert (pending, age, acks_due, unacked[:2], unacked[-1]) == ("0", "-", "2", "30", "s"), line
+    assert ages(queue) == {"pending": 0, "ack_pending": pytest.approx(330, abs=30)}
 
 
 def test_a_paused_queue_is_not_said_to_be_unserved_nor_behind(queue: str, settings: Any) -> None:

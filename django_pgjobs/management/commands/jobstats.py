@@ -204,6 +204,11 @@ def render(report: Report) -> str:
             f"{name:<20} {q.due:>7} {q.scheduled:>9} {q.retrying:>8} {q.running:>7} "
             f"{q.failed:>7} {_seconds(q.oldest_due_seconds):>10} {len(report.serving(q.queue)):>7}"
         )
+        if q.expired:  # their workers gone: nobody runs them until a live worker's reaper
+            lines.append(
+                f"{'':<20} {q.expired} of them running with a lease that ran out "
+                f"{_seconds(q.oldest_expired_seconds)} ago"
+            )
     if report.activity:
         lines.append("")
         lines.append(
@@ -231,7 +236,7 @@ def _streams(report: Report) -> list[str]:
     if not report.streams:
         return []
     lines = ["", f"{'NATS queue':<20} {'outbox':>7} {'oldest':>7} {'stream':>8} {'pending':>8} "
-                 f"{'acks due':>8} {'redeliv.':>8}"]  # fmt: skip
+                 f"{'oldest':>7} {'acks due':>8} {'oldest':>7} {'redeliv.':>8}"]  # fmt: skip
     depths = {q.queue: q for q in report.queues}
     for s in report.streams:
         q = depths.get(s.queue)
@@ -239,11 +244,22 @@ def _streams(report: Report) -> list[str]:
         if not s.reachable:
             lines.append(f"{s.queue:<20} {outbox:>7} {oldest:>7} unreachable: {s.error}")
             continue
+        pending = _age(s.pending, s.oldest_pending_seconds)
+        unacked = _age(s.ack_pending, s.oldest_unacked_seconds)
         lines.append(
             f"{s.queue:<20} {outbox:>7} {oldest:>7} {s.messages:>8} {s.pending:>8} "
-            f"{s.ack_pending:>8} {s.redelivered:>8}"
+            f"{pending:>7} {s.ack_pending:>8} {unacked:>7} {s.redelivered:>8}"
         )
+        if s.age_error:
+            lines.append(f"{'':<20} the ages could not be read: {s.age_error}")
     return lines
+
+
+def _age(count: int, seconds: float | None) -> str:
+    """How long the oldest of `count` messages has been due: "-" for none, "?" unread."""
+    if not count:
+        return "-"
+    return "?" if seconds is None else _seconds(seconds)
 
 
 def _workers(report: Report) -> str:
