@@ -216,13 +216,16 @@ class Reporter(Chore):
         """The worker's last report, which also says it stopped; False (said) when it could not
         be written. A connection found gone (a failover, a session ended while idle between
         reports) is made again once: the stopped worker would read as alive in jobstats and the
-        admin until its reports were overdue, then as one that went silent."""
+        admin until its reports were overdue, then as one that went silent. Not when the first
+        try connected afresh: the database is away (an outage), and the stop is not held up by
+        a second wait for it."""
         for again in (False, True):
+            opened = connections[db].connection is not None
             try:
                 self.report(self.span(), True)
                 return True
             except DatabaseError as error:
-                if again or not _connection_lost(error):
+                if again or not opened or not _connection_lost(error):
                     quietly(
                         logger.warning,
                         "worker %s could not record that it stopped (%s): it reads as alive "
