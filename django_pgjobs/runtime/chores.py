@@ -213,27 +213,32 @@ class Reporter(Chore):
         return max(1e-3, time.monotonic() - self.since)
 
     def last(self, db: str, worker: str) -> bool:
-        """The worker's last report, which also says it stopped; False (said) when it could not
-        be written. A connection found gone (a failover, a session ended while idle between
+        """The worker's last report, which also says it stopped; False when it could not be
+        written (said, unless the database could not be reached at all: an outage the worker
+        says as such). A connection found gone (a failover, a session ended while idle between
         reports) is made again once: the stopped worker would read as alive in jobstats and the
         admin until its reports were overdue, then as one that went silent. Not when the first
-        try connected afresh: the database is away (an outage), and the stop is not held up by
-        a second wait for it."""
+        try connected afresh: the database is away, and the stop is not held up by a second
+        wait for it."""
+        connection = connections[db]
         for again in (False, True):
-            opened = connections[db].connection is not None
+            opened = connection.connection is not None
             try:
                 self.report(self.span(), True)
                 return True
             except DatabaseError as error:
-                if again or not opened or not _connection_lost(error):
+                lost = _connection_lost(error)
+                if lost and opened and not again:
+                    connection.close()
+                    continue
+                if not lost or connection.connection is not None:  # not a failed connect
                     quietly(
                         logger.warning,
                         "worker %s could not record that it stopped (%s): it reads as alive "
                         "until its reports are overdue",
                         worker, _first_line(error),
                     )  # fmt: skip
-                    return False
-                connections[db].close()
+                return False
         return False
 
 
