@@ -92,17 +92,19 @@ class DeliveryCounts:
     had spent already: its attempts went 1, 2, 1, and at the server's next count, past its
     max_attempts, it was dead-lettered as a lost worker's ("delivered 4 times without an
     outcome") instead of running its last attempt. A count lower than one this worker saw for
-    the same message is taken as one more than that. Bounded: the LIMIT most recent messages.
+    the same message (its stream, stream sequence and message id: a stream made again numbers
+    new messages from 1) is taken as one more than that. Bounded: the LIMIT most recent
+    messages.
     """
 
     LIMIT = 10_000
 
     def __init__(self) -> None:
-        self._seen: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._seen: OrderedDict[tuple[str, int, str | None], int] = OrderedDict()
 
     def of(self, msg: Msg) -> int:
         meta = msg.metadata
-        key = (meta.stream, meta.sequence.stream)
+        key = (meta.stream, meta.sequence.stream, (msg.headers or {}).get("Nats-Msg-Id"))
         count = max(meta.num_delivered, self._seen.pop(key, 0) + 1)
         self._seen[key] = count
         if len(self._seen) > self.LIMIT:

@@ -54,12 +54,13 @@ def test_a_body_of_ours_gives_its_jobs_run_at():
     assert found == datetime(2026, 12, 2, 9, 0, 0, 500000, tzinfo=UTC)
 
 
-def delivered(sequence: int, count: int, stream: str = "PGJOBS_q") -> Any:
+def delivered(sequence: int, count: int, stream: str = "PGJOBS_q", job: str = "a:0") -> Any:
     """A delivered message as nats-py reads it: its metadata come from its reply subject."""
     from nats.aio.msg import Msg
 
     reply = f"$JS.ACK.{stream}.pgjobs_q.{count}.{sequence}.{count}.1764756000000000000.0"
-    return Msg(None, subject="pgjobs.q", reply=reply, data=b"{}")  # type: ignore[arg-type]
+    headers = {"Nats-Msg-Id": job}
+    return Msg(None, subject="pgjobs.q", reply=reply, data=b"{}", headers=headers)  # type: ignore[arg-type]
 
 
 def test_a_delivery_count_that_goes_back_is_taken_as_one_more_than_seen():
@@ -73,6 +74,8 @@ def test_a_delivery_count_that_goes_back_is_taken_as_one_more_than_seen():
     assert seen == [1, 2, 3, 4]
     assert counts.of(delivered(8, 1)) == 1  # another message: its own count
     assert counts.of(delivered(7, 1, stream="PGJOBS_other")) == 1  # another stream's
+    # The stream made again (deleted, its storage lost): its sequences start again at 1
+    assert counts.of(delivered(7, 1, job="b:0")) == 1
 
 
 def test_the_delivery_counts_kept_are_bounded():
