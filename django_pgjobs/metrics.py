@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -76,13 +77,20 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
 
 
 class ReportCollector(Collector):
-    """The health report's figures, taken afresh at each scrape (a dozen cheap queries)."""
+    """The health report's figures, taken afresh at each scrape (a dozen cheap queries). When
+    the report cannot be taken (the database down, the job table locked, a statement out of
+    time), the verdict alone, as jobstats gives it: the scrape answers, and alerts on
+    pgjobs_health fire when they are needed most."""
 
     def __init__(self, db: str | None = None) -> None:
         self.db = db
 
     def collect(self) -> Iterator[Metric]:
-        return iter(families(reports.collect(self.db)))
+        try:
+            report = reports.collect(self.db)
+        except DatabaseError as error:
+            return iter(unreported(reports.no_report(error)))
+        return iter(families(report))
 
 
 def report_view(request: HttpRequest) -> HttpResponse:
@@ -144,11 +152,9 @@ def families(report: reports.Report) -> list[Metric]:
     connections = _gauge("pgjobs_connections", "Client connections and the limit.", ["kind"])
     connections.add_metric(["used"], d.connections_used)
     connections.add_metric(["max"], d.connections_max)
-    health = _gauge("pgjobs_health", "The verdict: 0 healthy, 1 warning, 2 critical.", [])
-    health.add_metric([], report.verdict.exit_code)
-    reasons = _gauge("pgjobs_health_reason", "1 for each reason of the verdict.", ["code"])
-    for code in sorted({reason.code for reason in report.verdict.reasons}):
-        reasons.add_metric([code], 1)
+    health, reasons = _verdict(
+        report.verdict.exit_code, {reason.code for reason in report.verdict.reasons}
+    )
     stream = _gauge(
         "pgjobs_nats_messages", "A NATS queue's messages by state (stream, pending, "
         "ack_pending, redelivered); -1 when NATS is unreachable.", ["queue", "state"],
@@ -184,6 +190,26 @@ def families(report: reports.Report) -> list[Metric]:
                 d.notify_queue_usage),
         health, reasons,
     ]  # fmt: skip
+
+
+def unreported(sample: reports.NoReport) -> list[Metric]:
+    """The verdict on a report that could not be taken: its level (2 critical, 3 unknown) and
+    its reason's code (job_table_locked, database_unusable, tables_not_migrated,
+    report_not_allowed, report_out_of_time, report_failed)."""
+    return list(_verdict(int(sample.level), {sample.code}))
+
+
+def _verdict(level: int, codes: set[str]) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    health = _gauge(
+        "pgjobs_health",
+        "The verdict: 0 healthy, 1 warning, 2 critical, 3 unknown (no report could be taken).",
+        [],
+    )
+    health.add_metric([], level)
+    reasons = _gauge("pgjobs_health_reason", "1 for each reason of the verdict.", ["code"])
+    for code in sorted(codes):
+        reasons.add_metric([code], 1)
+    return health, reasons
 
 
 def _single(name: str, documentation: str, value: float) -> GaugeMetricFamily:

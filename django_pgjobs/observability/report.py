@@ -8,8 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from django.db import DatabaseError
+from django.db import DatabaseError, InterfaceError, OperationalError
 
+from django_pgjobs import schema
+from django_pgjobs.data import rows
+from django_pgjobs.errors import first_line
 from django_pgjobs.observability import dbstats, health
 from django_pgjobs.observability.figures import Figures, limited, measure
 from django_pgjobs.observability.stats import WINDOWS, QueueActivity, job_database, window_label
@@ -88,3 +91,69 @@ def activity_rows(report: Report) -> list[dict[str, Any]]:
         {"queue": a.queue, "window": window_label(a.window), **activity_figures(a)}
         for a in report.activity
     ]
+
+
+#: SQLSTATE of a statement refused for lack of a privilege.
+INSUFFICIENT_PRIVILEGE = "42501"
+
+
+@dataclass(frozen=True)
+class NoReport:
+    """A sample that could not be taken: its level and why, in one line; with the reason when
+    there is one (the job table locked)."""
+
+    level: health.Level
+    why: str
+    reason: health.Reason | None = None
+    #: For machines (pgjobs_health_reason): the reason's code, or what kept the report away.
+    code: str = "report_failed"
+
+
+def no_report(error: DatabaseError) -> NoReport:
+    """Why the report could not be taken, and how bad that is: the queue cannot work without
+    its database or its tables, or while its job table is locked against the workers
+    (critical); a probe without the right to read the figures, or whose statement ran out of
+    time or was cancelled while the database answers, knows nothing (unknown)."""
+    first = first_line(error)
+    alias = job_database()
+    if schema.is_not_migrated(error):
+        return NoReport(
+            health.Level.CRITICAL,
+            f"{schema.explained(error)} on the database {alias!r}",
+            code="tables_not_migrated",
+        )
+    # A statement_timeout, a cancel request, a lock_timeout, a transaction rolled back: the
+    # report's failure, not the database's.
+    if rows.timed_out(error) or rows.rolled_back(error):
+        return out_of_time(first)
+    if getattr(error.__cause__, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
+        return NoReport(
+            health.Level.UNKNOWN,
+            f"the report could not be read ({first}): the database user needs SELECT on the "
+            "pgjobs tables, and the pg_monitor role to read PostgreSQL's statistics",
+            code="report_not_allowed",
+        )
+    # Connections refused or lost (class 08, none when refused) and servers shutting down
+    # (57P01-57P03) are OperationalErrors.
+    if isinstance(error, OperationalError | InterfaceError):
+        return NoReport(
+            health.Level.CRITICAL,
+            f"the database {alias!r} cannot be used: {first}",
+            code="database_unusable",
+        )
+    return NoReport(health.Level.UNKNOWN, f"the report could not be taken: {first}")
+
+
+def out_of_time(first: str) -> NoReport:
+    """A statement of the report ran out of time, was cancelled or rolled back: the job table
+    locked against the workers if it is (its own verdict), else unknown."""
+    reason = locked_out()
+    if reason is not None:
+        return NoReport(reason.level, f"{reason.summary}: {reason.detail}", reason, reason.code)
+    return NoReport(
+        health.Level.UNKNOWN,
+        f"the report could not be taken ({first}); the database answers, but a statement of "
+        "the report ran out of time, was cancelled or was rolled back (PGJOBS['HEALTH']'s "
+        "REPORT_STATEMENT_SECONDS and REPORT_LOCK_SECONDS set how long it may take)",
+        code="report_out_of_time",
+    )

@@ -110,6 +110,47 @@ def test_jobstats_warns_that_the_queue_controls_table_is_locked_and_by_whom(
     assert "claim nothing from queues with a limit" in out
 
 
+def scraped() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The Prometheus report view's samples, by name and labels; asserts it answered 200."""
+    pytest.importorskip("prometheus_client")
+    from django.test import RequestFactory
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from django_pgjobs import metrics
+
+    response = metrics.report_view(RequestFactory().get("/metrics"))
+    assert response.status_code == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.content.decode())
+        for s in family.samples
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_metrics_view_gives_the_verdict_when_the_report_cannot_be_taken(
+    locked_table, monkeypatch
+):
+    # It raised (HTTP 500): pgjobs_health and its reasons vanished exactly when jobstats said
+    # CRITICAL, and an alert on them could never fire (attack 23, F1).
+    monkeypatch.setattr(health, "LOCKED_SECONDS", 0.0)
+    locked_table("ACCESS EXCLUSIVE")
+    assert scraped() == {
+        ("pgjobs_health", ()): 2.0,
+        ("pgjobs_health_reason", (("code", "job_table_locked"),)): 1.0,
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_metrics_view_says_unknown_when_a_statement_of_the_report_ran_out_of_time(
+    settings, other_connection
+):
+    settings.PGJOBS = {"HEALTH": {"REPORT_STATEMENT_SECONDS": 0.001}}
+    found = scraped()
+    assert found[("pgjobs_health", ())] == 3.0, found
+    assert found[("pgjobs_health_reason", (("code", "report_out_of_time"),))] == 1.0
+
+
 @pytest.mark.django_db(transaction=True)
 def test_jobstats_json_is_critical_once_the_lock_is_as_old_as_the_workers_lock_timeout(
     locked_table, monkeypatch
@@ -250,7 +291,7 @@ def database_error(sqlstate: str) -> OperationalError:
     ],
 )
 def test_no_report_is_critical_only_when_the_database_cannot_be_used(sqlstate, level):
-    assert command.no_report(database_error(sqlstate)).level == level
+    assert reports.no_report(database_error(sqlstate)).level == level
 
 
 # ---- D: one schedule's failure does not starve the others -----------------------------------

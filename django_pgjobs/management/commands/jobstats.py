@@ -9,35 +9,18 @@ from __future__ import annotations
 import json
 import time
 from argparse import ArgumentTypeError
-from dataclasses import dataclass
 from traceback import format_exception
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser, SystemCheckError
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError
 
-from django_pgjobs import schema
-from django_pgjobs.data import rows
-from django_pgjobs.errors import first_line
 from django_pgjobs.observability import report as reports
-from django_pgjobs.observability.health import Level, Reason
-from django_pgjobs.observability.report import Report
-from django_pgjobs.observability.stats import WINDOWS, job_database, window_label
+from django_pgjobs.observability.health import Level
+from django_pgjobs.observability.report import NoReport, Report, no_report
+from django_pgjobs.observability.stats import WINDOWS, window_label
 
 CLEAR = "\x1b[H\x1b[2J"
-
-#: SQLSTATE of a statement refused for lack of a privilege.
-INSUFFICIENT_PRIVILEGE = "42501"
-
-
-@dataclass(frozen=True)
-class NoReport:
-    """A sample that could not be taken: its level and why, in one line; with the reason when
-    there is one (the job table locked)."""
-
-    level: Level
-    why: str
-    reason: Reason | None = None
 
 
 def _seconds_between(value: str) -> float:
@@ -149,46 +132,6 @@ def no_data(sample: NoReport) -> dict[str, Any]:
     if sample.reason is not None:
         data["reasons"] = [sample.reason.as_dict()]
     return data
-
-
-def no_report(error: DatabaseError) -> NoReport:
-    """Why the report could not be taken, and how bad that is: the queue cannot work without
-    its database or its tables, or while its job table is locked against the workers
-    (critical); a probe without the right to read the figures, or whose statement ran out of
-    time or was cancelled while the database answers, knows nothing (unknown)."""
-    first = first_line(error)
-    alias = job_database()
-    if schema.is_not_migrated(error):
-        return NoReport(Level.CRITICAL, f"{schema.explained(error)} on the database {alias!r}")
-    # A statement_timeout, a cancel request, a lock_timeout, a transaction rolled back: the
-    # report's failure, not the database's.
-    if rows.timed_out(error) or rows.rolled_back(error):
-        return out_of_time(first)
-    if getattr(error.__cause__, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
-        return NoReport(
-            Level.UNKNOWN,
-            f"the report could not be read ({first}): the database user needs SELECT on the "
-            "pgjobs tables, and the pg_monitor role to read PostgreSQL's statistics",
-        )
-    # Connections refused or lost (class 08, none when refused) and servers shutting down
-    # (57P01-57P03) are OperationalErrors.
-    if isinstance(error, OperationalError | InterfaceError):
-        return NoReport(Level.CRITICAL, f"the database {alias!r} cannot be used: {first}")
-    return NoReport(Level.UNKNOWN, f"the report could not be taken: {first}")
-
-
-def out_of_time(first: str) -> NoReport:
-    """A statement of the report ran out of time, was cancelled or rolled back: the job table
-    locked against the workers if it is (its own verdict), else unknown."""
-    reason = reports.locked_out()
-    if reason is not None:
-        return NoReport(reason.level, f"{reason.summary}: {reason.detail}", reason)
-    return NoReport(
-        Level.UNKNOWN,
-        f"the report could not be taken ({first}); the database answers, but a statement of "
-        "the report ran out of time, was cancelled or was rolled back (PGJOBS['HEALTH']'s "
-        "REPORT_STATEMENT_SECONDS and REPORT_LOCK_SECONDS set how long it may take)",
-    )
 
 
 def render(report: Report) -> str:
