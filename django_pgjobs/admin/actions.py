@@ -19,7 +19,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.admin.views.main import PAGE_VAR
-from django.db import router, transaction
+from django.db import DatabaseError, connections, router, transaction
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -28,6 +28,7 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy, ngettext, ngettext_lazy
 
 from django_pgjobs.admin.forms import ActionForm, ReplayForm
+from django_pgjobs.data import rows as data_rows
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -37,6 +38,14 @@ if TYPE_CHECKING:
 
 #: Rows changed and logged per statement by a bulk action.
 ACTION_BATCH = 1000
+#: How long a bulk action waits for a row another session holds (its batch's lock_timeout,
+#: unless the database's own is shorter).
+ACTION_LOCK_WAIT = "5s"
+#: Sets the transaction's lock_timeout to %s, unless the session's is shorter (not 0).
+BOUND_LOCK_WAIT = (
+    "SELECT set_config('lock_timeout', %s, true) FROM pg_settings WHERE name = 'lock_timeout' "
+    "AND (setting::bigint = 0 OR setting::bigint > extract(epoch FROM %s::interval) * 1000)"
+)
 #: What the admin log's description of a job (str(job)) reads.
 LOGGED = ("id", "task", "status")
 
@@ -207,26 +216,60 @@ def apply(
     assert model is not None
     rows: QuerySet[Model] = model._default_manager.all()
     ids = queryset.order_by("pk").values_list("pk", flat=True)
-    changed = seen = 0
+    changed = seen = held = 0
     last: Any = None
+    db = router.db_for_write(model)
     while batch := list((ids if last is None else ids.filter(pk__gt=last))[:ACTION_BATCH]):
         selected = rows.filter(pk__in=batch)
-        # One transaction per batch, so that a batch's change and its log entries commit
-        # together (when the admin log and the rows share a database, as they usually do).
-        with transaction.atomic(using=router.db_for_write(model)):
-            described = {row.pk: row for row in (selected.only(*only) if only else selected)}
-            done = transition(selected)
-            if not isinstance(message, str):  # what the change made of each row: a worker may
-                after = rows.filter(pk__in=done)  # have claimed one since it was read
-                described.update((row.pk, row) for row in (after.only(*only) if only else after))
-            by_message: dict[str, list[Model]] = {}
-            for row in (described[pk] for pk in done):
-                text = message if isinstance(message, str) else message(row)
-                by_message.setdefault(text, []).append(row)
-            for text, logged in by_message.items():
-                LogEntry.objects.log_actions(user_id, logged, flag, text)
+        try:
+            done = _batch(user_id, rows, selected, db, transition, flag, message, only)
+        except DatabaseError as error:
+            if not data_rows.timed_out(error):
+                raise
+            held, last = held + len(batch), batch[-1]  # left as it was: the next batch
+            continue
         changed, seen, last = changed + len(done), seen + len(batch), batch[-1]
+    if held:
+        messages.warning(request, ngettext(
+            "%(n)d row was left as it was: another session held it, or a row of its batch, "
+            "for more than %(wait)s (a transaction left open?). Try again.",
+            "%(n)d rows were left as they were: another session held them, or rows of their "
+            "batch, for more than %(wait)s (a transaction left open?). Try again.",
+            held,
+        ) % {"n": held, "wait": ACTION_LOCK_WAIT})  # fmt: skip
     return changed, seen
+
+
+def _batch(
+    user_id: Any,
+    rows: QuerySet[Model],
+    selected: QuerySet[Model],
+    db: str,
+    transition: Callable[[Any], Sequence[Any]],
+    flag: int,
+    message: str | Callable[[Any], str],
+    only: Sequence[str],
+) -> Sequence[Any]:
+    """One batch of `apply`, in a transaction of its own, so that its change and its log
+    entries commit together (when the admin log and the rows share a database, as they
+    usually do). It waits at most ACTION_LOCK_WAIT for a row another session holds (a worker
+    holds one for moments; a transaction left open, for good): past that, nothing of the batch
+    is changed (the caller catches the error)."""
+    with transaction.atomic(using=db):
+        with connections[db].cursor() as cursor:
+            cursor.execute(BOUND_LOCK_WAIT, [ACTION_LOCK_WAIT, ACTION_LOCK_WAIT])
+        described = {row.pk: row for row in (selected.only(*only) if only else selected)}
+        done = transition(selected)
+        if not isinstance(message, str):  # what the change made of each row: a worker may
+            after = rows.filter(pk__in=done)  # have claimed one since it was read
+            described.update((row.pk, row) for row in (after.only(*only) if only else after))
+        by_message: dict[str, list[Model]] = {}
+        for row in (described[pk] for pk in done):
+            text = message if isinstance(message, str) else message(row)
+            by_message.setdefault(text, []).append(row)
+        for text, logged in by_message.items():
+            LogEntry.objects.log_actions(user_id, logged, flag, text)
+    return done
 
 
 def confirm(

@@ -244,3 +244,33 @@ def test_a_job_claimed_between_the_read_and_the_cancel_is_logged_as_cancellation
     )  # fmt: skip
     assert changed == 1 and reload(job).cancel_requested
     assert log_for(job) == [(admin_user.username, CHANGE, "Cancellation requested.")]
+
+
+# ---- a row held by another session ------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("action", ["replay", "cancel", "delete_jobs"])
+def test_an_action_on_a_row_another_session_holds_gives_up_and_says_so(
+    admin_client, other_connection, monkeypatch, action
+):
+    # It waited for as long as the other session kept its transaction open (for good, for one
+    # left open), the rest of its batch changed and uncommitted all along (attack 23, F2).
+    from django_pgjobs.data import queryset
+
+    monkeypatch.setattr(actions, "ACTION_LOCK_WAIT", "200ms")
+    monkeypatch.setattr(queryset, "CHANGE_TRIES", 2)
+    jobs = JobFactory.create_batch(3, **({"dead": True} if action == "replay" else {}))
+    other_connection.execute("BEGIN")
+    other_connection.execute("SELECT 1 FROM pgjobs_job WHERE id = %s FOR UPDATE", [jobs[0].pk])
+    response = act(admin_client, DEAD if action == "replay" else JOBS, action, jobs)
+    assert messages_of(response) == [
+        "3 rows were left as they were: another session held them, or rows of their batch, for "
+        "more than 200ms (a transaction left open?). Try again.",
+        {"replay": "0 jobs replayed.", "cancel": "0 jobs cancelled (running ones stop if "
+         "their handler checks, else finish).", "delete_jobs": "0 jobs deleted."}[action],
+    ]  # fmt: skip
+    assert [reload(job).status for job in jobs] == [jobs[0].status] * 3
+    other_connection.execute("ROLLBACK")
+    response = act(admin_client, DEAD if action == "replay" else JOBS, action, jobs)
+    assert "Try again" not in " ".join(messages_of(response))
