@@ -59,6 +59,14 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
     def has_pause_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("pgjobs.pause_queue")
 
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Deleting a paused queue's row (or one of max_running 0) resumes the queue: that
+        needs the permission to pause queues too (Django's "Delete selected" asks per row)."""
+        if not super().has_delete_permission(request, obj):
+            return False
+        stopped = obj is not None and (obj.paused or obj.max_running == 0)
+        return not stopped or self.has_pause_permission(request)
+
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # The name is the row's key: changed, Django would save a copy under the new name and
         # leave the old row, paused or limited, in place.
@@ -258,6 +266,13 @@ def _without_pause(form: type[ModelForm]) -> type[ModelForm]:
                     _(
                         "A max_running of 0 stops the queue as a pause does: it needs the "
                         "permission to pause queues."
+                    )
+                )
+            if self.instance.pk is not None and self.instance.max_running == 0 and value != 0:
+                raise forms.ValidationError(
+                    _(
+                        "This queue's max_running of 0 stops it as a pause does: changing it "
+                        "resumes the queue, which needs the permission to pause queues."
                     )
                 )
             return value

@@ -122,3 +122,30 @@ def test_a_limit_of_0_stops_a_queue_as_a_pause_does_and_needs_the_pause_permissi
     assert Queue.objects.get().max_running is None
     staff("view_queue", "change_queue", "pause_queue").post(QUEUES, form)
     assert Queue.objects.get().max_running == 0
+
+
+@pytest.mark.django_db
+def test_lifting_a_limit_of_0_or_deleting_a_stopped_queue_needs_the_pause_permission():
+    # Either resumed the queue without pgjobs.pause_queue: a changed max_running of 0, and a
+    # deleted row of a paused queue (a queue without a row runs unpaused), logged as
+    # "Deleted" (attack 23, F3).
+    Queue.objects.create(name="emails", max_running=0)
+    Queue.objects.create(name="paused", paused=True)
+    changer = staff("view_queue", "change_queue")
+    response = changer.post(reverse("admin:pgjobs_queue_change", args=["emails"]), {})
+    assert "changing it resumes the queue" in response.content.decode()
+    assert Queue.objects.get(name="emails").max_running == 0
+    deleter = staff("view_queue", "delete_queue")
+    data = {"action": "delete_selected", "_selected_action": ["emails", "paused"], "post": "yes"}
+    deleter.post(QUEUES, data)
+    assert Queue.objects.count() == 2
+    deleter.post(reverse("admin:pgjobs_queue_delete", args=["paused"]), {"post": "yes"})
+    assert Queue.objects.count() == 2
+    Queue.objects.create(name="open")
+    deleter.post(QUEUES, {**data, "_selected_action": ["open"]})
+    assert Queue.objects.count() == 2  # a running queue's row: deleted
+    everything = staff("view_queue", "change_queue", "delete_queue", "pause_queue")
+    everything.post(reverse("admin:pgjobs_queue_change", args=["emails"]), {})
+    assert Queue.objects.get(name="emails").max_running is None
+    everything.post(QUEUES, data)
+    assert Queue.objects.count() == 0
