@@ -204,6 +204,17 @@ def test_jobs_left_running_by_a_worker_that_is_gone_are_critical_once_their_leas
     assert 300 <= found["pgjobs_queue_oldest_expired_seconds", ("default",)] < 330
 
 
+def test_a_row_stamped_later_than_the_databases_clock_counts_nobody_alive_and_no_rate():
+    # The database's clock stepped back (an NTP step, a failover to a host behind): a dead
+    # worker's row from "the future" kept it alive (CRITICAL "no worker serves" read as
+    # WARNING), "last seen -600s ago", and 600 jobs/s for 600 jobs in 10 s (attack 23, F4).
+    due_jobs(100, waited=600)
+    worker_row(worker="ghost:1", ago=-600, claimed=600, succeeded=600)
+    report = reports.collect()
+    assert codes(report) == {"no_worker_serves_a_queue"}
+    assert not report.workers and not report.activity
+
+
 def test_many_retries_over_five_minutes_are_a_retry_storm(settings):
     worker_row()
     worker_row(queue="emails", claimed=150, succeeded=40, retried=110)
