@@ -140,11 +140,13 @@ def milliseconds(seconds: float) -> int:
 
 _TIMEOUT_MAX_MS = 2**31 - 1
 
-# A limit already lower (a role's `ALTER ROLE monitor SET statement_timeout = '2s'`) is kept:
-# least() ignores the NULL that stands for none (0).
+# A limit already lower (a role's `ALTER ROLE monitor SET statement_timeout = '2s'`) is kept,
+# whichever of the two is none (0): least() ignores the NULL that stands for it.
 _LIMIT = """
     SELECT s.name, s.setting,
-           set_config(s.name, least(nullif(s.setting::bigint, 0), v.ms)::text, true)
+           set_config(s.name,
+                      coalesce(least(nullif(s.setting::bigint, 0), nullif(v.ms, 0)), 0)::text,
+                      true)
     FROM pg_settings s
     JOIN (VALUES ('lock_timeout', %s::bigint), ('statement_timeout', %s::bigint)) AS v(name, ms)
       ON v.name = s.name

@@ -243,6 +243,25 @@ def test_the_reports_timeouts_are_settings_of_pgjobs_health(settings, lock, stat
         assert cursor.fetchone() == shown
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("statement", [0, math.inf, 10**12, 5])
+def test_a_roles_own_lower_limit_is_kept_whatever_the_reports_setting(settings, statement):
+    # With 0 ("no limit") or more than PostgreSQL's most, the role's own 2 s went too: every
+    # probe's statements ran unbounded on a struggling database (attack 23, F5).
+    settings.PGJOBS = {"HEALTH": {"REPORT_STATEMENT_SECONDS": statement, "REPORT_LOCK_SECONDS": 0}}
+    with connection.cursor() as cursor:
+        cursor.execute("SET statement_timeout = '2s'; SET lock_timeout = '3s'")
+    try:
+        with figures.limited("default"), connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')"
+            )
+            assert cursor.fetchone() == ("2s", "3s")
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET statement_timeout; RESET lock_timeout")
+
+
 # ---- B: a report that ran out of time is unknown, not an outage ------------------------------
 
 
