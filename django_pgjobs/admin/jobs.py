@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION
-from django.contrib.admin.options import IS_POPUP_VAR
+from django.contrib.admin.options import IS_POPUP_VAR, IncorrectLookupParameters
 from django.contrib.admin.utils import unquote
-from django.contrib.admin.views.main import PAGE_VAR, ChangeList
+from django.contrib.admin.views.main import ERROR_FLAG, PAGE_VAR, SEARCH_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, QuerySet
@@ -212,11 +212,25 @@ class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
     def edit_payload_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         return payloads.edit_payload_view(self, request, unquote(object_id))
 
+    def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
+        """Django's; a filter value holding a NUL (no text column holds one, and PostgreSQL
+        refuses it in a query: a server error) is an incorrect lookup, as the list says of
+        others (the ?e=1 page)."""
+        if any("\x00" in value for key, values in request.GET.lists() if key != SEARCH_VAR
+               for value in values):  # fmt: skip
+            raise IncorrectLookupParameters("a NUL character in a filter")
+        return super().get_changelist_instance(request)
+
     def replay_matching_view(self, request: HttpRequest) -> HttpResponse:
         """Replay every job the changelist shows for these filters, with no rows selected."""
         if not (self.has_view_permission(request) and self.has_replay_permission(request)):
             raise PermissionDenied
-        cl = self.get_changelist_instance(request)
+        try:
+            cl = self.get_changelist_instance(request)
+        except IncorrectLookupParameters:  # as the list answers them
+            return HttpResponseRedirect(
+                f"{changelist_url(self, request).split('?')[0]}?{ERROR_FLAG}=1"
+            )
         response = perform(self, request, cl.get_queryset(request), REPLAY)
         return response or HttpResponseRedirect(changelist_url(self, request))
 

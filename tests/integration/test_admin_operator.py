@@ -274,3 +274,31 @@ def test_an_action_on_a_row_another_session_holds_gives_up_and_says_so(
     other_connection.execute("ROLLBACK")
     response = act(admin_client, DEAD if action == "replay" else JOBS, action, jobs)
     assert "Try again" not in " ".join(messages_of(response))
+
+
+# ---- odd filter values --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "query"),
+    [
+        (JOBS, "status__exact=%00"),
+        (DEAD, "status__exact=%00"),
+        (DEAD, "error_type=%00"),
+        (DEAD, "task=a%00b"),
+    ],
+)
+def test_a_nul_in_a_filter_is_an_incorrect_lookup_not_a_server_error(admin_client, url, query):
+    # PostgreSQL refuses a NUL in a query's text: a server error (attack 23, F7).
+    JobFactory(dead=True)
+    response = admin_client.get(f"{url}?{query}")
+    assert (response.status_code, response["Location"]) == (302, f"{url}?e=1")
+    assert admin_client.get(f"{url}?q=%00").status_code == 200  # the search: no rows
+
+
+@pytest.mark.parametrize("query", ["bogus=1", "status__exact=%00"])
+def test_replay_matching_answers_an_incorrect_lookup_as_the_list_does(admin_client, query):
+    from tests.integration.test_admin import REPLAY_MATCHING
+
+    response = admin_client.get(f"{REPLAY_MATCHING}?{query}")
+    assert (response.status_code, response["Location"]) == (302, f"{DEAD}?e=1")
