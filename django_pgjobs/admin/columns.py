@@ -21,6 +21,7 @@ from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry
 from django_pgjobs.admin import progress, times
+from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -166,6 +167,8 @@ def history_entry(entry: Any) -> dict[str, Any]:
 
 def shown_payload(job: Job) -> Any:
     """The payload with the keys its task redacts hidden."""
+    if isinstance(job.payload, Unreadable):
+        return job.payload
     try:
         return registry.get_task(job.task).redacted(job.payload)
     except UnknownTask:
@@ -173,5 +176,11 @@ def shown_payload(job: Job) -> Any:
 
 
 def pretty_json(value: Any) -> str:
+    if isinstance(value, Unreadable):  # written by SQL or another program: said, not shown
+        return format_html(
+            '<pre class="pgjobs-json">{}</pre>',
+            _("This JSON cannot be read in Python (%(error)s); it is kept as it is.")
+            % {"error": value.error},
+        )
     pretty = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
     return format_html('<pre class="pgjobs-json">{}</pre>', pretty)

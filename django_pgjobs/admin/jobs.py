@@ -43,6 +43,7 @@ from django_pgjobs.admin.lists import (
 )
 from django_pgjobs.admin.missing import MigrateFirst
 from django_pgjobs.data.queryset import JobQuerySet
+from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 
@@ -211,6 +212,23 @@ class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
 
     def edit_payload_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         return payloads.edit_payload_view(self, request, unquote(object_id))
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> Job | None:
+        """Django's; a job whose payload or result Python cannot read (nested deeper than its
+        recursion limit: written by SQL or another program, enqueue refuses it) has it as
+        Unreadable, so that its pages still open (its payload cannot be edited)."""
+        try:
+            return super().get_object(request, object_id, from_field)
+        except RecursionError:  # read again, field by field
+            job = self.get_queryset(request).defer("payload", "result").get(pk=object_id)
+        for name in ("payload", "result"):
+            try:
+                job.refresh_from_db(fields=[name])
+            except RecursionError as error:
+                setattr(job, name, Unreadable(error))
+        return job
 
     def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
         """Django's; a filter value holding a NUL (no text column holds one, and PostgreSQL

@@ -29,6 +29,7 @@ from django_pgjobs.admin.columns import shown_payload
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data.payloads import replace_payload
+from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
@@ -107,6 +108,14 @@ def edit_payload_view(model_admin: Any, request: HttpRequest, object_id: str) ->
     if not may_edit(model_admin, request, job):
         raise PermissionDenied
     page = reverse(model_admin.url_name("change"), args=[job.pk])
+    if isinstance(job.payload, Unreadable):
+        model_admin.message_user(
+            request,
+            _("This job's payload cannot be read in Python (%(error)s): correct it in SQL, or "
+              "delete the job.") % {"error": job.payload.error},
+            messages.ERROR,
+        )  # fmt: skip
+        return HttpResponseRedirect(page)
     if not applies(job):
         model_admin.message_user(
             request, _("Only a failed or cancelled job's payload can be edited."), messages.ERROR

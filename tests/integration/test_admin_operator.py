@@ -302,3 +302,26 @@ def test_replay_matching_answers_an_incorrect_lookup_as_the_list_does(admin_clie
 
     response = admin_client.get(f"{REPLAY_MATCHING}?{query}")
     assert (response.status_code, response["Location"]) == (302, f"{DEAD}?e=1")
+
+
+def test_a_job_whose_payload_python_cannot_read_still_has_its_pages(admin_client):
+    # A payload nested deeper than Python's recursion limit (written by SQL: enqueue refuses
+    # it) made its page, its history and its edit-payload page server errors (attack 23, F8).
+    from django.db import connection
+
+    job = JobFactory(dead=True)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET payload = jsonb_build_object('d', "
+            "(repeat('[', 5000) || repeat(']', 5000))::jsonb) WHERE id = %s",
+            [job.pk],
+        )
+    page = admin_client.get(reverse("admin:pgjobs_job_change", args=[job.pk]))
+    assert page.status_code == 200
+    assert "This JSON cannot be read in Python (RecursionError" in page.content.decode()
+    assert admin_client.get(reverse("admin:pgjobs_job_history", args=[job.pk])).status_code == 200
+    edit = admin_client.get(reverse("admin:pgjobs_deadletter_edit_payload", args=[job.pk]))
+    assert edit.status_code == 302
+    assert "payload cannot be read in Python" in " ".join(
+        messages_of(admin_client.get(edit["Location"]))
+    )
