@@ -132,7 +132,7 @@ CANCEL = Action(
         "%d job cancelled (a running one stops if its handler checks, else finishes).",
         "%d jobs cancelled (running ones stop if their handler checks, else finish).",
     ),
-    skipped=gettext_lazy("only ready and running jobs are cancelled"),
+    skipped=gettext_lazy("only ready jobs, and running ones not asked to stop yet, are cancelled"),
     button=gettext_lazy("Cancel…"),
     applies=lambda job: (
         job.status == Status.READY or (job.status == Status.RUNNING and not job.cancel_requested)

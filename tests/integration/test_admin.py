@@ -255,11 +255,14 @@ def test_cancel_cancels_ready_jobs_and_asks_running_ones_to_stop(admin_client, a
     response = act(admin_client, JOBS, "cancel", [ready, running, done])
     assert messages_of(response) == [
         "2 jobs cancelled (running ones stop if their handler checks, else finish). "
-        "1 skipped: only ready and running jobs are cancelled."
+        "1 skipped: only ready jobs, and running ones not asked to stop yet, are cancelled."
     ]
     running = reload(running)
     assert (reload(ready).status, running.status) == (Status.CANCELLED, Status.RUNNING)
     assert running.cancel_requested
+    # Asked again: the reason given was "only ready and running jobs" (attack 23, F9)
+    again = act(admin_client, JOBS, "cancel", [running])
+    assert "running ones not asked to stop yet" in messages_of(again)[0]
     assert log_for(ready) == [(admin_user.username, CHANGE, "Cancelled.")]
 
 
