@@ -20,6 +20,7 @@ from django.utils.translation import gettext_lazy
 
 from django_pgjobs.admin import times
 from django_pgjobs.models import LATENCY_BUCKETS
+from django_pgjobs.observability.figures import limited
 from django_pgjobs.observability.stats import job_database, latency_quantile
 
 #: (label, seconds shown, seconds per point).
@@ -43,7 +44,7 @@ SERIES_SQL = f"""
     SELECT queue, floor(EXTRACT(EPOCH FROM at) / %(step)s)::bigint AS slot,
            sum(succeeded), sum(retried), sum(failed), {_HISTOGRAM}
     FROM pgjobs_queuestat
-    WHERE at > %(since)s
+    WHERE at > %(since)s AND at <= %(now)s
     GROUP BY 1, 2
 """
 
@@ -123,14 +124,17 @@ def show(value: float | None) -> str:
 
 
 def windows(db: str | None = None) -> list[dict[str, Any]]:
-    """The charts of each window, for the report page."""
+    """The charts of each window, for the report page; within the report's time limits (the
+    day's window reads every worker's rows of the day: a big deployment's may take seconds),
+    raising DatabaseError past them."""
     db = job_database(db)
-    with connections[db].cursor() as cursor:
-        cursor.execute("SELECT now()")
+    with limited(db), connections[db].cursor() as cursor:
+        cursor.execute("SELECT statement_timestamp()")  # rows written earlier in this transaction
         (now,) = cursor.fetchone()
         shown = []
         for label, span, step in WINDOWS:
-            cursor.execute(SERIES_SQL, {"step": step, "since": now - timedelta(seconds=span)})
+            since = now - timedelta(seconds=span)
+            cursor.execute(SERIES_SQL, {"step": step, "since": since, "now": now})
             shown.append({"label": label, "charts": charts(cursor.fetchall(), now, span, step)})
     return shown
 

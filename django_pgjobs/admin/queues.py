@@ -129,6 +129,14 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         context = {**(extra_context or {}), "report_url": reverse("admin:pgjobs_queue_report")}
         return super().changelist_view(request, context)
 
+    def _charts(self, request: HttpRequest) -> list[Any]:
+        """The report page's charts; none, said, when they cannot be drawn in time."""
+        try:
+            return charts.windows()
+        except DatabaseError as error:
+            self.message_user(request, _charts_unmade(error), messages.WARNING)
+            return []
+
     def report_view(self, request: HttpRequest) -> HttpResponse:
         """The health report: what `jobstats` prints, for staff who may view queues."""
         if not self.has_view_permission(request):
@@ -151,7 +159,7 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
                 for name in ("last_autovacuum", "last_vacuum", "last_autoanalyze")
             },
             "data": reports.as_dict(report),
-            "charts": charts.windows(),
+            "charts": self._charts(request),
             "activity": reports.activity_rows(report),
             "alive": report.alive,
             "silent": report.silent,
@@ -235,6 +243,14 @@ def _showing(widget: forms.Widget, shown: Any) -> forms.Widget:
     showing.__class__ = _showing_class(type(widget))
     showing.shown = shown  # type: ignore[attr-defined]
     return showing
+
+
+def _charts_unmade(error: DatabaseError) -> str:
+    return _(
+        "The charts could not be drawn within the report's time limits (%s): a day of every "
+        "worker's statistics is a lot to read. PGJOBS['HEALTH']['REPORT_STATEMENT_SECONDS'] "
+        "sets how long it may take, PGJOBS['STATS_RETENTION'] how much is kept."
+    ) % first_line(error)
 
 
 def _unreported(error: DatabaseError) -> str:

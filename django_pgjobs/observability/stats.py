@@ -219,9 +219,9 @@ def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueD
 
 
 # Rows of the longest window only (the index on `at`), each counted in every window it is in.
-# Rows stamped later than now() (the database's clock stepped back since they were written) are
-# left out until it passes them, here and in WORKERS_SQL: they would count a worker that has
-# since died as alive, and a rate over a span that has not happened yet.
+# Rows stamped later than the statement's start (the database's clock stepped back since they
+# were written) are left out until it passes them, here and in WORKERS_SQL: they would count a
+# worker that has since died as alive, and a rate over a span that has not happened yet.
 ACTIVITY_SQL = """
     SELECT s.queue, w.seconds, sum(s.claimed), sum(s.succeeded), sum(s.retried), sum(s.failed),
            least(w.seconds,
@@ -229,7 +229,7 @@ ACTIVITY_SQL = """
     FROM pgjobs_queuestat AS s
     JOIN unnest(%(windows)s::int[]) AS w(seconds)
       ON s.at > now() - make_interval(secs => w.seconds)
-    WHERE s.at > now() - make_interval(secs => %(longest)s) AND s.at <= now()
+    WHERE s.at > now() - make_interval(secs => %(longest)s) AND s.at <= statement_timestamp()
     GROUP BY 1, 2
 """
 BUCKETS_SQL = """
@@ -238,7 +238,7 @@ BUCKETS_SQL = """
     JOIN unnest(%(windows)s::int[]) AS w(seconds)
       ON s.at > now() - make_interval(secs => w.seconds)
     CROSS JOIN LATERAL jsonb_array_elements_text(s.latency_buckets) WITH ORDINALITY AS b(count, n)
-    WHERE s.at > now() - make_interval(secs => %(longest)s) AND s.at <= now()
+    WHERE s.at > now() - make_interval(secs => %(longest)s) AND s.at <= statement_timestamp()
     GROUP BY 1, 2, 3
 """
 
@@ -283,7 +283,7 @@ WORKERS_SQL = """
              AND NOT bool_or(seconds = 0),
            bool_or(seconds = 0)
     FROM pgjobs_queuestat
-    WHERE at > now() - make_interval(secs => %(longest)s) AND at <= now()
+    WHERE at > now() - make_interval(secs => %(longest)s) AND at <= statement_timestamp()
     GROUP BY worker ORDER BY worker
 """
 

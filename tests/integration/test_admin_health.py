@@ -149,3 +149,23 @@ def test_lifting_a_limit_of_0_or_deleting_a_stopped_queue_needs_the_pause_permis
     assert Queue.objects.get(name="emails").max_running is None
     everything.post(QUEUES, data)
     assert Queue.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_charts_that_cannot_be_drawn_in_time_leave_the_report_page_and_say_so(
+    admin_client, settings, monkeypatch
+):
+    # The charts read a day of every worker's statistics with no time limit: 4-7 s a load with
+    # 100 workers, more as they grow (attack 23, F6).
+    from django_pgjobs.admin import charts
+
+    settings.PGJOBS = {"HEALTH": {"REPORT_STATEMENT_SECONDS": 0.2}}
+    monkeypatch.setattr(charts, "SERIES_SQL", charts.SERIES_SQL.replace(
+        "WHERE at >", "WHERE pg_sleep(1)::text IS NOT NULL AND at >"
+    ))  # fmt: skip
+    QueueStat.objects.create(seconds=10, worker="host:1:aa", queue="default", succeeded=1)
+    page = admin_client.get(REPORT)
+    assert page.status_code == 200
+    said = [str(m) for m in page.context["messages"]]
+    assert said and said[0].startswith("The charts could not be drawn within the report's time")
+    assert "canceling statement due to statement timeout" in said[0]

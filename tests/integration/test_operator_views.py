@@ -25,7 +25,6 @@ from django.db.models.functions import Now
 from django.test import Client, override_settings
 from django.urls import reverse
 
-from django_pgjobs.management.commands import jobstats as command
 from django_pgjobs.models import Job, Queue, Schedule
 from django_pgjobs.observability import dbstats, figures, health
 from django_pgjobs.observability import report as reports
