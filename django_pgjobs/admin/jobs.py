@@ -35,11 +35,13 @@ from django_pgjobs.admin.actions import (
 from django_pgjobs.admin.columns import JobColumns, status, task
 from django_pgjobs.admin.lists import (
     ERROR_TYPE,
+    NEWEST,
     ErrorTypeFilter,
     EstimatedCountPaginator,
     JobChangeList,
     QueueFilter,
     TaskFilter,
+    newest,
 )
 from django_pgjobs.admin.missing import MigrateFirst
 from django_pgjobs.data.queryset import JobQuerySet
@@ -299,14 +301,15 @@ class DeadLetterAdmin(BaseJobAdmin):
 
     def changelist_extra(self, cl: ChangeList) -> dict[str, Any]:
         """The summary above the list: dead letters (as filtered) by task and error type."""
-        groups = (
-            cl.queryset.order_by()
+        groups = list(
+            newest(cl.queryset)
             .annotate(error_type=ERROR_TYPE)
             .values("task", "error_type")
             .annotate(jobs=Count("*"))
             .order_by("-jobs", "task", "error_type")
         )
-        return {"summary": list(groups[:20])}
+        read = sum(group["jobs"] for group in groups)
+        return {"summary": groups[:20], "summary_of_newest": NEWEST if read >= NEWEST else None}
 
 
 def _running(job: Job | None) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 from django.contrib import admin
 from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
-from django.db.models import CharField, F, Func, Q, QuerySet, Value
+from django.db.models import CharField, F, Func, Q, QuerySet, Subquery, Value
 from django.db.models.functions import Left
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy
@@ -30,6 +30,18 @@ EXACT_COUNT_LIMIT = 10_000
 ERROR_TYPE = Func(
     F("last_error"), Value(":"), Value(1), function="split_part", output_field=CharField()
 )
+
+
+#: The dead letters' summary and their error-type filter read the newest this many (of the
+#: list's filter): every dead letter, read twice a page, took a second and more at a million.
+NEWEST = 10_000
+
+
+def newest(jobs: QuerySet[Any]) -> QuerySet[Any]:
+    """The newest NEWEST of `jobs` (ids are UUIDv7s: by the primary key's index)."""
+    return jobs.model._default_manager.filter(
+        pk__in=Subquery(jobs.order_by("-pk").values("pk")[:NEWEST])
+    )
 
 
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
@@ -103,7 +115,7 @@ class ErrorTypeFilter(admin.SimpleListFilter):
     parameter_name = "error_type"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        types = DeadLetter.objects.dead().annotate(error_type=ERROR_TYPE)
+        types = newest(DeadLetter.objects.dead()).annotate(error_type=ERROR_TYPE)
         names = types.values_list("error_type", flat=True).distinct().order_by("error_type")
         return [(name, name) for name in names[:50] if name]
 

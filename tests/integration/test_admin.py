@@ -118,6 +118,27 @@ def test_dead_letters_list_only_failed_jobs_with_a_summary_by_task_and_error_typ
     assert [job.pk for job in filtered] == [other.pk]
 
 
+def test_the_summary_and_the_error_types_read_the_newest_dead_letters_only(
+    admin_client, monkeypatch
+):
+    # Both read every dead letter, each page: 1.3-1.7 s at a million (attack 23, F6)
+    from django_pgjobs.admin import jobs, lists
+
+    monkeypatch.setattr(lists, "NEWEST", 3)
+    monkeypatch.setattr(jobs, "NEWEST", 3)
+    JobFactory.create_batch(2, dead=True, last_error="KeyError: 'x'")  # the oldest
+    JobFactory.create_batch(3, dead=True, last_error="RuntimeError: boom")
+    response = admin_client.get(DEAD)
+    assert response.context["summary"] == [
+        {"task": "tests.tasks.noop", "error_type": "RuntimeError", "jobs": 3}
+    ]
+    assert "Dead letters by task and error type (the newest 3)" in response.content.decode()
+    error_types = [
+        f for f in response.context["cl"].filter_specs if f.parameter_name == "error_type"
+    ]
+    assert [value for value, _ in error_types[0].lookup_choices] == ["RuntimeError"]
+
+
 def test_the_changelist_never_counts_the_whole_table_nor_reads_payloads(admin_client):
     JobFactory.create_batch(3)
     with CaptureQueriesContext(connection) as queries:
