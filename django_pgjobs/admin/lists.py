@@ -39,9 +39,11 @@ NEWEST = 10_000
 
 def newest(jobs: QuerySet[Any]) -> QuerySet[Any]:
     """The newest NEWEST of `jobs` (ids are UUIDv7s: by the primary key's index)."""
-    return jobs.model._default_manager.filter(
+    manager: Any = jobs.model._default_manager
+    found: QuerySet[Any] = manager.filter(
         pk__in=Subquery(jobs.order_by("-pk").values("pk")[:NEWEST])
     )
+    return found
 
 
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]

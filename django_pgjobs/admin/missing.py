@@ -1,5 +1,6 @@
 """The admin's answer to a database without the pgjobs tables: a page that says to run
-``manage.py migrate``, instead of a server error about a relation that does not exist."""
+``manage.py migrate``, instead of a server error about a relation that does not exist; and to a
+page that waits on a lock held elsewhere: one that says so, after ACTION_LOCK_WAIT."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from functools import wraps
 from typing import Any
 
 from django.contrib import admin
-from django.db import DatabaseError, connections, router
+from django.db import DatabaseError, connections, router, transaction
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.translation import gettext as _
 
 from django_pgjobs import schema
+from django_pgjobs.data import rows
+from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job
 
 View = Callable[..., HttpResponse]
@@ -36,13 +39,47 @@ class MigrateFirst:
         @wraps(view)
         def guarded(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             try:
+                if request.method in ("GET", "HEAD"):
+                    return self.bounded(view, request, *args, **kwargs)
                 return view(request, *args, **kwargs)
             except DatabaseError as error:
-                if not schema.is_not_migrated(error):
-                    raise
-                return self.not_migrated(request, error)
+                if schema.is_not_migrated(error):
+                    return self.not_migrated(request, error)
+                if request.method in ("GET", "HEAD") and rows.timed_out(error):
+                    return self.locked(request, error)
+                raise
 
         return guarded
+
+    def bounded(self, view: View, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        """A page that only reads, rendered in a transaction whose statements wait at most
+        ACTION_LOCK_WAIT for a lock (a LOCK TABLE, a migration's ALTER held up): else it waited
+        as long as the lock was held, a request and a connection per reload."""
+        from django_pgjobs.admin.actions import ACTION_LOCK_WAIT, BOUND_LOCK_WAIT
+
+        db = router.db_for_read(Job)
+        with transaction.atomic(using=db):
+            with connections[db].cursor() as cursor:
+                cursor.execute(BOUND_LOCK_WAIT, [ACTION_LOCK_WAIT, ACTION_LOCK_WAIT])
+            response = view(request, *args, **kwargs)
+            if isinstance(response, TemplateResponse):
+                response.render()  # its queries run as the template reads them
+        return response
+
+    def locked(self, request: HttpRequest, error: DatabaseError) -> HttpResponse:
+        """The page for a read that gave up on a lock: who holds it, when that can be told."""
+        from django_pgjobs.admin.actions import ACTION_LOCK_WAIT
+        from django_pgjobs.observability import report as reports
+
+        reason = reports.locked_out()
+        said = f"{reason.summary}: {reason.detail}" if reason is not None else first_line(error)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("The jobs are locked"),
+            "error": said,
+            "waited": ACTION_LOCK_WAIT,
+        }
+        return TemplateResponse(request, "admin/pgjobs/locked.html", context, status=503)
 
     def not_migrated(self, request: HttpRequest, error: DatabaseError) -> HttpResponse:
         db = router.db_for_write(Job)

@@ -151,6 +151,28 @@ def test_the_metrics_view_says_unknown_when_a_statement_of_the_report_ran_out_of
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "page", ["admin:pgjobs_job_changelist", "admin:pgjobs_deadletter_changelist", "job"]
+)
+def test_a_job_page_gives_up_on_a_locked_job_table_and_names_who_holds_it(
+    admin_client, locked_table, monkeypatch, page
+):
+    # The lists and the job pages waited as long as the lock was held (attack 23, F2)
+    from django_pgjobs.admin import actions
+
+    monkeypatch.setattr(actions, "ACTION_LOCK_WAIT", "300ms")
+    job = JobFactory()
+    pid = locked_table("ACCESS EXCLUSIVE")
+    url = reverse("admin:pgjobs_job_change", args=[job.pk]) if page == "job" else reverse(page)
+    started = time.monotonic()
+    response = admin_client.get(url)
+    assert time.monotonic() - started < 5
+    assert response.status_code == 503
+    text = response.content.decode()
+    assert f"pid {pid} holds ACCESS EXCLUSIVE" in text and "waited 300ms" in text
+
+
+@pytest.mark.django_db(transaction=True)
 def test_jobstats_json_is_critical_once_the_lock_is_as_old_as_the_workers_lock_timeout(
     locked_table, monkeypatch
 ):
