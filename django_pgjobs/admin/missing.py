@@ -15,9 +15,11 @@ from django.template.response import TemplateResponse
 from django.utils.translation import gettext as _
 
 from django_pgjobs import schema
+from django_pgjobs.admin import actions
 from django_pgjobs.data import rows
 from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job
+from django_pgjobs.observability import report as reports
 
 View = Callable[..., HttpResponse]
 
@@ -53,14 +55,12 @@ class MigrateFirst:
 
     def bounded(self, view: View, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         """A page that only reads, rendered in a transaction whose statements wait at most
-        ACTION_LOCK_WAIT for a lock (a LOCK TABLE, a migration's ALTER held up): else it waited
-        as long as the lock was held, a request and a connection per reload."""
-        from django_pgjobs.admin.actions import ACTION_LOCK_WAIT, BOUND_LOCK_WAIT
-
+        ACTION_LOCK_WAIT (admin/actions.py) for a lock (a LOCK TABLE, a migration held up): else it
+        waited as long as the lock was held, a request and a connection per reload."""
         db = router.db_for_read(Job)
         with transaction.atomic(using=db):
             with connections[db].cursor() as cursor:
-                cursor.execute(BOUND_LOCK_WAIT, [ACTION_LOCK_WAIT, ACTION_LOCK_WAIT])
+                cursor.execute(actions.BOUND_LOCK_WAIT, [actions.ACTION_LOCK_WAIT] * 2)
             response = view(request, *args, **kwargs)
             if isinstance(response, TemplateResponse):
                 response.render()  # its queries run as the template reads them
@@ -68,16 +68,13 @@ class MigrateFirst:
 
     def locked(self, request: HttpRequest, error: DatabaseError) -> HttpResponse:
         """The page for a read that gave up on a lock: who holds it, when that can be told."""
-        from django_pgjobs.admin.actions import ACTION_LOCK_WAIT
-        from django_pgjobs.observability import report as reports
-
         reason = reports.locked_out()
         said = f"{reason.summary}: {reason.detail}" if reason is not None else first_line(error)
         context = {
             **self.admin_site.each_context(request),
             "title": _("The jobs are locked"),
             "error": said,
-            "waited": ACTION_LOCK_WAIT,
+            "waited": actions.ACTION_LOCK_WAIT,
         }
         return TemplateResponse(request, "admin/pgjobs/locked.html", context, status=503)
 
