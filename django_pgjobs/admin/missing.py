@@ -8,9 +8,9 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db import DatabaseError, connections, router, transaction
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.translation import gettext as _
 
@@ -47,9 +47,14 @@ class MigrateFirst:
             except DatabaseError as error:
                 if schema.is_not_migrated(error):
                     return self.not_migrated(request, error)
-                if request.method in ("GET", "HEAD") and rows.timed_out(error):
+                if not rows.timed_out(error):
+                    raise
+                if request.method in ("GET", "HEAD"):
                     return self.locked(request, error)
-                raise
+                # A change that waited its time for a row held elsewhere: rolled back, said,
+                # and the page again
+                messages.error(request, self.locked_out(error))
+                return HttpResponseRedirect(request.get_full_path())
 
         return guarded
 
@@ -66,14 +71,22 @@ class MigrateFirst:
                 response.render()  # its queries run as the template reads them
         return response
 
+    def locked_out(self, error: DatabaseError) -> str:
+        """What held the page up: the table lock and its holder, when that can be told."""
+        reason = reports.locked_out()
+        if reason is not None:
+            return f"{reason.summary}: {reason.detail}"
+        return _(
+            "A statement of this page ran out of time (%(error)s): another session may hold a "
+            "row or table it needs (it waits at most %(wait)s). Nothing was changed; try again."
+        ) % {"wait": actions.ACTION_LOCK_WAIT, "error": first_line(error)}
+
     def locked(self, request: HttpRequest, error: DatabaseError) -> HttpResponse:
         """The page for a read that gave up on a lock: who holds it, when that can be told."""
-        reason = reports.locked_out()
-        said = f"{reason.summary}: {reason.detail}" if reason is not None else first_line(error)
         context = {
             **self.admin_site.each_context(request),
             "title": _("The jobs are locked"),
-            "error": said,
+            "error": self.locked_out(error),
             "waited": actions.ACTION_LOCK_WAIT,
         }
         return TemplateResponse(request, "admin/pgjobs/locked.html", context, status=503)

@@ -17,7 +17,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
-from django.db import DatabaseError
+from django.db import DatabaseError, connections, router
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -28,7 +28,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
 from django_pgjobs import schema
-from django_pgjobs.admin import charts, times
+from django_pgjobs.admin import actions, charts, times
 from django_pgjobs.admin.actions import apply
 from django_pgjobs.admin.missing import MigrateFirst
 from django_pgjobs.data import rows
@@ -79,6 +79,11 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         return guarded(form)
 
     def save_model(self, request: HttpRequest, obj: Queue, form: Any, change: bool) -> None:
+        # In the page's transaction: a queue row another session holds is waited for at most
+        # ACTION_LOCK_WAIT (MigrateFirst then says so), not for as long as it is held.
+        db = router.db_for_write(Queue)
+        with connections[db].cursor() as cursor:
+            cursor.execute(actions.BOUND_LOCK_WAIT, [actions.ACTION_LOCK_WAIT] * 2)
         if not isinstance(form, Guarded):
             return super().save_model(request, obj, form, change)
         # The list's Save writes only what this user changed, and only where the row still

@@ -169,3 +169,27 @@ def test_charts_that_cannot_be_drawn_in_time_leave_the_report_page_and_say_so(
     said = [str(m) for m in page.context["messages"]]
     assert said and said[0].startswith("The charts could not be drawn within the report's time")
     assert "canceling statement due to statement timeout" in said[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_saving_a_queue_another_session_holds_gives_up_and_says_so(
+    admin_client, other_connection, monkeypatch
+):
+    # It waited as long as the other session held the row (attack 23, F2)
+    import time
+
+    from django_pgjobs.admin import actions
+
+    monkeypatch.setattr(actions, "ACTION_LOCK_WAIT", "300ms")
+    Queue.objects.create(name="emails")
+    other_connection.execute("BEGIN")
+    other_connection.execute("SELECT 1 FROM pgjobs_queue WHERE name = 'emails' FOR UPDATE")
+    url = reverse("admin:pgjobs_queue_change", args=["emails"])
+    started = time.monotonic()
+    response = admin_client.post(url, {"max_running": "3"})
+    assert time.monotonic() - started < 5
+    assert (response.status_code, response["Location"]) == (302, url)
+    said = [str(m) for m in admin_client.get(url).context["messages"]]
+    assert said and "canceling statement due to lock timeout" in said[0], said
+    other_connection.execute("ROLLBACK")
+    assert Queue.objects.get().max_running is None
