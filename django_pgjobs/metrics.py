@@ -169,8 +169,8 @@ def families(report: reports.Report) -> list[Metric]:
             stream.add_metric([s.queue, state], value if s.reachable else -1)  # fmt: skip
     waited = _gauge(
         "pgjobs_nats_oldest_seconds", "How long a NATS queue's oldest message not yet delivered "
-        "(pending), or delivered and not acknowledged (ack_pending), has been due; none while "
-        "it cannot be read; 0 when there is none).", ["queue", "state"],
+        "(pending), or delivered and not acknowledged (ack_pending), has been due (0 when there "
+        "is none; absent while it cannot be read).", ["queue", "state"],
     )  # fmt: skip
     for s in report.streams:
         for state, count, age in (

@@ -11,7 +11,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.db import DatabaseError, connections, router, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
-from django.template.response import TemplateResponse
+from django.template.response import SimpleTemplateResponse, TemplateResponse
 from django.utils.translation import gettext as _
 
 from django_pgjobs import schema
@@ -67,7 +67,7 @@ class MigrateFirst:
             with connections[db].cursor() as cursor:
                 cursor.execute(actions.BOUND_LOCK_WAIT, [actions.ACTION_LOCK_WAIT] * 2)
             response = view(request, *args, **kwargs)
-            if isinstance(response, TemplateResponse):
+            if isinstance(response, SimpleTemplateResponse):
                 response.render()  # its queries run as the template reads them
         return response
 
