@@ -118,6 +118,8 @@ class JobColumns:
     @admin.display(description=gettext_lazy("progress"))
     def progress_display(self, job: Job) -> SafeString | str:
         """The last progress report of the running (or last) attempt, and when it was written."""
+        if isinstance(job.progress, Unreadable):
+            return pretty_json(job.progress)
         return progress.on_page(job.progress)
 
     @admin.display(description=gettext_lazy("run at"))
@@ -152,6 +154,8 @@ class JobColumns:
     @admin.display(description=gettext_lazy("error history"))
     def error_history(self, job: Job) -> str:
         """Each failed attempt, and each replay (who, when, into which queue), oldest first."""
+        if isinstance(job.errors, Unreadable):
+            return pretty_json(job.errors)
         entries = [history_entry(e) for e in job.errors or []]
         return render_to_string("admin/pgjobs/error_history.html", {"entries": entries})
 

@@ -16,6 +16,7 @@ from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import ERROR_FLAG, PAGE_VAR, SEARCH_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
+from django.db import models
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import path, reverse
@@ -218,14 +219,15 @@ class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
     def get_object(
         self, request: HttpRequest, object_id: str, from_field: str | None = None
     ) -> Job | None:
-        """Django's; a job whose payload or result Python cannot read (nested deeper than its
-        recursion limit: written by SQL or another program, enqueue refuses it) has it as
-        Unreadable, so that its pages still open (its payload cannot be edited)."""
+        """Django's; a job whose payload, result or other JSON Python cannot read (nested deeper
+        than its recursion limit: written by SQL or another program, enqueue refuses it) has it
+        as Unreadable, so that its pages still open (its payload cannot be edited)."""
         try:
             return super().get_object(request, object_id, from_field)
-        except RecursionError:  # read again, field by field
-            job = self.get_queryset(request).defer("payload", "result").get(pk=object_id)
-        for name in ("payload", "result"):
+        except RecursionError:  # read again, its JSON field by field
+            json = [f.name for f in Job._meta.concrete_fields if isinstance(f, models.JSONField)]
+            job = self.get_queryset(request).defer(*json).get(pk=object_id)
+        for name in json:
             try:
                 job.refresh_from_db(fields=[name])
             except RecursionError as error:

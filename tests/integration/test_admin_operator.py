@@ -325,3 +325,22 @@ def test_a_job_whose_payload_python_cannot_read_still_has_its_pages(admin_client
     assert "payload cannot be read in Python" in " ".join(
         messages_of(admin_client.get(edit["Location"]))
     )
+
+
+@pytest.mark.parametrize("field", ["payload", "result", "errors", "progress", "headers"])
+@pytest.mark.parametrize(
+    "page",
+    ["admin:pgjobs_job_change", "admin:pgjobs_job_history", "admin:pgjobs_deadletter_change"],
+)
+def test_any_json_of_a_job_that_python_cannot_read_leaves_its_pages_open(admin_client, field, page):
+    from django.db import connection
+
+    job = JobFactory(dead=True)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE pgjobs_job SET {field} = "
+            "jsonb_build_array((repeat('[', 5000) || repeat(']', 5000))::jsonb) WHERE id = %s",
+            [job.pk],
+        )
+    response = admin_client.get(reverse(page, args=[job.pk]))
+    assert response.status_code == 200
