@@ -69,9 +69,9 @@ class JobChangeList(ChangeList):
     def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
         # The list never shows the payload or the history; it shows the head of the last error.
         queryset: QuerySet[Any] = super().get_queryset(request, exclude_parameters)
-        lean: QuerySet[Any] = queryset.defer("payload", "errors", "last_error").annotate(
-            error_head=Left("last_error", 300)
-        )
+        lean: QuerySet[Any] = queryset.defer(
+            "payload", "errors", "last_error", "result", "headers"
+        ).annotate(error_head=Left("last_error", 300))
         return lean
 
 

@@ -9,6 +9,8 @@ from functools import wraps
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
+from django.contrib.admin.views.main import SEARCH_VAR, ChangeList
 from django.db import DatabaseError, connections, router, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import SimpleTemplateResponse, TemplateResponse
@@ -47,7 +49,7 @@ class MigrateFirst:
             except DatabaseError as error:
                 if schema.is_not_migrated(error):
                     return self.not_migrated(request, error)
-                if not rows.timed_out(error):
+                if not rows.lock_waited_out(error):
                     raise
                 if request.method in ("GET", "HEAD"):
                     return self.locked(request, error)
@@ -77,8 +79,8 @@ class MigrateFirst:
         if reason is not None:
             return f"{reason.summary}: {reason.detail}"
         return _(
-            "A statement of this page ran out of time (%(error)s): another session may hold a "
-            "row or table it needs (it waits at most %(wait)s). Nothing was changed; try again."
+            "This page waited %(wait)s for a row or table another session holds (%(error)s). "
+            "Nothing was changed; try again."
         ) % {"wait": actions.ACTION_LOCK_WAIT, "error": first_line(error)}
 
     def locked(self, request: HttpRequest, error: DatabaseError) -> HttpResponse:
@@ -104,3 +106,13 @@ class MigrateFirst:
             "error": schema.explained(error),
         }
         return TemplateResponse(request, "admin/pgjobs/not_migrated.html", context, status=503)
+
+    def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
+        """Django's; a filter value holding a NUL (no text column holds one, and PostgreSQL
+        refuses it in a query: a server error) is an incorrect lookup, as the list says of
+        others (the ?e=1 page)."""
+        if any("\x00" in value for key, values in request.GET.lists() if key != SEARCH_VAR
+               for value in values):  # fmt: skip
+            raise IncorrectLookupParameters("a NUL character in a filter")
+        changelist: ChangeList = super().get_changelist_instance(request)  # type: ignore[misc]
+        return changelist

@@ -192,6 +192,12 @@ def timed_out(error: DatabaseError) -> bool:
     )
 
 
+def lock_waited_out(error: DatabaseError) -> bool:
+    """Whether `error` is a statement that waited its lock_timeout for a lock held elsewhere
+    (not a statement_timeout: nothing need be locked for that)."""
+    return isinstance(error.__cause__, psycopg.errors.LockNotAvailable)
+
+
 def rolled_back(error: DatabaseError) -> bool:
     """Whether `error` is the database rolling a transaction back to keep its guarantees (a
     serialization failure, a deadlock: SQLSTATE class 40), which a retry may get past."""

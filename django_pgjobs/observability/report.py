@@ -109,13 +109,13 @@ class NoReport:
     code: str = "report_failed"
 
 
-def no_report(error: DatabaseError) -> NoReport:
+def no_report(error: DatabaseError, db: str | None = None) -> NoReport:
     """Why the report could not be taken, and how bad that is: the queue cannot work without
     its database or its tables, or while its job table is locked against the workers
     (critical); a probe without the right to read the figures, or whose statement ran out of
     time or was cancelled while the database answers, knows nothing (unknown)."""
     first = first_line(error)
-    alias = job_database()
+    alias = job_database(db)
     if schema.is_not_migrated(error):
         return NoReport(
             health.Level.CRITICAL,
@@ -125,7 +125,7 @@ def no_report(error: DatabaseError) -> NoReport:
     # A statement_timeout, a cancel request, a lock_timeout, a transaction rolled back: the
     # report's failure, not the database's.
     if rows.timed_out(error) or rows.rolled_back(error):
-        return out_of_time(first)
+        return out_of_time(first, db)
     if getattr(error.__cause__, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
         return NoReport(
             health.Level.UNKNOWN,
@@ -144,10 +144,10 @@ def no_report(error: DatabaseError) -> NoReport:
     return NoReport(health.Level.UNKNOWN, f"the report could not be taken: {first}")
 
 
-def out_of_time(first: str) -> NoReport:
+def out_of_time(first: str, db: str | None = None) -> NoReport:
     """A statement of the report ran out of time, was cancelled or rolled back: the job table
     locked against the workers if it is (its own verdict), else unknown."""
-    reason = locked_out()
+    reason = locked_out(db)
     if reason is not None:
         return NoReport(reason.level, f"{reason.summary}: {reason.detail}", reason, reason.code)
     return NoReport(

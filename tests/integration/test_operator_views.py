@@ -140,6 +140,14 @@ def test_the_metrics_view_gives_the_verdict_when_the_report_cannot_be_taken(
     }
 
 
+def test_the_metrics_view_is_outside_atomic_requests():
+    # Under ATOMIC_REQUESTS, Django's request transaction connected before the view could
+    # answer an outage with the verdict: HTTP 500 again (attack 24, F1)
+    from django_pgjobs import metrics
+
+    assert "default" in metrics.report_view._non_atomic_requests  # type: ignore[attr-defined]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_metrics_view_says_unknown_when_a_statement_of_the_report_ran_out_of_time(
     settings, other_connection
