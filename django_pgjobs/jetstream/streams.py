@@ -1,13 +1,19 @@
-"""Each NATS queue's stream and durable consumer, created (or updated) from its settings."""
+"""Each NATS queue's stream and durable consumer: created (or updated) from its settings, made
+again from where it had got, bound at the worker's fetch, and read once a second by the
+acknowledgement thread (its ack wait, whether it still exists, how far it has got)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nats.js import api
 from nats.js.errors import NotFoundError
 
 from django_pgjobs.jetstream.bridge import Bridge
+from django_pgjobs.models import Queue
+from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.transports import NatsQueue
 
 
@@ -78,3 +84,138 @@ def ensure_consumer(
     bridge.call(js.add_consumer(queue.stream, config))
     subscription = bridge.call(js.pull_subscribe_bind(queue.consumer, stream=queue.stream))
     return subscription, None if existing is not None else config
+
+
+logger = logging.getLogger("django_pgjobs.jetstream.consumer")
+
+
+class Consumers:
+    """The consumers of `queues` for worker `worker` (its --lease `lease`, its database `db`):
+    `subscription(queue)` from the main loop, `read(last)` from the acknowledgement thread
+    (`stopping()`: the worker is stopping)."""
+
+    def __init__(
+        self,
+        worker: str,
+        bridge: Bridge,
+        queues: Sequence[NatsQueue],
+        lease: float,
+        db: str,
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.worker, self.bridge, self.queues = worker, bridge, list(queues)
+        self.lease, self.db, self.stopping = lease, db, stopping
+        self._subscriptions: dict[str, object] = {}
+        self._gone: set[str] = set()  # queues whose consumer was found gone (read)
+        self._ack_floors: dict[str, int] = {}  # by queue: its consumer's, as last read
+        self._streams_made: dict[str, object] = {}  # by queue: when its stream was created
+
+    def subscription(self, queue: NatsQueue) -> object:
+        """The queue's pull subscription, its stream and consumer made (again) if need be."""
+        if queue.queue in self._gone:  # a pull from a consumer gone only times out
+            self._gone.discard(queue.queue)
+            self._subscriptions.pop(queue.queue, None)  # made and bound again here
+        subscription = self._subscriptions.get(queue.queue)
+        if subscription is None:
+            stream = ensure_stream(self.bridge, queue)
+            floor = self._ack_floors.get(queue.queue)
+            if self._streams_made.setdefault(queue.queue, stream.created) != stream.created:
+                # The stream itself was made again (deleted, or the server lost its storage):
+                # its sequences start again, and the old floor would pass over its messages.
+                self._streams_made[queue.queue], floor = stream.created, None
+                self._ack_floors.pop(queue.queue, None)
+            subscription, made = ensure_consumer(
+                self.bridge, queue, self.lease, self._max_ack_pending(queue), resume_after=floor
+            )
+            if made is not None:
+                self._say_made(queue, stream, floor)
+            self._subscriptions[queue.queue] = subscription
+        return subscription
+
+    def forget(self) -> None:
+        """The stream or a consumer was deleted, or the connection closed for good
+        (Bridge.client): every subscription is made and bound again at the next fetch."""
+        self._subscriptions.clear()
+
+    def read(self, last: float) -> float:
+        """Read the consumers as the server has them now; returns the shortest ack wait (`last`,
+        the one read before, while the worker stops). They are shared: a worker of the queue
+        started with a shorter --lease sets its own (this one's in-progress acknowledgements
+        must then come as often, or every message it runs is delivered again to another worker
+        while it runs). One found gone (deleted by hand, or the server restarted without its
+        storage, which its pulls cannot tell from an empty queue) is made again at the main
+        loop's next fetch, from just after its last acknowledgements in order."""
+        waits = [self.lease]
+        if self.stopping():  # its grace: the last ack wait read stands
+            return last
+        for queue in self.queues:
+            if queue.queue not in self._subscriptions or queue.queue in self._gone:
+                continue
+            try:
+                info = self.bridge.call(
+                    self.bridge.js.consumer_info(queue.stream, queue.consumer),
+                    self.bridge.servers.publish_timeout,
+                )
+            except NotFoundError:
+                self._gone.add(queue.queue)
+                quietly(
+                    logger.warning,
+                    "worker %s: the consumer %s of queue %r is gone (deleted, or the server "
+                    "lost its storage); making it again", self.worker, queue.consumer, queue.queue,
+                )  # fmt: skip
+                continue
+            self._ack_floors[queue.queue] = max(  # where one made again starts (subscription)
+                self._ack_floors.get(queue.queue, 0), ack_floor(info)
+            )
+            waits.append(float(info.config.ack_wait or self.lease))
+        shortest = min(waits)
+        if shortest < self.lease and shortest != last:
+            quietly(
+                logger.warning,
+                "worker %s: a consumer of its queues has an ack wait of %gs, under its lease of "
+                "%gs (set by a worker started with a shorter --lease): in-progress "
+                "acknowledgements every %.2gs", self.worker, shortest, self.lease, shortest / 3,
+            )  # fmt: skip
+        return shortest
+
+    def _say_made(self, queue: NatsQueue, stream: Any, floor: int | None) -> None:
+        """Say that the queue's consumer had to be made, and which messages it delivers."""
+        state = stream.state
+        if floor is not None:
+            quietly(
+                logger.warning,
+                "worker %s: made the consumer %s of queue %r again, delivering from stream "
+                "sequence %d on (after the last one it had acknowledged in order, as this "
+                "worker last read it): a job acknowledged after that runs again",
+                self.worker, queue.consumer, queue.queue, floor + 1,
+            )  # fmt: skip
+        elif state.messages and queue.retention != "workqueue":  # there, none ran: all due
+            quietly(
+                logger.warning,
+                "worker %s: the consumer %s of queue %r did not exist: made, it delivers every "
+                "message the stream %s holds (%d, sequences %d to %d). If the queue ran on "
+                "NATS before and its consumer was deleted, the jobs among them that ran run "
+                "again (docs/explanation/graduating.md)",
+                self.worker, queue.consumer, queue.queue, queue.stream, state.messages,
+                state.first_seq, state.last_seq,
+            )  # fmt: skip
+
+    def _max_ack_pending(self, queue: NatsQueue) -> int:
+        """The queue's max_running (a Queue row) when set: across every worker, as many
+        messages as that may be delivered and unacknowledged at once."""
+        limit = Queue.objects.using(self.db).filter(name=queue.queue).values_list(
+            "max_running", flat=True
+        ).first()  # fmt: skip
+        return queue.max_ack_pending if limit is None else max(limit, 1)
+
+
+def ack_floor(info: Any) -> int:
+    """The stream sequence up to which consumer `info` has acknowledged every message. The
+    server says 0 for a consumer made to start at a sequence (made again, by subscription)
+    until its first acknowledgement: then the one before its start. Taken as 0, it had a
+    consumer deleted again before that made again from the stream's first message, and every
+    job the stream held ran again."""
+    floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
+    if info.config.deliver_policy == api.DeliverPolicy.BY_START_SEQUENCE:
+        floor = max(floor, (info.config.opt_start_seq or 1) - 1)
+    return int(floor)

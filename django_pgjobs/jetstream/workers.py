@@ -1,5 +1,5 @@
-"""What `runjobs` runs when a queue uses NATS: a worker for the NATS queues it was given, or a
-PostgreSQL worker, each with the relay on a thread of its own (unless --no-relay), so that
+"""What `runjobs` runs when a queue uses NATS: a worker on the NATS queues it was given, or on
+PostgreSQL queues, each with the relay on a thread of its own (unless --no-relay), so that
 publishing never holds up the worker's loop; with --once, the relay is a chore of the loop, so
 that the worker's drain includes it."""
 
@@ -11,8 +11,8 @@ import threading
 from django.db import router
 
 from django_pgjobs.jetstream.bridge import Bridge
-from django_pgjobs.jetstream.consumer import NatsWorker
 from django_pgjobs.jetstream.relay import Relay, RelayChore, relay_until
+from django_pgjobs.jetstream.source import NatsSource
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.options import Options
@@ -24,9 +24,10 @@ class MixedQueues(ValueError):
     """NATS queues and PostgreSQL queues given to one worker."""
 
 
-def worker(options: Options) -> Worker | NatsWorker:
-    """The worker for `options.queues`: a NatsWorker when they all use NATS, a Worker when
-    none does (MixedQueues otherwise); with the relay of every NATS queue when options.relay."""
+def worker(options: Options) -> Worker:
+    """The worker for `options.queues`: with a NATS source when they all use NATS, PostgreSQL
+    when none does (MixedQueues otherwise); with the relay of every NATS queue when
+    options.relay."""
     queues = nats_queues()
     ours = [queues[name] for name in options.queues if name in queues]
     if ours and len(ours) != len(options.queues):
@@ -42,8 +43,8 @@ def worker(options: Options) -> Worker | NatsWorker:
     elif options.relay:
         start_relay(relay_chore(bridge).relay)
     if ours:
-        return NatsWorker(options, ours, bridge, chores)
-    return Worker(options, chores)
+        return Worker(options, NatsSource(ours, bridge), chores)
+    return Worker(options, chores=chores)
 
 
 def relay_chore(bridge: Bridge | None = None) -> RelayChore:

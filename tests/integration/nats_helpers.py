@@ -22,10 +22,11 @@ nats = pytest.importorskip("nats", reason="the NATS tests need nats-py (the nats
 from django_pgjobs import transports  # noqa: E402
 from django_pgjobs.jetstream import streams  # noqa: E402
 from django_pgjobs.jetstream.bridge import Bridge  # noqa: E402
-from django_pgjobs.jetstream.consumer import NatsWorker  # noqa: E402
+from django_pgjobs.jetstream.source import NatsSource  # noqa: E402
 from django_pgjobs.jetstream.relay import Relay  # noqa: E402
 from django_pgjobs.models import Job  # noqa: E402
 from django_pgjobs.runtime.options import Options  # noqa: E402
+from django_pgjobs.runtime.worker import Worker  # noqa: E402
 
 NATS_URL = os.environ.get("PGJOBS_TEST_NATS", "nats://127.0.0.1:4222")
 
@@ -114,7 +115,7 @@ def stream_messages(queue: str) -> int:
 
 
 class WorkerThread:
-    """A NatsWorker for `queue` running in a thread until stopped."""
+    """A worker on NATS queue `queue` running in a thread until stopped."""
 
     def __init__(
         self,
@@ -126,10 +127,10 @@ class WorkerThread:
     ) -> None:
         options = Options(queues=[queue], concurrency=concurrency, lease=lease, grace=5.0,
                           stats_interval=stats_interval, poll_interval=poll_interval)  # fmt: skip
-        self.worker = NatsWorker(options, [transports.nats_queues()[queue]], bridge(), [])
+        self.worker = Worker(options, NatsSource([transports.nats_queues()[queue]], bridge()))
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
 
-    def __enter__(self) -> NatsWorker:
+    def __enter__(self) -> Worker:
         self.thread.start()
         return self.worker
 

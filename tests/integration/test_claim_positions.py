@@ -17,8 +17,8 @@ from django_pgjobs.data import sql
 from django_pgjobs.data.jobs import turn_params
 from django_pgjobs.data.records import FailedAttempt, Failure, Position
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import positions
-from django_pgjobs.runtime.positions import Positions
+from django_pgjobs.runtime import postgres as positions
+from django_pgjobs.runtime.postgres import Positions
 from tests import plans
 from tests.factories import JobFactory, backlog
 

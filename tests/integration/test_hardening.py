@@ -333,16 +333,16 @@ def test_an_outcome_the_database_refuses_is_dead_lettered_and_the_others_are_rec
     # checked where they are made: the batch's statement fails on it.
     refused = Handled(Verdict.ERROR, delay=1e300, failure=Failure("RuntimeError", "boom"))
     for job, handled in zip(jobs, [ok, refused, ok], strict=True):
-        worker._settler.finished(job, handled)
+        worker.hand_in(job, handled)
 
-    worker._settler.settle_and_fetch()
+    worker.settle_and_claim()
 
     statuses = {job.pk: Job.objects.get(pk=job.pk) for job in jobs}
     assert statuses[jobs[0].pk].status == statuses[jobs[2].pk].status == Status.SUCCEEDED
     dead = statuses[jobs[1].pk]
     assert dead.status == Status.FAILED
     assert "OutcomeRefused" in dead.last_error and "boom" not in dead.last_error
-    assert not worker._in_flight
+    assert not worker.claims
     assert datetime.now(UTC) > dead.finished_at
 
 
@@ -441,10 +441,10 @@ def test_claimed_jobs_are_the_workers_before_anything_else_is_done_with_them(mon
     def fails(claims: list[Job]) -> set[Any]:
         raise OperationalError("the database went away")
 
-    monkeypatch.setattr(worker._leases, "renew", fails)
+    monkeypatch.setattr(worker.source.leases, "renew", fails)
     with pytest.raises(OperationalError):
         worker.take([job], 1)
-    assert worker.running_claims() == [job]
+    assert worker.claims.all() == [job]
 
 
 class _TimesOut(Chore):
@@ -544,15 +544,15 @@ def test_a_finished_job_keeps_its_lease_until_its_outcome_is_recorded(monkeypatc
         Options(queues=["default"], concurrency=1, listen=False, lease=3.0, poll_interval=0.2)
     )
     cut_off, restored = threading.Event(), threading.Event()
-    settle = worker._settler.settle_and_fetch
+    settle = worker.settle_and_claim
 
     def failing() -> None:
-        if worker._in_flight and not restored.is_set():
+        if worker.claims and not restored.is_set():
             cut_off.set()
             raise OperationalError("server closed the connection unexpectedly")
         settle()
 
-    monkeypatch.setattr(worker._settler, "settle_and_fetch", failing)
+    monkeypatch.setattr(worker, "settle_and_claim", failing)
     monkeypatch.setattr(policy, "outage_pause", lambda failures: 0.5)
     thread = threading.Thread(target=worker.run)
     thread.start()
@@ -747,13 +747,13 @@ def test_a_locked_row_holds_back_its_outcome_alone_under_a_shorter_statement_tim
     # worker stalled while the row stayed locked, no outcome recorded, no claim made.
     worker, (locked, free) = running(2)
     for job in (locked, free):
-        worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
+        worker.hand_in(job, Handled(Verdict.SUCCEEDED))
     with connection.cursor() as cursor:
         cursor.execute("SET statement_timeout = '500ms'")
     try:
         with other_connection.transaction():
             other_connection.execute("SELECT FROM pgjobs_job WHERE id = %s FOR UPDATE", [locked.pk])
-            worker._settler.settle_and_fetch()
+            worker.settle_and_claim()
             statuses = dict(Job.objects.values_list("pk", "status"))
             assert (statuses[locked.pk], statuses[free.pk]) == (Status.RUNNING, Status.SUCCEEDED)
     finally:
@@ -802,8 +802,8 @@ def test_an_outcome_not_recorded_because_the_claim_was_lost_is_logged_with_its_j
     # activity line: nothing named the jobs whose outcomes it could not record.
     worker, (job,) = running(1)
     Job.objects.filter(pk=job.pk).update(worker="another", claims=F("claims") + 1)  # reaped, taken
-    worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
-    worker._settler.settle_and_fetch()
+    worker.hand_in(job, Handled(Verdict.SUCCEEDED))
+    worker.settle_and_claim()
     [line] = [r for r in caplog.records if "was not recorded" in r.getMessage()]
     assert line.levelname == "WARNING"
     assert f"job {job.pk} (tests.tasks.noop): its outcome (succeeded)" in line.getMessage()
@@ -852,12 +852,12 @@ def test_a_progress_report_set_by_hand_that_jsonb_refuses_costs_no_outcome(repor
     # claimed nothing more (deep nesting), and the heartbeats carrying it failed too.
     worker, (poisoned, other) = running(2)
     poisoned.progress = report
-    assert worker._leases.renew([poisoned, other]) == {poisoned.pk, other.pk}
+    assert worker.source.leases.renew([poisoned, other]) == {poisoned.pk, other.pk}
     for job in (poisoned, other):
-        worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
-    worker._settler.settle_and_fetch()
+        worker.hand_in(job, Handled(Verdict.SUCCEEDED))
+    worker.settle_and_claim()
     assert set(Job.objects.values_list("status", flat=True)) == {Status.SUCCEEDED}
-    assert not worker._in_flight
+    assert not worker.claims
 
 
 class Discarding(logging.Handler):
@@ -907,7 +907,7 @@ def test_outcomes_a_turn_recorded_are_accounted_for_when_its_claims_cannot_be_re
 
     worker, (done,) = running(1)
     waiting = Job.objects.enqueue("tests.tasks.noop")
-    worker._settler.finished(done, Handled(Verdict.SUCCEEDED))
+    worker.hand_in(done, Handled(Verdict.SUCCEEDED))
 
     def broken(sender: object, **kwargs: object) -> None:
         raise RuntimeError("post_init receiver bug")
@@ -915,10 +915,10 @@ def test_outcomes_a_turn_recorded_are_accounted_for_when_its_claims_cannot_be_re
     post_init.connect(broken, sender=Job)
     try:
         with pytest.raises(RuntimeError, match="post_init receiver bug"):
-            worker._settler.settle_and_fetch()
+            worker.settle_and_claim()
     finally:
         post_init.disconnect(broken, sender=Job)
-    assert not worker._in_flight and worker._recorded == 1
+    assert not worker.claims and worker._recorded == 1
     statuses = dict(Job.objects.values_list("pk", "status"))
     assert (statuses[done.pk], statuses[waiting.pk]) == (Status.SUCCEEDED, Status.READY)
 
@@ -930,12 +930,12 @@ def test_a_handler_changing_its_jobs_id_changes_nothing_its_worker_renews_or_rec
     worker, (job,) = running(1)
     job.id = str(job.id)
     for _ in range(3):
-        worker._leases.keep_up([job], heartbeat=True)
-    assert not worker._leases._lost
-    worker._settler.finished(job, Handled(Verdict.SUCCEEDED, result_json="1"))
-    worker._settler.settle_and_fetch()
+        worker.source.leases.keep_up([job], heartbeat=True)
+    assert not worker.source.leases._lost
+    worker.hand_in(job, Handled(Verdict.SUCCEEDED, result_json="1"))
+    worker.settle_and_claim()
     assert Job.objects.values_list("status", flat=True).get() == Status.SUCCEEDED
-    assert not worker._in_flight
+    assert not worker.claims
 
 
 @pytest.mark.django_db(transaction=True)
@@ -1041,7 +1041,7 @@ def test_an_async_handler_past_its_time_limit_is_cancelled_and_its_thread_ends()
     try:
         wait_until(lambda: Job.objects.get(pk=job.pk).status == Status.FAILED, 10)
         wait_until(lambda: hostile.async_time_limit_seen == ["cancelled"], 5)
-        wait_until(lambda: worker._handlers.deadlines.abandoned_alive() == 0, 5)
+        wait_until(lambda: worker.handlers.deadlines.abandoned_alive() == 0, 5)
     finally:
         worker.stop()
         thread.join(10)

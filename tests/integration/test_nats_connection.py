@@ -80,7 +80,7 @@ def test_a_worker_whose_connection_nats_py_closed_connects_again_and_runs_jobs(
     relay().round()
     with WorkerThread(queue) as worker:
         wait_until(lambda: ChaosExecution.objects.count() == 1, timeout=30)
-        close_as_nats_py_does(worker.bridge)
+        close_as_nats_py_does(worker.source.bridge)
         tasks.ledger.using(queue=queue).enqueue(n=2)
         relay().round()
         wait_until(lambda: ChaosExecution.objects.count() == 2, timeout=30)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from django_pgjobs import transports
-from django_pgjobs.jetstream.acknowledging import ACK_WAIT_CHECK
+from django_pgjobs.jetstream.source import ACK_WAIT_CHECK
 from django_pgjobs.models import Job
 from tests import tasks
 from tests.conftest import wait_until

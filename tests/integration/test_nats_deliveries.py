@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from django_pgjobs.jetstream.consumer import NatsWorker
+from django_pgjobs.jetstream.source import NatsSource
 from django_pgjobs.models import DeadLetter, Job, Queue
+from django_pgjobs.runtime.worker import Worker
 from tests import tasks
 from tests.conftest import wait_until
 from tests.integration.nats_helpers import (
@@ -40,11 +41,12 @@ def through(proxy: Proxy, settings: Any) -> None:
     settings.PGJOBS = {**settings.PGJOBS, "NATS": {"SERVERS": proxy.url}}
 
 
-def settled(worker: NatsWorker) -> bool:
+def settled(worker: Worker) -> bool:
     """No handler runs, and every attempt that ended has its acknowledgement sent, or waiting
     to be sent again."""
-    answered = all(getattr(held, "reply", None) for held in worker._in_flight.values())
-    return not worker._handlers.held_up(0) and not worker._done and answered
+    assert isinstance(worker.source, NatsSource)
+    answered = all(delivery.reply for delivery in worker.source.deliveries())
+    return not worker.handlers.held_up(0) and not len(worker.finished) and answered
 
 
 def test_an_acknowledgement_sent_while_cut_off_from_nats_is_sent_again_after(
@@ -102,7 +104,7 @@ def warmed_up(queue: str) -> None:
 
 
 def behind_a_long_job(
-    worker: NatsWorker, queue: str, seconds: float, **options: Any
+    worker: Worker, queue: str, seconds: float, **options: Any
 ) -> tuple[Job, Job]:
     """A job of `seconds` started on the worker's one thread, and one fetched with it (relayed
     after it, `options` for its enqueue), not started. The queue is paused while both are

@@ -18,7 +18,7 @@ import pytest
 from django.db import connection
 
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import listener
+from django_pgjobs.runtime import postgres
 from django_pgjobs.runtime.leases import LeaseKeeper
 from django_pgjobs.runtime.locks import LockWaits
 from tests.conftest import ReadOnlySessions, read_only_sessions, wait_until
@@ -49,8 +49,8 @@ def raising_filter() -> Iterator[NeedsARequest]:
         logging.getLogger(name)
         for name in (
             "django_pgjobs.runtime.leases",
-            "django_pgjobs.runtime.listener",
-            "django_pgjobs.jetstream.acknowledging",
+            "django_pgjobs.runtime.postgres",
+            "django_pgjobs.jetstream.source",
         )
     ]
     for logger in loggers:
@@ -207,7 +207,7 @@ def test_a_logging_filter_that_raises_does_not_end_the_listener_which_wakes_the_
     wakes: list[str] = []
     stopped = threading.Event()
     thread = threading.Thread(
-        target=listener.listen,
+        target=postgres.listen,
         args=("default", wakes.append, lambda: connects.append(time.monotonic()), stopped.is_set),
         kwargs={"name": name},
         daemon=True,
@@ -239,7 +239,7 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
     """Its thread tells the server every lease/3 that running handlers still run; if it ended,
     their messages would be delivered again while they run."""
     pytest.importorskip("nats", reason="the NATS tests need nats-py (the nats extra)")
-    from django_pgjobs.jetstream.acknowledging import Acknowledger
+    from django_pgjobs.jetstream.source import NatsSource
 
     tries: list[int] = []
 
@@ -250,14 +250,13 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
     stopped = threading.Event()
     acks = SimpleNamespace(
         ack_wait=0.15,
-        _stopping=stopped.is_set,
-        _in_flight={1: "a delivery"},
+        seat=SimpleNamespace(stopping=stopped.is_set),
+        _deliveries={1: "a delivery"},
+        _consumers=SimpleNamespace(read=lambda last: last),
         _hold=hold,
         bridge=SimpleNamespace(closed=False),
     )
-    thread = threading.Thread(
-        target=Acknowledger.keep_in_progress, args=(acks, lambda last: last), daemon=True
-    )
+    thread = threading.Thread(target=NatsSource._keep_in_progress, args=(acks,), daemon=True)
     thread.start()
     try:
         wait_until(lambda: len(tries) >= 3, timeout=5)
@@ -265,7 +264,7 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
         assert thread.is_alive()
     finally:
         stopped.set()
-        acks._in_flight = {}
+        acks._deliveries = {}
         thread.join(5)
 
 
@@ -283,7 +282,7 @@ def test_an_idle_session_timeout_of_the_database_does_not_end_the_workers_own_se
     connects: list[float] = []
     stopped = threading.Event()
     thread = threading.Thread(
-        target=listener.listen,
+        target=postgres.listen,
         args=(
             "default",
             lambda queue: None,

@@ -55,7 +55,7 @@ def test_outcomes_in_the_turn_that_meets_a_migrated_column_are_recorded_not_dead
     once the worker has reconnected (as for a lost connection), never taken for a refused
     batch, which records them one by one with the same stale plan and dead-letters them."""
     worker = Worker(Options(queues=["default"], concurrency=1, batch_size=1, listen=False))
-    worker._lock_waits.limit_this_thread(plans=True)  # this thread runs the worker's turns
+    worker.source.lock_waits.limit_this_thread(plans=True)  # this thread runs the worker's turns
     try:
         for _ in range(12):
             Job.objects.enqueue("tests.tasks.noop")
@@ -63,21 +63,21 @@ def test_outcomes_in_the_turn_that_meets_a_migrated_column_are_recorded_not_dead
         worker.take(jobs, 12)
         # Turns that only record (every slot is taken): their statement is prepared.
         for job in jobs[:8]:
-            worker._settler.finished(job, Handled(Verdict.SUCCEEDED))
-            worker._settler.settle_and_fetch()
+            worker.hand_in(job, Handled(Verdict.SUCCEEDED))
+            worker.settle_and_claim()
         assert any("/* plans 0 */" in statement for statement in _prepared())
         other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN priority TYPE int4")
         try:
-            worker._settler.finished(jobs[8], Handled(Verdict.SUCCEEDED))
+            worker.hand_in(jobs[8], Handled(Verdict.SUCCEEDED))
             try:
-                worker._settler.settle_and_fetch()
+                worker.settle_and_claim()
             except DatabaseError:  # what the worker's loop does: a new connection, a new turn
                 connection.close()
-                worker._settler.settle_and_fetch()
+                worker.settle_and_claim()
         finally:
             other_connection.execute("ALTER TABLE pgjobs_job ALTER COLUMN priority TYPE int2")
     finally:
-        worker._lock_waits.stop()
+        worker.source.lock_waits.stop()
         connection.close()
     ninth = Job.objects.get(pk=jobs[8].pk)
     assert (ninth.status, ninth.last_error) == (Status.SUCCEEDED, "")

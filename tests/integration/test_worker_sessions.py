@@ -16,7 +16,7 @@ from django_pgjobs.data import rows
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
 from django_pgjobs.outcomes import Outcome
-from django_pgjobs.runtime import listener
+from django_pgjobs.runtime import postgres
 from django_pgjobs.runtime.locks import (
     IDLE_IN_TRANSACTION,
     LOCK_TIMEOUT,
@@ -159,7 +159,7 @@ def test_with_djangos_connection_pool_the_listener_keeps_its_connection_outside_
     connects: list[float] = []
     stopped = threading.Event()
     thread = threading.Thread(
-        target=listener.listen,
+        target=postgres.listen,
         args=("default", lambda queue: None, lambda: connects.append(1), stopped.is_set),
         daemon=True,
     )

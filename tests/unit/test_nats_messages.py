@@ -1,4 +1,4 @@
-"""What a NATS worker answers a delivered message (jetstream/answers.py), and what the report
+"""What a NATS worker answers a delivered message (jetstream/deliveries.py), and what the report
 reads of one (jetstream/messages.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("nats")
 
-from django_pgjobs.jetstream.answers import MAX_NAK_DELAY, Reply, answer
+from django_pgjobs.jetstream.deliveries import MAX_NAK_DELAY, Reply, answer
 from django_pgjobs.jetstream.messages import due_at
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 
@@ -30,7 +30,7 @@ def test_a_nak_delay_is_at_most_a_few_ack_waits_and_ends_before_the_message_expi
 
     from django.utils import timezone
 
-    from django_pgjobs.jetstream.answers import NAK_ACK_WAITS, nak_limit
+    from django_pgjobs.jetstream.deliveries import NAK_ACK_WAITS, nak_limit
 
     just_published = timezone.now()
     assert nak_limit(just_published, 30.0, 0) == NAK_ACK_WAITS * 30.0

@@ -10,7 +10,7 @@ import sys
 import threading
 from argparse import SUPPRESS, ArgumentParser, ArgumentTypeError
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import router
@@ -27,10 +27,6 @@ from django_pgjobs.runtime.stopping import STOP_SIGNALS
 from django_pgjobs.runtime.supervisor import Supervisor
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.validation import MAX_SECONDS, check_queue
-
-if TYPE_CHECKING:
-    from django_pgjobs.jetstream.consumer import NatsWorker
-
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 
@@ -314,7 +310,7 @@ class Command(BaseCommand):
                 signal.signal(signum, handler)
 
 
-def _worker(options: Options) -> Worker | NatsWorker:
+def _worker(options: Options) -> Worker:
     """A Worker; when a queue uses NATS (PGJOBS["QUEUES"]), what jetstream/workers.py picks.
     Imported only then: the PostgreSQL-only install never imports nats."""
     if not transports.nats_queues():

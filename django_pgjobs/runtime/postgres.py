@@ -1,0 +1,399 @@
+"""Jobs from PostgreSQL: claimed with SKIP LOCKED and their outcomes recorded in one statement a
+turn, leases renewed by a thread of their own, wake-ups by LISTEN, and the housekeeping of the
+job table (reaping, promoting, pruning, periodic ticks).
+
+A batch of outcomes the database refuses is recorded again job by job, so one bad outcome never
+wedges the worker; outcomes whose rows another session holds locked are held back, so one locked
+row never stalls the others.
+
+Where a worker's claims got to in each queue (Positions): its next claim starts there instead of
+at the claim index's start. The index keeps an entry for every job claimed since the last vacuum,
+and while a long snapshot keeps vacuum from removing them, a claim from the start reads them all.
+A job that becomes ready behind a position is found by a sweep (a claim from the start), at least
+every SWEEP_EVERY seconds and otherwise when the time since the last sweep is SWEEP_FACTOR times
+what that sweep took.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from django.db import DatabaseError, connections
+
+from django_pgjobs.data import rows
+from django_pgjobs.data.records import FailedAttempt, Failure, Position, Settled, claim_of
+from django_pgjobs.data.wakeups import CHANNEL
+from django_pgjobs.models import Job
+from django_pgjobs.outcomes import Handled, Outcome, Verdict
+from django_pgjobs.runtime import execute, locks, policy
+from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Ticker
+from django_pgjobs.runtime.leases import LeaseKeeper
+from django_pgjobs.runtime.locks import LockWaits, application_name
+from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.scheduler import Scheduler
+from django_pgjobs.runtime.sources import Exchange, Recorded, Seat
+
+logger = logging.getLogger(__name__)
+
+#: How long outcomes whose rows another session held locked wait before they are tried again
+#: (each time only once their rows are free: they never make a turn wait for a lock again).
+HELD_RETRY = 1.0
+
+
+class PostgresSource:
+    """A worker's jobs from the job table."""
+
+    def __init__(self) -> None:
+        self.chores: list[Chore] = []
+        # Outcomes whose rows another session held locked, and when to try them again. The
+        # lease keeper renews their claims, as it does every claim held.
+        self._held: list[tuple[Job, Handled]] = []
+        self._held_until = 0.0
+
+    def attach(self, seat: Seat) -> None:
+        self.seat, options = seat, seat.options
+        self.db, self.id = seat.db, seat.id
+        self.jobs = Job.objects.db_manager(seat.db)
+        self.positions = Positions()
+        self.lock_waits = LockWaits(seat.db, application_name(seat.id))
+        self.leases = LeaseKeeper(
+            self.jobs, seat.claims.all, self.lease_of, seat.lease, self.lock_waits
+        )
+        self.reaper = Reaper(self.jobs, options.reap_interval, seat.poll_now, seat.claims.all)
+        self.chores = [self.reaper, Promoter(self.jobs, options.promote_interval)]
+        if not options.once:
+            scheduler = Scheduler(seat.db, enqueued=seat.announcer.enqueued)
+            self.chores += [Pruner(self.jobs, options.prune_interval), Ticker(scheduler)]
+
+    def lease_of(self, job: Job) -> float:
+        return execute.limits_of(job, self.seat.lease)[0]
+
+    def start(self) -> None:
+        options = self.seat.options
+        self.lock_waits.limit_this_thread(plans=True)
+        if options.listen and not options.once:
+            thread = threading.Thread(
+                target=listen,
+                args=(self.db, self._on_notify, self.seat.poll_now, self.seat.stopping),
+                kwargs={"name": application_name(self.id)},
+                name="pgjobs-listener",
+                daemon=True,
+            )
+            thread.start()
+        self.leases.start()
+
+    def _on_notify(self, queue_name: str) -> None:
+        if queue_name in self.seat.options.queues:
+            self.seat.poll_now()
+
+    def can_claim(self) -> bool:
+        return not self.leases.overdue()
+
+    def renew(self, jobs: list[Job]) -> None:
+        self.leases.renew(jobs)
+
+    def give_back(self, jobs: list[Job]) -> None:
+        self.jobs.release(jobs)
+
+    def due_in(self) -> float:
+        return self._held_until - time.monotonic() if self._held else float("inf")
+
+    def failed(self, error: Exception) -> None:
+        self.reaper.trouble(error)
+
+    def shutdown(self, left: list[Job]) -> tuple[list[Recorded], bool]:
+        self.leases.stop()
+        clean = True
+        if left:
+            try:
+                released = self.jobs.release(left)
+                quietly(
+                    logger.warning,
+                    "released %d unfinished jobs back to ready: %s",
+                    len(released), ", ".join(str(pk) for pk in released),
+                )  # fmt: skip
+            except Exception as error:  # the database, or a bug: the process ends all the same
+                clean = False
+                quietly(
+                    logger.error,
+                    "could not release %d jobs (%s); they return when their leases expire",
+                    len(left), str(error).strip().splitlines()[0] if str(error).strip() else "",
+                )  # fmt: skip
+        return [], clean
+
+    def close(self) -> None:
+        self.lock_waits.stop()
+
+    # ---- a turn ------------------------------------------------------------------------------
+
+    def exchange(
+        self, finished: list[tuple[Job, Handled]], wanted: int, wait: float, turn: Exchange
+    ) -> None:
+        """Record the finished outcomes and claim into the free slots, in one statement; a
+        Retry asked by a handler is recorded on its own, and so is each claim from a queue
+        with a limit."""
+        self.leases.stand_in()  # the lease keeper's rounds fail: leases are renewed here
+        began = time.monotonic()
+        self._exchange(finished, wanted, turn)
+        if time.monotonic() - began > policy.STALLED:
+            self.reaper.stalled()
+        if connections[self.db].connection is not None:
+            self.reaper.calm()
+
+    def _exchange(self, finished: list[tuple[Job, Handled]], wanted: int, turn: Exchange) -> None:
+        seat, jobs = self.seat, self.jobs
+        finished += self._held_now_free()
+        for item in [item for item in finished if item[1].verdict is Verdict.RETRY]:
+            job, handled = item
+            owned = jobs.retry_later(job, handled.delay)
+            finished.remove(item)
+            turn.recorded.append(Recorded(job, handled, Outcome.RETRIED if owned else Outcome.LOST))
+        succeeded = [item for item in finished if item[1].verdict is Verdict.SUCCEEDED]
+        failed = [item for item in finished if item[1].verdict is Verdict.ERROR]
+        if not (wanted or succeeded or failed):
+            return
+        limited: list[Job] = []
+        if wanted:
+            # Limited queues first, up to their share of the turn, so that a backlog in an
+            # open queue cannot starve them; what they leave goes to the open queues.
+            self._claim_limited(wanted - seat.controls.open_share(wanted), into=limited)
+            turn.claimed += limited
+        try:
+            settled = self._record(succeeded, failed, wanted - len(limited))
+        except DatabaseError as error:
+            held = self._hold_locked(error, [*succeeded, *failed])
+            if not held:
+                raise
+            finished[:] = [item for item in finished if id(item[0]) not in held]
+            succeeded = [item for item in succeeded if id(item[0]) not in held]
+            failed = [item for item in failed if id(item[0]) not in held]
+            settled = self._record(succeeded, failed, wanted - len(limited))
+        finished.clear()  # every outcome is recorded now, or held
+        for job, handled in [*succeeded, *failed]:
+            status = settled.recorded.get(claim_of(job))
+            turn.recorded.append(Recorded(job, handled, Outcome.of_status(status)))
+        turn.claimed += settled.claimed
+        if wanted:
+            turn.poll_by = self.positions.poll_by(len(turn.claimed), wanted)
+        if settled.unread is not None:  # the claims were given back; the outcomes are recorded
+            raise settled.unread
+
+    def _claim_limited(self, wanted: int, into: list[Job]) -> None:
+        """Claim up to `wanted` jobs from the queues with a limit, into `into` (which keeps
+        what was claimed if a later queue's claim fails)."""
+        start = len(into)
+        for queue_name in self.seat.controls.limited:
+            room = wanted - (len(into) - start)
+            if room > 0:
+                try:
+                    into += self.jobs.claim_limited(
+                        queue_name, worker=self.id, limit=room, lease=self.seat.lease
+                    )
+                except DatabaseError as error:
+                    if not rows.timed_out(error):
+                        raise
+                    # The controls' table is locked: this queue sits the turn out (the
+                    # controls' own read says so, runtime/controls.py).
+
+    def _held_now_free(self) -> list[tuple[Job, Handled]]:
+        """The held outcomes due to be tried again whose rows are free now (the others stay
+        held); none before their time, unless the worker is stopping."""
+        if not self._held or (time.monotonic() < self._held_until and not self.seat.stopping()):
+            return []
+        locked = self.jobs.locked_elsewhere([job for job, _ in self._held])
+        free = [item for item in self._held if claim_of(item[0])[0] not in locked]
+        self._held = [item for item in self._held if claim_of(item[0])[0] in locked]
+        self._held_until = time.monotonic() + HELD_RETRY
+        return free
+
+    def _hold_locked(self, error: DatabaseError, outcomes: list[tuple[Job, Handled]]) -> set[int]:
+        """After the turn's statement ran out of time (its lock_timeout, or a shorter
+        statement_timeout of the project's): hold back the outcomes whose rows another session
+        holds locked, to be recorded once they are free. Returns them (as id(job)); none when
+        `error` is not such a wait or no row is locked."""
+        if not (outcomes and rows.timed_out(error)):
+            return set()
+        locked = self.jobs.locked_elsewhere([job for job, _ in outcomes])
+        held = [item for item in outcomes if claim_of(item[0])[0] in locked]
+        if held:
+            self._held += held
+            self._held_until = time.monotonic() + HELD_RETRY
+            quietly(
+                logger.warning,
+                "the rows of %d finished jobs are locked by another session (%s); recording "
+                "the other outcomes, and those once their rows are free",
+                len(held), ", ".join(str(job.pk) for job, _ in held),
+            )  # fmt: skip
+        return {id(job) for job, _ in held}
+
+    def _record(
+        self,
+        succeeded: list[tuple[Job, Handled]],
+        failed: list[tuple[Job, Handled]],
+        limit: int,
+    ) -> Settled:
+        """Record the outcomes and claim up to `limit` jobs from the open queues."""
+        try:
+            started = time.monotonic()
+            settled: Settled = self.jobs.settle_and_claim(
+                [job for job, _ in succeeded],
+                [_attempt(job, handled) for job, handled in failed],
+                self.seat.controls.open,
+                worker=self.id,
+                limit=limit,
+                lease=self.seat.lease,
+                results=_results(succeeded),
+                after=self.positions.for_turn() if limit > 0 else None,
+            )
+            if limit > 0:
+                self.positions.turned(settled.claimed, time.monotonic() - started)
+                rows.replan(self.db, backlog=len(settled.claimed) == limit)
+            return settled
+        except DatabaseError as error:
+            if rows.connection_lost(error):
+                raise  # the connection: tried again after the reconnect
+            if not (succeeded or failed):
+                raise  # only a claim: nothing of a job's to blame (e.g. a missing table)
+            quietly(
+                logger.error,
+                "the database refused a batch of %d outcomes (%s); recording them one by one",
+                len(succeeded) + len(failed), str(error).strip().splitlines()[0],
+            )  # fmt: skip
+            self.seat.poll_now()  # the claim is taken again at the next turn
+            return self._one_by_one(succeeded, failed)
+
+    def _one_by_one(
+        self, succeeded: list[tuple[Job, Handled]], failed: list[tuple[Job, Handled]]
+    ) -> Settled:
+        """Record each outcome in its own statement; one the database refuses again is
+        recorded as a permanent failure saying why (a dead letter, never retried forever)."""
+        jobs, worker = self.jobs, self.id
+        result = Settled(set(), {}, [], {})
+        for job, handled in [*succeeded, *failed]:
+            one = [job] if handled.verdict is Verdict.SUCCEEDED else []
+            attempt = [] if one else [_attempt(job, handled)]
+            try:
+                settled = jobs.settle_and_claim(
+                    one, attempt, [], worker=worker, limit=0, results=_results([(job, handled)])
+                )
+            except DatabaseError as error:
+                if rows.connection_lost(error):
+                    raise
+                job.progress = None  # nothing of the refused outcome's may be refused again
+                refused = Failure(
+                    "django_pgjobs.OutcomeRefused",
+                    f"the database refused to record this attempt's outcome "
+                    f"({handled.verdict.value}): {str(error).strip()}",
+                )
+                status = jobs.fail(job, refused, permanent=True, delay=0)
+                recorded = {claim_of(job): status} if status else {}
+                settled = Settled(set(), {}, [], recorded)
+                quietly(logger.error, "job %s (%s): %s", job.pk, job.task, refused.message)
+            result.recorded.update(settled.recorded)
+        return result
+
+
+def _attempt(job: Job, handled: Handled) -> FailedAttempt:
+    assert handled.failure is not None
+    return FailedAttempt(job, handled.failure, handled.permanent, handled.delay)
+
+
+def _results(succeeded: list[tuple[Job, Handled]]) -> dict[object, str]:
+    return {
+        claim_of(job)[0]: handled.result_json
+        for job, handled in succeeded
+        if handled.verdict is Verdict.SUCCEEDED and handled.result_json is not None
+    }
+
+
+#: The longest a job ready behind a position waits for a sweep while sweeps are quick.
+SWEEP_EVERY = 0.05
+#: Sweeps take at most 1 / (1 + SWEEP_FACTOR) of a worker's claiming time.
+SWEEP_FACTOR = 20
+
+
+class Positions:
+    """One worker's positions, by queue, and its sweep clock (used by its main thread only)."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, Position] = {}
+        self._next_sweep = 0.0
+        self._sweeping = True
+
+    def for_turn(self) -> Mapping[str, Position]:
+        """The positions this turn's claim starts after: none when it is time to sweep."""
+        self._sweeping = time.monotonic() >= self._next_sweep
+        return {} if self._sweeping else self._at
+
+    def poll_by(self, claimed: int, wanted: int) -> float:
+        """When (time.monotonic()) the worker should claim again at the latest, after a turn
+        that claimed `claimed` of the `wanted` jobs: at the next sweep when this turn started
+        after its positions and came back short, since jobs behind them (an enqueue that woke
+        the worker, committed after a later job was claimed) are found only by a sweep; else
+        never (the worker's own poll schedule decides)."""
+        if self._sweeping or claimed >= wanted:
+            return float("inf")
+        return self._next_sweep
+
+    def turned(self, claimed: Sequence[Job], seconds: float) -> None:
+        """Move past the jobs this turn claimed (in claim order), the turn having taken
+        `seconds`."""
+        for job in claimed:
+            self._at[job.queue] = Position.of(job)
+        if self._sweeping:
+            self._next_sweep = time.monotonic() + max(SWEEP_EVERY, SWEEP_FACTOR * seconds)
+
+
+def listen(
+    db: str, on_notify: Callable[[str], None], on_connect: Callable[[], None],
+    stopping: Callable[[], bool], name: str = "",
+) -> None:  # fmt: skip
+    """LISTEN on a dedicated connection (its application_name `name`, when given and the
+    database's OPTIONS name none) until
+    `stopping()`; reconnect with backoff on errors, whatever they are.
+
+    Calls on_notify(queue) for each notification and on_connect() after every (re)connect, so
+    the worker polls at once for whatever it missed while disconnected.
+    """
+    locks.unpooled(db)  # a connection of its own, not one of a Django pool's
+    wrapper = connections[db]
+    failures = 0
+    while not stopping():
+        try:
+            params = wrapper.get_connection_params()
+            if name and not params.get("application_name"):  # a name from OPTIONS is kept
+                params["application_name"] = name
+            connection: Any = wrapper.get_new_connection(params)
+            try:
+                connection.autocommit = True
+                # Frozen, this process would hold back the server's notification queue; idle, it
+                # is by design (runtime/locks.py).
+                if not locks.pooled(db):
+                    connection.execute(
+                        "SELECT set_config('tcp_user_timeout', %s, false), "
+                        "set_config('idle_session_timeout', %s, false)",
+                        [locks.user_timeout(db), locks.IDLE_SESSION],
+                    )
+                connection.execute(f"LISTEN {CHANNEL}")
+                on_connect()
+                failures = 0
+                while not stopping():
+                    for notification in connection.notifies(timeout=0.5):
+                        on_notify(notification.payload)
+            finally:
+                connection.close()
+        # BaseException: this thread ends only when the worker stops; nothing else tells the
+        # worker that wake-ups stopped coming (it would fall back to polling, unnoticed).
+        except BaseException as error:
+            failures += 1
+            delay = policy.doubling(0.2, failures, 5.0)
+            quietly(
+                logger.warning,
+                "wake-up listener lost its connection (%s: %s); retrying in %.1fs",
+                type(error).__name__, error, delay,
+            )  # fmt: skip
+            time.sleep(delay)
