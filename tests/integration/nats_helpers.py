@@ -22,8 +22,8 @@ nats = pytest.importorskip("nats", reason="the NATS tests need nats-py (the nats
 from django_pgjobs import transports  # noqa: E402
 from django_pgjobs.jetstream import streams  # noqa: E402
 from django_pgjobs.jetstream.bridge import Bridge  # noqa: E402
-from django_pgjobs.jetstream.source import NatsSource  # noqa: E402
 from django_pgjobs.jetstream.relay import Relay  # noqa: E402
+from django_pgjobs.jetstream.source import NatsSource  # noqa: E402
 from django_pgjobs.models import Job  # noqa: E402
 from django_pgjobs.runtime.options import Options  # noqa: E402
 from django_pgjobs.runtime.worker import Worker  # noqa: E402
