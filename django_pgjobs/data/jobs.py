@@ -11,10 +11,8 @@ statement's named parameters.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -22,7 +20,7 @@ from uuid import UUID
 
 from django.db import connections, models, router, transaction
 
-from django_pgjobs import registry, retry, signals
+from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
@@ -31,11 +29,12 @@ from django_pgjobs.data.records import (
     Failure,
     Position,
     Settled,
+    TakenBack,
     claim_of,
     hold,
     holder_of,
 )
-from django_pgjobs.errors import EnqueueError, UnknownTask
+from django_pgjobs.errors import EnqueueError
 from django_pgjobs.status import LIVE, Status
 from django_pgjobs.validation import json_text
 
@@ -326,14 +325,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             cursor.execute(sql.PROMOTE, {"limit": limit})
             return int(cursor.rowcount)
 
-    def abandon(self, worker: str, reason: str) -> tuple[int, int]:
+    def abandon(self, worker: str, reason: str) -> TakenBack:
         """Take back every running job of `worker`, a worker known to be dead (e.g. its
         supervisor saw its process exit), at once: to ready after the task's backoff (as for a
         reaped job: a job that kills its worker must not be taken at once by the next one, its
         deaths counting towards the supervisor's crash limit faster than its attempts run out),
         or failed when no attempts remain, recording the attempt as lost with `reason`; rows
-        another session holds locked are passed over (their leases bring them back). Returns
-        (returned to ready, failed)."""
+        another session holds locked are passed over (their leases bring them back)."""
         settings = get_settings()
         params = {
             "worker": worker,
@@ -345,12 +343,11 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         }
         return self._taken_back(rows.execute(self._write_db(), sql.ABANDON, params))
 
-    def reap(self, *, limit: int = 1000, sparing: Sequence[Job] = ()) -> tuple[int, int]:
+    def reap(self, *, limit: int = 1000, sparing: Sequence[Job] = ()) -> TakenBack:
         """Take back running jobs whose lease expired: to ready (after the task's backoff, as
         for a failed attempt), or to failed when no attempts remain, recording "lease expired"
         as the attempt's error. Safe to run from every worker at once (SKIP LOCKED).
-        `sparing`: the calling worker's claims whose handlers are running (never its to take).
-        Returns (returned to ready, failed)."""
+        `sparing`: the calling worker's claims whose handlers are running (never its to take)."""
         params = {
             "limit": limit,
             "spared_ids": [claim_of(job)[0] for job in sparing],
@@ -359,27 +356,23 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         }
         return self._taken_back(rows.execute(self._write_db(), sql.REAP, params))
 
-    def _taken_back(self, taken: list[tuple[Any, ...]]) -> tuple[int, int]:
-        """The jobs a reap or an abandon took back (id, claims, status, task, attempts), due
-        after the default backoff: those of tasks with a backoff of their own after that one
-        instead. Returns (returned to ready, failed)."""
-        # The tasks' own backoffs, asked within BACKOFF_PATIENCE in all: a slow one, called for
-        # every job a dead worker held, must not hold up the caller (a worker's main thread, a
-        # supervisor's loop) for minutes. The jobs it leaves keep the default.
-        until = time.monotonic() + retry.BACKOFF_PATIENCE
-        own = [
-            (job_id, claims, delay)
+    def _taken_back(self, taken: list[tuple[Any, ...]]) -> TakenBack:
+        """The jobs a reap or an abandon took back (id, claims, status, task, attempts)."""
+        ready = tuple(
+            (job_id, claims, task, attempts)
             for job_id, claims, status, task, attempts in taken
             if status == Status.READY
-            and time.monotonic() < until
-            and (delay := _own_backoff(task, attempts, until - time.monotonic())) is not None
-        ]
-        if own:
-            ids, claims, delays = (list(column) for column in zip(*own, strict=True))
-            params = {"ids": ids, "claims": claims, "delays": delays}
+        )
+        failed = sum(1 for _, _, status, *_ in taken if status == Status.FAILED)
+        return TakenBack(len(ready), failed, ready)
+
+    def delay(self, delays: Sequence[tuple[UUID, int, float]]) -> None:
+        """Make jobs taken back due after these delays (id, claim count, seconds) instead of
+        the default backoff: the runtime asks their tasks' own backoffs."""
+        if delays:
+            ids, claims, seconds = (list(column) for column in zip(*delays, strict=True))
+            params = {"ids": ids, "claims": claims, "delays": seconds}
             rows.execute(self._write_db(), sql.REAP_BACKOFF, params)
-        statuses = [status for _, _, status, *_ in taken]
-        return statuses.count(Status.READY), statuses.count(Status.FAILED)
 
     # ---- the outbox of NATS queues (transports.py) -----------------------------------------
 
@@ -588,22 +581,3 @@ def _taking_back(error: Failure) -> dict[str, Any]:
         "error": error.as_json(),
         "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
     }
-
-
-def _own_backoff(task_name: str, attempts: int, within: float) -> float | None:
-    """Seconds the backoff of `task_name` (when registered here with one of its own) says to
-    wait after `attempts`; None for the default backoff, which REAP applied. A backoff that
-    fails, or does not return `within` seconds, keeps that default (the next failed attempt
-    dead-letters a job whose backoff fails, saying why)."""
-    try:
-        backoff = registry.get_task(task_name).backoff
-    except UnknownTask:
-        return None
-    if backoff is None:
-        return None
-    try:
-        return retry.backoff_seconds(backoff, attempts, task_name, within=within)
-    except Exception as error:  # ValueError, RuntimeError or TimeoutError, naming the task
-        with contextlib.suppress(Exception):  # the application's logging may raise too
-            logger.warning("a reaped job of %s keeps the default backoff: %s", task_name, error)
-        return None

@@ -109,6 +109,16 @@ class Settled(NamedTuple):
     unread: Exception | None = None
 
 
+class TakenBack(NamedTuple):
+    """What a reap or an abandon did: jobs returned to ready, and dead-lettered."""
+
+    returned: int
+    failed: int
+    #: The jobs returned to ready (id, claim count, task, attempts), due after the default
+    #: backoff until JobManager.delay sets their task's own.
+    ready: tuple[tuple[UUID, int, str, int], ...] = ()
+
+
 class Position(NamedTuple):
     """Where a worker's claims in one queue got to: the claim order's key (priority, run_at,
     id) of the last job it claimed there. Its next claim there starts after it (see

@@ -153,7 +153,11 @@ COPY_JOBS_TYPES = (
 #
 # Rows come back tagged by kind in one shape: claimed jobs with every column (JOB_COLUMNS
 # order), settled jobs with their id, claim and new status, the other columns NULL.
-_SETTLE = """
+# A failed attempt ends its job: cancelled, a permanent error, or no attempt left. Written once
+# here; the failing statements below use it for the status and every column that follows it.
+_ENDS = "(j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)"
+
+_SETTLE = f"""
     succeeded AS (
         UPDATE pgjobs_job AS j
         SET status = 'succeeded', finished_at = statement_timestamp(), leased_until = NULL,
@@ -174,16 +178,11 @@ _SETTLE = """
     failed AS (
         UPDATE pgjobs_job AS j SET
             status = CASE WHEN j.cancel_requested THEN 'cancelled'
-                          WHEN f.permanent OR j.attempts >= j.max_attempts THEN 'failed'
-                          ELSE 'ready' END,
-            finished_at = CASE WHEN j.cancel_requested OR f.permanent
-                                    OR j.attempts >= j.max_attempts
-                               THEN statement_timestamp() END,
-            run_at = CASE WHEN j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts
-                          THEN j.run_at
+                          WHEN {_ENDS} THEN 'failed' ELSE 'ready' END,
+            finished_at = CASE WHEN {_ENDS} THEN statement_timestamp() END,
+            run_at = CASE WHEN {_ENDS} THEN j.run_at
                           ELSE statement_timestamp() + make_interval(secs => f.delay) END,
-            scheduled = NOT (j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)
-                        AND f.delay > 0,
+            scheduled = NOT {_ENDS} AND f.delay > 0,
             leased_until = NULL,
             progress = CASE WHEN f.progress IS NULL
                               OR f.progress = CASE WHEN jsonb_typeof(j.progress) = 'object'
@@ -394,14 +393,14 @@ RELEASE = """
 # default backoff (full jitter, as retry.ExponentialBackoff; REAP_BACKOFF then applies a task's
 # own), or failed when no attempts remain, or cancelled when that was asked; the lost attempt
 # joins the error history (%(error)s).
-_TAKEN_BACK = """
+_LOST_ENDS = "(j.cancel_requested OR j.attempts >= j.max_attempts)"  # as _ENDS, for a lost attempt
+_TAKEN_BACK = f"""
         status = CASE WHEN j.cancel_requested THEN 'cancelled'
-                      WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'ready' END,
-        finished_at = CASE WHEN j.cancel_requested OR j.attempts >= j.max_attempts
-                           THEN statement_timestamp() END,
+                      WHEN {_LOST_ENDS} THEN 'failed' ELSE 'ready' END,
+        finished_at = CASE WHEN {_LOST_ENDS} THEN statement_timestamp() END,
         run_at = statement_timestamp() + make_interval(
             secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts - 1, 62))),
-        scheduled = NOT (j.cancel_requested OR j.attempts >= j.max_attempts),
+        scheduled = NOT {_LOST_ENDS},
         leased_until = NULL,
         errors = jsonb_path_query_array(
             j.errors || jsonb_build_array(

@@ -11,14 +11,17 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from uuid import UUID
 
 from django.db import DatabaseError, connections
 from django.db.models.functions import Now
 
+from django_pgjobs import registry, retry
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
 from django_pgjobs.data.jobs import JobManager
-from django_pgjobs.errors import text_of
+from django_pgjobs.data.records import TakenBack
+from django_pgjobs.errors import UnknownTask, text_of
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.logs import quietly
@@ -133,7 +136,9 @@ class Reaper(Chore):
         if recovering > 0:
             return recovering
         self._fresh = False
-        returned, failed = self.jobs.reap(sparing=self.running())
+        taken = self.jobs.reap(sparing=self.running())
+        self.jobs.delay(own_backoffs(taken))
+        returned, failed = taken.returned, taken.failed
         if returned or failed:
             quietly(
                 logger.warning,
@@ -240,6 +245,34 @@ class Reporter(Chore):
                     )  # fmt: skip
                 return False
         return False
+
+
+def own_backoffs(taken: TakenBack) -> list[tuple[UUID, int, float]]:
+    """The delays of the jobs taken back whose tasks have a backoff of their own (id, claim
+    count, seconds); the others keep the default backoff the statement gave them. Asked within
+    retry.BACKOFF_PATIENCE in all: a slow backoff, called for every job a dead worker held,
+    must not hold up the caller (a worker's main thread, a supervisor's loop). A backoff that
+    fails or is slow keeps the default too (its next failed attempt says why)."""
+    until = time.monotonic() + retry.BACKOFF_PATIENCE
+    delays = []
+    for job_id, claims, task_name, attempts in taken.ready:
+        left = until - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            backoff = registry.get_task(task_name).backoff
+        except UnknownTask:
+            continue
+        if backoff is None:
+            continue
+        try:
+            delay = retry.backoff_seconds(backoff, attempts, task_name, within=left)
+        except Exception as error:  # ValueError, RuntimeError or TimeoutError, naming the task
+            quietly(logger.warning, "a reaped job of %s keeps the default backoff: %s",
+                    task_name, error)  # fmt: skip
+            continue
+        delays.append((job_id, claims, delay))
+    return delays
 
 
 def held_up(error: Exception) -> bool:

@@ -25,6 +25,7 @@ from django.db import DatabaseError, connections, router
 
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import exiting, policy
+from django_pgjobs.runtime.chores import own_backoffs
 from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, worker_id
@@ -219,7 +220,8 @@ class Supervisor:
         """The dead child's running jobs are ready again after their backoff, the attempt
         recorded as lost; whether it held any (False when they could not be taken back)."""
         try:
-            returned, failed = Job.objects.abandon(child.worker_id, reason)
+            taken = Job.objects.abandon(child.worker_id, reason)
+            Job.objects.delay(own_backoffs(taken))
         except DatabaseError as error:
             quietly(
                 logger.error,
@@ -228,6 +230,7 @@ class Supervisor:
             )  # fmt: skip
             connections.close_all()
             return False
+        returned, failed = taken.returned, taken.failed
         if returned or failed:
             quietly(
                 logger.warning,

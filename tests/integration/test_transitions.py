@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, connections
@@ -15,7 +16,7 @@ from django_pgjobs.data.records import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Verdict
 from django_pgjobs.runtime import execute
-from django_pgjobs.runtime.chores import Pruner
+from django_pgjobs.runtime.chores import Pruner, own_backoffs
 from django_pgjobs.status import Status
 from tests import plans, tasks
 from tests.factories import JobFactory, backlog
@@ -73,7 +74,7 @@ def test_a_stale_worker_cannot_complete_or_fail_the_newer_attempt():
     JobFactory()
     stale = claim_one("slow-worker")
     expire_leases()
-    assert Job.objects.reap() == (1, 0)
+    assert reap() == (1, 0)
     Job.objects.filter(pk=stale.pk).update(run_at=stale.run_at)  # due again at once
     fresh = claim_one("fresh-worker")
     assert fresh.attempts == 2
@@ -92,7 +93,7 @@ def test_the_same_worker_cannot_finish_an_earlier_attempt_of_a_job_it_claimed_ag
     JobFactory()
     first = claim_one("w1")
     expire_leases()
-    Job.objects.reap()
+    reap()
     Job.objects.filter(pk=first.pk).update(run_at=first.run_at)
     second = claim_one("w1")
     assert Job.objects.complete(first) is False
@@ -114,16 +115,16 @@ def test_a_worker_never_reaps_its_own_running_claims_but_reaps_a_stale_claim_of_
     expire_leases()
     stale = Job.objects.get(pk=mine.pk)
     stale.claims -= 1  # an earlier claim of the same job: not the one running
-    assert Job.objects.reap(sparing=[mine, stale]) == (1, 0)
+    assert reap(sparing=[mine, stale]) == (1, 0)
     assert Job.objects.get(pk=mine.pk).status == Status.RUNNING
     assert Job.objects.get(pk=other.pk).status == Status.READY
-    assert Job.objects.reap(sparing=[stale]) == (1, 0)  # another worker's view of it
+    assert reap(sparing=[stale]) == (1, 0)  # another worker's view of it
 
 
 def test_reap_returns_expired_jobs_to_ready_recording_a_lost_worker():
     job = JobFactory(expired=True, max_attempts=3)
     JobFactory(running=True)  # lease still valid: untouched
-    assert Job.objects.reap() == (1, 0)
+    assert reap() == (1, 0)
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.leased_until, row.attempts) == (Status.READY, None, 1)
     assert row.last_error.startswith("WorkerLost: lease expired")
@@ -134,10 +135,18 @@ def test_reap_returns_expired_jobs_to_ready_recording_a_lost_worker():
 
 def test_reap_fails_expired_jobs_that_have_no_attempts_left():
     job = JobFactory(expired=True, attempts=3, max_attempts=3)
-    assert Job.objects.reap() == (0, 1)
+    assert reap() == (0, 1)
     row = Job.objects.get(pk=job.pk)
     assert row.status == Status.FAILED and row.finished_at is not None
     assert "WorkerLost" in row.last_error
+
+
+def reap(**options: Any) -> tuple[int, int]:
+    """What a worker's reaper does: take back the expired leases, then give the jobs of tasks
+    with a backoff of their own that backoff."""
+    taken = Job.objects.reap(**options)
+    Job.objects.delay(own_backoffs(taken))
+    return taken.returned, taken.failed
 
 
 def due_in() -> dict[object, tuple[float, bool]]:
@@ -154,7 +163,7 @@ def test_a_reaped_job_waits_out_its_tasks_own_backoff_as_a_failed_attempt_would(
     waits = JobFactory(expired=True, task="tests.tasks.fails_and_waits")  # backoff: 600 s
     at_once = JobFactory(expired=True, task="tests.tasks.overruns_then_retries_quietly")  # 0 s
     default = JobFactory(expired=True)  # no backoff of its own: PGJOBS' (at most 0.05 s here)
-    assert Job.objects.reap() == (3, 0)
+    assert reap() == (3, 0)
     due = due_in()
     assert 590 < due[waits.pk][0] <= 600 and due[waits.pk][1] is True
     assert due[at_once.pk][0] <= 0 and due[at_once.pk][1] is False  # in the claim index
@@ -168,7 +177,7 @@ def test_a_reaped_job_whose_tasks_backoff_fails_keeps_the_default_and_says_why(c
     from tests import hostile  # noqa: F401  (registers its tasks)
 
     job = JobFactory(expired=True, task="tests.hostile.fails_with_infinite_backoff")
-    assert Job.objects.reap() == (1, 0)
+    assert reap() == (1, 0)
     seconds, scheduled = due_in()[job.pk]
     assert seconds <= 0.05 and scheduled is True
     assert "a reaped job of tests.hostile.fails_with_infinite_backoff keeps the default" in (
@@ -188,10 +197,10 @@ def test_a_reaped_job_whose_tasks_backoff_hangs_keeps_the_default_without_stalli
     hostile.BACKOFF_RELEASED.clear()
     try:
         started = time.monotonic()
-        assert Job.objects.reap(limit=1) == (1, 0)  # waits BACKOFF_PATIENCE (1 s), no more
+        assert reap(limit=1) == (1, 0)  # waits BACKOFF_PATIENCE (1 s), no more
         assert time.monotonic() - started < 5
         started = time.monotonic()
-        assert Job.objects.reap(limit=1) == (1, 0)  # the first call still hangs: not asked again
+        assert reap(limit=1) == (1, 0)  # the first call still hangs: not asked again
         assert time.monotonic() - started < 0.5
     finally:
         hostile.BACKOFF_RELEASED.set()
@@ -204,7 +213,7 @@ def test_a_reaped_job_whose_tasks_backoff_hangs_keeps_the_default_without_stalli
 def test_a_reap_asks_slow_backoffs_for_a_second_in_all_and_gives_the_rest_the_default():
     jobs = JobFactory.create_batch(10, expired=True, task="tests.hostile.has_a_slow_backoff")
     started = time.monotonic()
-    assert Job.objects.reap() == (10, 0)
+    assert reap() == (10, 0)
     assert time.monotonic() - started < 2.5  # not 10 x 0.3 s
     due = due_in()
     own = [job for job in jobs if due[job.pk][0] > 590]  # its backoff: 600 s
@@ -224,7 +233,7 @@ def test_each_backoff_a_reap_asks_is_given_what_is_left_of_its_second(monkeypatc
 
     monkeypatch.setattr(retry, "backoff_seconds", spy)
     JobFactory.create_batch(3, expired=True, task="tests.tasks.fails_and_waits")
-    assert Job.objects.reap() == (3, 0)
+    assert reap() == (3, 0)
     assert len(given) == 3
     assert retry.BACKOFF_PATIENCE >= given[0] > given[1] > given[2] > 0
 
@@ -233,7 +242,7 @@ def test_a_reaped_jobs_own_backoff_leaves_it_alone_once_claimed_again():
     """Between the reap and its task's backoff another worker may claim the job (the default
     backoff had it due): that claim is not moved."""
     job = JobFactory(expired=True, task="tests.tasks.fails_and_waits")
-    Job.objects.reap()
+    reap()
     Job.objects.filter(pk=job.pk).update(run_at=job.run_at, scheduled=False)  # due at once
     claimed = claim_one("w2")
     rows_params = {"ids": [job.pk], "claims": [claimed.claims - 1], "delays": [600.0]}
@@ -245,9 +254,9 @@ def test_a_reaped_jobs_own_backoff_leaves_it_alone_once_claimed_again():
 
 def test_reap_is_bounded_and_safe_to_repeat():
     JobFactory.create_batch(5, expired=True)
-    assert Job.objects.reap(limit=2) == (2, 0)
-    assert Job.objects.reap(limit=10) == (3, 0)
-    assert Job.objects.reap() == (0, 0)
+    assert reap(limit=2) == (2, 0)
+    assert reap(limit=10) == (3, 0)
+    assert reap() == (0, 0)
 
 
 def test_a_handler_reloading_its_job_after_its_claim_was_lost_changes_no_claim_its_worker_holds():
@@ -261,7 +270,7 @@ def test_a_handler_reloading_its_job_after_its_claim_was_lost_changes_no_claim_i
             "UPDATE pgjobs_job SET leased_until = now() - interval '1 second' WHERE id = %s",
             [lost.pk],
         )
-    assert Job.objects.reap() == (1, 0)
+    assert reap() == (1, 0)
     time.sleep(0.06)  # the default backoff, here at most 0.05 s
     (theirs,) = Job.objects.claim(["default"], worker="w2", limit=1)
     assert theirs.pk == lost.pk

@@ -441,7 +441,7 @@ class JobTransitions(RuleBasedStateMachine):
     @rule(worker=st.sampled_from(WORKERS))
     def abandon(self, worker: str) -> None:
         """The supervisor saw `worker`'s process die: every job it holds is taken back."""
-        assert Job.objects.abandon(worker, "died") == self.model.abandon(worker)
+        assert Job.objects.abandon(worker, "died")[:2] == self.model.abandon(worker)
 
     @rule(claim=claims)
     def expire_the_lease_and_reap(self, claim: Claim) -> None:
@@ -451,7 +451,7 @@ class JobTransitions(RuleBasedStateMachine):
                 "WHERE id = %s AND status = 'running'",
                 [claim.job.pk],
             )
-        assert Job.objects.reap() == self.model.reap(claim.job.pk)
+        assert Job.objects.reap()[:2] == self.model.reap(claim.job.pk)
 
     @rule(job=jobs)
     def cancel(self, job: UUID) -> None:
@@ -570,7 +570,7 @@ def test_a_claim_from_before_a_replay_cannot_complete_the_job_its_worker_claimed
     stale = claim_one("w1")
     with connection.cursor() as cursor:
         cursor.execute("UPDATE pgjobs_job SET leased_until = now() - interval '1 second'")
-    assert Job.objects.reap() == (0, 1)  # out of attempts: a dead letter
+    assert Job.objects.reap()[:2] == (0, 1)  # out of attempts: a dead letter
     assert Job.objects.all().replay() == [stale.pk]
     fresh = claim_one("w1")
     assert Job.objects.complete(stale) is False
