@@ -126,6 +126,11 @@ class Stoppable:
                 logger.warning, "worker %s: its supervisor %d is gone; stopping", self.id, parent
             )
             self.stop()
+        self._check_memory()
+
+    def _check_memory(self) -> None:
+        """Recycle past --max-memory-per-child: at every look at the limits, and after each
+        turn that recorded outcomes (fast jobs grow a process far within a second)."""
         limit = self.options.max_memory_mb
         if not limit or (used := policy.resident_mb()) <= limit:
             return

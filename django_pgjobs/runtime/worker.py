@@ -188,6 +188,8 @@ class Worker(Stoppable):
             # Recorded and claimed are the worker's whatever went wrong after.
             for recorded in turn.recorded:
                 self._settled(recorded)
+            if turn.recorded and not self._stopping:
+                self._check_memory()
             if wanted:
                 self.take(turn.claimed, wanted, turn.poll_by)
 
