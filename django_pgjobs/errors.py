@@ -85,6 +85,11 @@ class EnqueueError(ValueError):
     """Bad input to enqueue; raised before anything is written."""
 
 
+class NotJSONSerializable(EnqueueError, TypeError):
+    """A value of a type JSON does not have (a datetime, a set, a model instance): an
+    EnqueueError, and the TypeError that Django's Tasks framework raises for it."""
+
+
 class CelerySpelling(AttributeError):
     """A Celery attribute asked of a task (``delay``, ``apply_async``, ``s``): an AttributeError
     (so ``hasattr`` says False) that says what to write instead."""
