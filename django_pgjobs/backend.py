@@ -218,7 +218,9 @@ def run(job: Job) -> Handled:
         result = running(job, task)
         args = [context(result), *result.args] if task.takes_context else result.args
         check_arguments(task.func, task.module_path, args, result.kwargs)
-    except (UnknownTask, PayloadMismatch) as error:
+    except UnknownTask as error:
+        return execute.refused(error, explained=registry.unknown_task_help(job.task))
+    except PayloadMismatch as error:
         return execute.refused(error)
     except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed
         return execute.raised(job, error, None, (), time.perf_counter())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import sys
 from collections.abc import Callable, Collection, Mapping
@@ -306,6 +307,44 @@ def get_task(name: str) -> Task:
             f"No task is registered as {name!r}. Decorate the function with @task in an "
             f"installed app's tasks module (registered tasks: {_known()})."
         ) from None
+
+
+def unknown_task_help(name: str) -> str:
+    """What a worker saves, in place of a traceback, for a job whose task `name` it cannot run:
+    why, the registered tasks whose names look close, and what to do."""
+    if is_django_task(name):
+        why = (
+            "a worker runs only the Tasks of installed apps whose backend is "
+            "django_pgjobs.backend.PgJobsBackend in its TASKS setting"
+        )
+        seen = ""
+    else:
+        why = (
+            "a worker runs only the tasks its own code registers with @task, and never imports "
+            "one by the name in a job"
+        )
+        close = _close_names(name)
+        seen = (
+            f"Registered tasks with a close name: {', '.join(close)}. A function that was "
+            "renamed or moved keeps its jobs' name with @task(name=...).\n"
+            if close
+            else f"No registered task has a close name (registered tasks: {_known()}).\n"
+        )
+    return (
+        f"This worker cannot run {name!r}: {why}.\n{seen}"
+        "To run the job: deploy the code that defines it to every worker, then replay the job "
+        "(the admin's Dead letters, or Job.objects.filter(pk=...).replay()).\n"
+        "If nothing should run it any more: delete the job.\n"
+    )
+
+
+def _close_names(name: str) -> list[str]:
+    """Up to 3 registered names like `name`: the same function in another module first (moved),
+    then names a few characters apart (a typo, a rename)."""
+    function = name.rpartition(".")[2]
+    close = [other for other in sorted(_registry) if other.rpartition(".")[2] == function]
+    rest = [other for other in _registry if other not in close]
+    return (close + difflib.get_close_matches(name, rest, n=3, cutoff=0.8))[:3]
 
 
 def resolve(task_or_name: Task | str) -> Task:

@@ -864,6 +864,22 @@ def test_a_row_that_names_no_task_of_ours_is_a_dead_letter_and_runs_nothing(task
     assert job.errors[-1]["type"] == f"django_pgjobs.errors.{error}"
 
 
+def test_a_row_naming_no_task_of_ours_saves_what_to_do_in_place_of_a_traceback():
+    job = JobFactory(task=PREFIX + "tests.framework_tasks.not_a_task", payload={})
+
+    run_jobs()
+
+    job.refresh_from_db()
+    [error] = job.errors
+    assert error["type"] == "django_pgjobs.errors.UnknownTask"
+    assert error["traceback"].startswith(
+        f"This worker cannot run '{PREFIX}tests.framework_tasks.not_a_task': a worker runs only "
+        "the Tasks of installed apps whose backend is django_pgjobs.backend.PgJobsBackend"
+    )
+    assert "To run the job: deploy the code that defines" in error["traceback"]
+    assert "If nothing should run it any more: delete the job." in error["traceback"]
+
+
 def test_without_the_tasks_framework_a_tasks_job_is_a_dead_letter_saying_what_to_install(
     monkeypatch,
 ):
