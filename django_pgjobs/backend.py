@@ -39,6 +39,7 @@ from django_pgjobs.data import enqueue
 from django_pgjobs.errors import (
     EnqueueError,
     JobCancelled,
+    NotJSONSerializable,
     PayloadMismatch,
     PermanentError,
     UnknownTask,
@@ -137,12 +138,12 @@ class PgJobsBackend(BaseTaskBackend):
             check_arguments(task.func, task.module_path, given, kwargs)
         except PayloadMismatch as error:
             raise EnqueueError(f"{error}.") from None
+        payload = {
+            "args": validation.jsonable(list(args)),
+            "kwargs": validation.jsonable(dict(kwargs)),
+            "backend": self.alias,
+        }
         try:
-            payload = {
-                "args": validation.jsonable(list(args)),
-                "kwargs": validation.jsonable(dict(kwargs)),
-                "backend": self.alias,
-            }
             job = Job.objects.enqueue(
                 registry.Task(task.func, registry.DJANGO_TASK_PREFIX + task.module_path),
                 payload,
@@ -152,7 +153,9 @@ class PgJobsBackend(BaseTaskBackend):
                 max_attempts=self.max_attempts,
             )
         except EnqueueError as error:
-            raise EnqueueError(f"{task.module_path}: {error}") from None
+            # A value of a type JSON does not have is also the TypeError the framework raises.
+            kind = EnqueueError if _of_json_types(payload) else NotJSONSerializable
+            raise kind(f"{task.module_path}: {error}") from None
         result = to_task_result(job, task)
         # Robust: the row is written (committed already, outside atomic()); a receiver's error
         # raised here would tell the caller it was not, and a retry would enqueue it twice.
@@ -208,13 +211,16 @@ def run(job: Job) -> Handled:
     """Run a job of Django's Tasks framework (the runner registered for DJANGO_TASK_PREFIX):
     its Task with the payload's args and kwargs (and a TaskContext first when the Task takes
     one), sending the framework's task signals. The return value is kept as the job's result;
-    one that does not survive JSON fails the job."""
+    one that does not survive JSON fails the job for good (a TypeError for a type JSON does not
+    have, as the framework's own backends record it)."""
     try:
         task = get_django_task(job.task)
         result = running(job, task)
         args = [context(result), *result.args] if task.takes_context else result.args
         check_arguments(task.func, task.module_path, args, result.kwargs)
-    except (UnknownTask, PayloadMismatch) as error:
+    except UnknownTask as error:
+        return execute.refused(error, explained=registry.unknown_task_help(job.task))
+    except PayloadMismatch as error:
         return execute.refused(error)
     except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed
         return execute.raised(job, error, None, (), time.perf_counter())
@@ -229,6 +235,7 @@ def run(job: Job) -> Handled:
         return handled
     with execute.running(job):
         began = time.perf_counter()
+        unstorable: Exception | None = None
         try:
             if inspect.iscoroutinefunction(task.func):  # as Task.call, without its hang
                 value = awaiting.awaited(job, task.func, *args, **result.kwargs)
@@ -237,9 +244,12 @@ def run(job: Job) -> Handled:
             try:
                 kept = result_json(value)
             except EnqueueError as error:
-                raise PermanentError(f"{task.module_path}: {error}") from error
+                unstorable = _unstorable(f"{task.module_path}: {error}", value)
+                raise unstorable from None
         except BaseException as error:
-            handled = execute.raised(job, error, None, (), began)
+            # A return value that JSON cannot hold fails for good: it would come back the same.
+            permanent = (TypeError,) if error is unstorable else ()
+            handled = execute.raised(job, error, None, permanent, began)
             # decided: an attempt timed out meanwhile is its time limit's to tell (timed_out)
             if timeouts.decided(job, handled) and _the_last(job, handled):
                 finished(result, error=error)
@@ -446,6 +456,27 @@ def result_json(value: Any) -> str:
         get_settings().MAX_PAYLOAD_BYTES,
         "Store large results elsewhere and return their id.",
     )
+
+
+def _unstorable(message: str, value: Any) -> Exception:
+    """The error of a Task whose return `value` does not survive JSON: a TypeError for a type
+    JSON does not have, as the framework's own backends record it, else a PermanentError."""
+    return (
+        PermanentError(message)
+        if _of_json_types(validation.jsonable(value))
+        else TypeError(message)
+    )
+
+
+def _of_json_types(value: Any) -> bool:
+    """Whether `value` is made of JSON's types only (dicts with str keys, lists, str, int,
+    float, bool, None) and bytes: what does not survive JSON then is a value (NaN, a NUL, its
+    size, bytes that are not UTF-8), not a type, and the framework raises no TypeError for it."""
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _of_json_types(item) for key, item in value.items())
+    if isinstance(value, list):
+        return all(_of_json_types(item) for item in value)
+    return value is None or isinstance(value, str | int | float | bool | bytes)
 
 
 def _arguments(job: Job) -> tuple[list[Any], dict[str, Any], str]:

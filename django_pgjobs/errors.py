@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import Never
 
 from django.db import ProgrammingError
 
@@ -34,14 +36,63 @@ class Retry(Exception):
     ``delay`` is seconds or a ``timedelta``.
     """
 
-    def __init__(self, delay: float | timedelta = 0) -> None:
+    # **celery: Celery's self.retry() options, refused saying what to write instead (typed
+    # Never, so that a type checker refuses them too).
+    def __init__(self, delay: float | timedelta = 0, **celery: Never) -> None:
+        if celery:
+            raise celery_spelling("Retry", celery, _RETRY_OPTIONS)
         seconds = as_seconds(delay, "Retry(delay=...)")
         super().__init__(f"retry in {seconds:g}s")
         self.delay = seconds
 
 
+#: Celery's options of self.retry(), and what to write instead.
+_RETRY_OPTIONS = {
+    "countdown": "pass Retry(delay=...): seconds, or a timedelta",
+    "eta": "pass Retry(delay=...), the time until then: seconds, or a timedelta",
+    "exc": (
+        "to retry after an error, re-raise the error (the attempt counts, and the task's "
+        "backoff decides when); Retry(delay=...) is for not yet, and counts no attempt"
+    ),
+}
+
+
+def celery_spelling(
+    call: str, given: Mapping[str, object], spellings: Mapping[str, str]
+) -> TypeError:
+    """The TypeError for keyword arguments `call` does not take: for Celery's names (keys of
+    `spellings`), what to write instead; for others, Python's own words."""
+    said = [
+        f"{call}({name}={_shown(value)}) is Celery's: {spellings[name]}."
+        for name, value in given.items()
+        if name in spellings
+    ]
+    others = [name for name in given if name not in spellings]
+    if others:
+        said.append(f"{call}() got an unexpected keyword argument {others[0]!r}.")
+    return TypeError(" ".join(said))
+
+
+def _shown(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # the caller's object: its repr is not ours to trust
+        return "..."
+    return text if len(text) <= 40 else "..."
+
+
 class EnqueueError(ValueError):
     """Bad input to enqueue; raised before anything is written."""
+
+
+class NotJSONSerializable(EnqueueError, TypeError):
+    """A value of a type JSON does not have (a datetime, a set, a model instance): an
+    EnqueueError, and the TypeError that Django's Tasks framework raises for it."""
+
+
+class CelerySpelling(AttributeError):
+    """A Celery attribute asked of a task (``delay``, ``apply_async``, ``s``): an AttributeError
+    (so ``hasattr`` says False) that says what to write instead."""
 
 
 class UnknownTask(EnqueueError, LookupError):

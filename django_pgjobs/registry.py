@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Never, overload
 
 from django.apps import apps
 from django.conf import settings
 
 from django_pgjobs import validation
 from django_pgjobs.cron import check_cron
-from django_pgjobs.errors import EnqueueError, UnknownTask
+from django_pgjobs.errors import CelerySpelling, EnqueueError, UnknownTask, celery_spelling
 from django_pgjobs.validation import MAX_SECONDS, check_queue
 
 if TYPE_CHECKING:
@@ -89,6 +90,16 @@ class Task:
             return payload
         return {k: "[redacted]" if k in self.redact else v for k, v in payload.items()}
 
+    if not TYPE_CHECKING:  # a type checker still refuses every attribute a Task does not have
+
+        def __getattr__(self, name: str) -> Any:
+            # Called only for attributes the Task does not have: Celery's say what to write.
+            if name in _CELERY_ATTRIBUTES:
+                raise CelerySpelling(
+                    f"Task {self.name!r} has no attribute {name!r}: {_CELERY_ATTRIBUTES[name]}."
+                )
+            raise AttributeError(f"'Task' object has no attribute {name!r}")
+
 
 @dataclass(frozen=True)
 class TaskCall:
@@ -100,6 +111,61 @@ class TaskCall:
         jobs = apps.get_model("pgjobs", "Job").objects
         job: Job = jobs.enqueue(self.task, kwargs, **self.options)
         return job
+
+
+_NO_SIGNATURES = (
+    "there are no signatures, chains, groups or chords: enqueue the next job from the handler "
+    "(task.enqueue(**payload) at its end), or several jobs in one transaction"
+)
+
+#: Celery's attributes of a task, and what to write instead (docs/howto/from-celery.md).
+_CELERY_ATTRIBUTES = {
+    "delay": (
+        "Celery's delay() is task.enqueue(**payload) here, with keyword arguments only "
+        "(delay= is an option: task.using(delay=...).enqueue(**payload))"
+    ),
+    "apply_async": (
+        "Celery's apply_async() is task.enqueue(**payload) here, with keyword arguments only; "
+        "pass options with task.using(delay=..., run_at=..., queue=..., priority=...)"
+        ".enqueue(**payload) or Job.objects.enqueue(task, payload, delay=...)"
+    ),
+    "s": _NO_SIGNATURES,
+    "si": _NO_SIGNATURES,
+    "signature": _NO_SIGNATURES,
+    "map": "there is no map(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload",
+    "starmap": (
+        "there is no starmap(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload"
+    ),
+    "chunks": (
+        "there is no chunks(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload"
+    ),
+}
+
+_TIMEOUT = (
+    "pass timeout=<seconds> (an attempt past it is recorded as failed, JobTimeout, and "
+    "cancel_requested() turns True; nothing is killed)"
+)
+
+#: Celery's options of @task, and what to write instead (docs/howto/from-celery.md).
+_CELERY_OPTIONS = {
+    "bind": (
+        "a handler takes no self here; call django_pgjobs.current_job() in the handler for the "
+        "running job (its pk, attempts, worker)"
+    ),
+    "max_retries": (
+        "pass max_attempts=<max_retries + 1> (it counts attempts, the first run included: "
+        "max_retries=3 is max_attempts=4)"
+    ),
+    "acks_late": (
+        "drop it, as django-pgjobs always acknowledges late (a job whose worker dies runs "
+        "again after its lease)"
+    ),
+    "soft_time_limit": _TIMEOUT,
+    "time_limit": _TIMEOUT,
+    "rate_limit": (
+        "pgjobs has no rate_limit yet: cap a queue with Queue.max_running (docs/howto/controls.md)"
+    ),
+}
 
 
 _registry: dict[str, Task] = {}
@@ -135,6 +201,7 @@ def task(
     permanent_errors: Collection[type[BaseException]] = (),
     redact: Collection[str] = (),
     cron: str | None = None,
+    **celery: Never,
 ) -> Task | Callable[[Callable[..., Any]], Task]:
     """Register a function as a task, by default under its dotted path ``module.function``.
 
@@ -142,6 +209,15 @@ def task(
     With ``cron="*/5 * * * *"`` the workers also enqueue it on that schedule (a periodic job
     named after the task, with an empty payload).
     """
+    if celery:  # Celery's options (bind=True, max_retries=...): say what to write instead
+        spellings = dict(_CELERY_OPTIONS)
+        given: Mapping[str, object] = celery
+        retries = given.get("max_retries")
+        if isinstance(retries, int) and not isinstance(retries, bool):
+            spellings["max_retries"] = (
+                f"pass max_attempts={retries + 1} (it counts attempts, the first run included)"
+            )
+        raise celery_spelling("@task", celery, spellings)
 
     def register(func: Callable[..., Any]) -> Task:
         if queue is not None:
@@ -231,6 +307,44 @@ def get_task(name: str) -> Task:
             f"No task is registered as {name!r}. Decorate the function with @task in an "
             f"installed app's tasks module (registered tasks: {_known()})."
         ) from None
+
+
+def unknown_task_help(name: str) -> str:
+    """What a worker saves, in place of a traceback, for a job whose task `name` it cannot run:
+    why, the registered tasks whose names look close, and what to do."""
+    if is_django_task(name):
+        why = (
+            "a worker runs only the Tasks of installed apps whose backend is "
+            "django_pgjobs.backend.PgJobsBackend in its TASKS setting"
+        )
+        seen = ""
+    else:
+        why = (
+            "a worker runs only the tasks its own code registers with @task, and never imports "
+            "one by the name in a job"
+        )
+        close = _close_names(name)
+        seen = (
+            f"Registered tasks with a close name: {', '.join(close)}. A function that was "
+            "renamed or moved keeps its jobs' name with @task(name=...).\n"
+            if close
+            else f"No registered task has a close name (registered tasks: {_known()}).\n"
+        )
+    return (
+        f"This worker cannot run {name!r}: {why}.\n{seen}"
+        "To run the job: deploy the code that defines it to every worker, then replay the job "
+        "(the admin's Dead letters, or Job.objects.filter(pk=...).replay()).\n"
+        "If nothing should run it any more: delete the job.\n"
+    )
+
+
+def _close_names(name: str) -> list[str]:
+    """Up to 3 registered names like `name`: the same function in another module first (moved),
+    then names a few characters apart (a typo, a rename)."""
+    function = name.rpartition(".")[2]
+    close = [other for other in sorted(_registry) if other.rpartition(".")[2] == function]
+    rest = [other for other in _registry if other not in close]
+    return (close + difflib.get_close_matches(name, rest, n=3, cutoff=0.8))[:3]
 
 
 def resolve(task_or_name: Task | str) -> Task:

@@ -89,6 +89,16 @@ def returns_a_datetime() -> object:
     return timezone.now()
 
 
+@task(backend="retrying")
+def returns_a_set() -> object:
+    return {1, 2}
+
+
+@task(backend="retrying")
+def returns_nan() -> float:
+    return float("nan")
+
+
 @task(takes_context=True)
 def sees_its_context(context: TaskContext[Any, Any], value: str) -> dict[str, Any]:
     return {

@@ -59,8 +59,11 @@ def _run(job: Job) -> Handled:
     try:
         task = registry.get_task(job.task)
         check_arguments(task.func, task.name, (), job.payload)
-    except (UnknownTask, PayloadMismatch) as error:
-        # Never import by name from table data: an unknown task is a dead letter.
+    except UnknownTask as error:
+        # Never import by name from table data: an unknown task is a dead letter, saying what
+        # to do in place of a traceback (the lookup's own stack would say nothing).
+        return refused(error, explained=registry.unknown_task_help(job.task))
+    except PayloadMismatch as error:
         return refused(error)
     with running(job):
         started = time.perf_counter()
@@ -87,10 +90,12 @@ class running:
         _current_job.reset(self.token)
 
 
-def refused(error: BaseException) -> Handled:
+def refused(error: BaseException, *, explained: str = "") -> Handled:
     """A job that cannot run at all (unknown task, payload that does not fit): a permanent
-    error, without a traceback."""
-    return Handled(Verdict.ERROR, failure=failure_of(error, with_traceback=False), permanent=True)
+    error, without a traceback (`explained` in its place, when given)."""
+    failure = failure_of(error, with_traceback=False)
+    failure = Failure(failure.type, failure.message, explained)
+    return Handled(Verdict.ERROR, failure=failure, permanent=True)
 
 
 def raised(

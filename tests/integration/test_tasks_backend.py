@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from django.utils import timezone
 
 from django_pgjobs import registry
 from django_pgjobs.backend import PgJobsBackend, WorkerLost
-from django_pgjobs.errors import EnqueueError
+from django_pgjobs.errors import EnqueueError, PermanentError
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.options import Exit
 from django_pgjobs.runtime.worker import Options, Worker
@@ -214,21 +215,32 @@ def test_tasks_the_backend_cannot_run_are_refused_when_they_are_made(make_task, 
 
 
 @pytest.mark.parametrize(
-    ("args", "kwargs", "message"),
+    ("args", "kwargs", "message", "a_type_error"),
     [
-        ((timezone.now(),), {}, r"payload\['args'\]\[0\] is a datetime"),
-        ((), {"when": {"at": object()}}, r"payload\['kwargs'\]\['when'\]\['at'\] is a object"),
-        ((float("nan"),), {}, "which JSON cannot represent"),
-        (("a\x00b",), {}, "NUL character"),
+        ((timezone.now(),), {}, r"payload\['args'\]\[0\] is a datetime", True),
+        (
+            (),
+            {"when": {"at": object()}},
+            r"payload\['kwargs'\]\['when'\]\['at'\] is a object",
+            True,
+        ),
+        (({1, 2},), {}, r"payload\['args'\]\[0\] is a set", True),
+        ((Decimal("1.5"),), {}, r"payload\['args'\]\[0\] is a Decimal", True),
+        # Values of JSON's types: the framework raises no TypeError for them either.
+        ((float("nan"),), {}, "which JSON cannot represent", False),
+        (("a\x00b",), {}, "NUL character", False),
+        ((b"\xff",), {}, "is a bytes", False),
     ],
 )
 def test_arguments_that_do_not_survive_json_are_refused_naming_where_they_are(
-    args, kwargs, message
+    args, kwargs, message, a_type_error
 ):
     with pytest.raises(EnqueueError, match=message) as raised:
         tasks.noop.enqueue(*args, **kwargs)
 
     assert str(raised.value).startswith("tests.framework_tasks.noop: ")
+    # As the framework's own backends raise it: code that catches TypeError catches it.
+    assert isinstance(raised.value, TypeError) is a_type_error
     assert Job.objects.count() == 0
 
 
@@ -479,6 +491,29 @@ def test_a_return_value_that_does_not_survive_json_fails_the_task_saying_why():
     assert "the return value is a datetime, which does not survive JSON" in (
         job_of(result).last_error
     )
+    assert [error.exception_class for error in result.errors] == [TypeError]
+
+
+@pytest.mark.parametrize(
+    ("task", "exception_class"),
+    [(tasks.returns_a_set, TypeError), (tasks.returns_nan, PermanentError)],
+)
+def test_a_return_value_that_does_not_survive_json_fails_for_good_as_the_framework_records_it(
+    task, exception_class, signals
+):
+    # A TypeError for a type JSON does not have, as the framework's own backends record it;
+    # never retried (its backend allows 3 attempts): the same value would come back.
+    result = task.enqueue()
+
+    run_jobs()
+
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert job_of(result).attempts == 1
+    assert [error.exception_class for error in result.errors] == [exception_class]
+    [(_, status, finished)] = [sent for sent in signals if sent[0] == "finished"]
+    assert status == str(TaskResultStatus.FAILED)
+    assert [error.exception_class for error in finished.errors] == [exception_class]
 
 
 def test_a_task_that_takes_context_sees_its_running_result():
@@ -827,6 +862,22 @@ def test_a_row_that_names_no_task_of_ours_is_a_dead_letter_and_runs_nothing(task
     assert [j.status for j in run.jobs] == [Status.FAILED]
     job.refresh_from_db()
     assert job.errors[-1]["type"] == f"django_pgjobs.errors.{error}"
+
+
+def test_a_row_naming_no_task_of_ours_saves_what_to_do_in_place_of_a_traceback():
+    job = JobFactory(task=PREFIX + "tests.framework_tasks.not_a_task", payload={})
+
+    run_jobs()
+
+    job.refresh_from_db()
+    [error] = job.errors
+    assert error["type"] == "django_pgjobs.errors.UnknownTask"
+    assert error["traceback"].startswith(
+        f"This worker cannot run '{PREFIX}tests.framework_tasks.not_a_task': a worker runs only "
+        "the Tasks of installed apps whose backend is django_pgjobs.backend.PgJobsBackend"
+    )
+    assert "To run the job: deploy the code that defines" in error["traceback"]
+    assert "If nothing should run it any more: delete the job." in error["traceback"]
 
 
 def test_without_the_tasks_framework_a_tasks_job_is_a_dead_letter_saying_what_to_install(

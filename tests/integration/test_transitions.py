@@ -367,6 +367,21 @@ def test_a_row_naming_an_unregistered_task_is_dead_lettered_and_nothing_is_impor
     assert "antigravity" not in sys.modules
 
 
+def test_a_row_naming_an_unregistered_task_saves_what_to_do_in_place_of_a_traceback():
+    JobFactory(task="tests.tasks.send_emial")
+    [error] = run_claimed().errors
+    assert error["type"] == "django_pgjobs.errors.UnknownTask"
+    assert error["traceback"] == (
+        "This worker cannot run 'tests.tasks.send_emial': a worker runs only the tasks its own "
+        "code registers with @task, and never imports one by the name in a job.\n"
+        "Registered tasks with a close name: tests.tasks.send_email. A function that was "
+        "renamed or moved keeps its jobs' name with @task(name=...).\n"
+        "To run the job: deploy the code that defines it to every worker, then replay the job "
+        "(the admin's Dead letters, or Job.objects.filter(pk=...).replay()).\n"
+        "If nothing should run it any more: delete the job.\n"
+    )
+
+
 @pytest.mark.parametrize("task", ["tests.tasks.exits", "tests.tasks.interrupts"])
 def test_system_exit_and_keyboard_interrupt_from_a_handler_are_ordinary_errors(task):
     JobFactory(task=task, max_attempts=3)

@@ -4,7 +4,7 @@ import pytest
 
 from django_pgjobs import task
 from django_pgjobs.errors import UnknownTask
-from django_pgjobs.registry import Task, all_tasks, get_task
+from django_pgjobs.registry import Task, all_tasks, get_task, unknown_task_help
 from tests import tasks
 
 
@@ -31,6 +31,25 @@ def test_a_task_is_still_callable_directly():
 def test_an_unknown_name_is_a_clear_error_and_imports_nothing():
     with pytest.raises(UnknownTask, match=r"'os\.system'"):
         get_task("os.system")
+
+
+@pytest.mark.parametrize(
+    ("name", "close"),
+    [
+        ("tests.tasks.send_emial", "tests.tasks.send_email"),  # a typo
+        ("shop.tasks.send_email", "tests.tasks.send_email"),  # moved to another module
+    ],
+)
+def test_a_worker_says_which_registered_tasks_look_like_an_unknown_one(name, close):
+    said = unknown_task_help(name)
+    assert f"Registered tasks with a close name: {close}" in said
+    assert "deploy the code that defines it to every worker, then replay the job" in said
+
+
+def test_a_worker_lists_the_registered_tasks_when_none_looks_like_an_unknown_one():
+    said = unknown_task_help("antigravity.fly")
+    assert "No registered task has a close name (registered tasks: " in said
+    assert "If nothing should run it any more: delete the job." in said
 
 
 def test_two_functions_under_one_name_are_refused():
