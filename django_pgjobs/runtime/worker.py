@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from django.db import DatabaseError, connections, router
 
+from django_pgjobs import schema
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job, QueueStat
@@ -84,6 +85,7 @@ class Worker(Stoppable):
         """Run until stopped (or, with once, drained). WorkerError, with once, when the
         database cannot be used at all."""
         options = self.options
+        refuse_unmigrated(self.db)
         quietly(
             logger.info,
             "worker %s started: queues=%s concurrency=%d batch=%d lease=%gs listen=%s",
@@ -329,3 +331,20 @@ class Worker(Stoppable):
         connections.close_all()
         quietly(logger.info, "worker %s stopped", self.id)
         return self._exit if clean else Exit.UNRELEASED
+
+
+def refuse_unmigrated(db: str) -> None:
+    """WorkerError when this app's first migration was never applied on `db`: a worker has
+    nothing to work on, and would only fail every statement. Not known while the database
+    cannot be reached: the loop says so, and tries again."""
+    try:
+        pending = schema.pending_migrations(db)
+    except DatabaseError:
+        return
+    finally:
+        connections[db].close()
+    if pending and pending[0].startswith("0001"):
+        raise WorkerError(
+            f"the pgjobs tables do not exist on the database '{db}': run `manage.py migrate`, "
+            "then start the worker again"
+        )

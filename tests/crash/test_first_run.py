@@ -42,6 +42,17 @@ def test_enqueue_before_migrate_says_to_run_migrate(unmigrated, code):
     ), done.stderr
 
 
+@pytest.mark.parametrize("processes", [[], ["--processes", "2"]], ids=["worker", "supervisor"])
+def test_runjobs_before_migrate_stops_at_once_saying_to_run_migrate(unmigrated, processes):
+    # It ran on: hundreds of lines a second, tracebacks, and a wrong "the database is back".
+    done = manage("runjobs", *processes, PGJOBS_TEST_DATABASE=unmigrated)
+    assert done.returncode == 1
+    assert done.stderr == (
+        "CommandError: the pgjobs tables do not exist on the database 'default': run "
+        "`manage.py migrate`, then start the worker again\n"
+    )
+
+
 def test_jobstats_before_migrate_is_critical_and_says_to_run_migrate(unmigrated):
     done = manage("jobstats", PGJOBS_TEST_DATABASE=unmigrated)
     assert done.returncode == 2, done.stdout + done.stderr

@@ -25,7 +25,7 @@ from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.outages import WorkerError
 from django_pgjobs.runtime.stopping import STOP_SIGNALS
 from django_pgjobs.runtime.supervisor import Supervisor
-from django_pgjobs.runtime.worker import Worker
+from django_pgjobs.runtime.worker import Worker, refuse_unmigrated
 from django_pgjobs.validation import MAX_SECONDS, check_queue
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
@@ -264,6 +264,10 @@ class Command(BaseCommand):
         """Run the supervisor or the worker until stopped; returns the exit code."""
         if options["processes"] > 1:
             queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
+            try:
+                refuse_unmigrated(router.db_for_write(Job))
+            except WorkerError as error:
+                raise CommandError(str(error)) from None
             who = f"the workers of supervisor {os.getpid()}"
             served.warn(router.db_for_write(Job), queues, who)
             supervisor = Supervisor(options["processes"], _child_args(options), options["grace"])
