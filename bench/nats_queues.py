@@ -59,7 +59,7 @@ def nats_queue(url: str) -> Iterator[dict[str, str]]:
 
 def relay_throughput(cluster: Cluster, count: int) -> Figures:
     """Time relay rounds (in this process) moving `count` committed outbox rows to the stream."""
-    from django_pgjobs.jetstream.workers import relay_chore
+    from django_pgjobs.jetstream.relay import relay_chore
 
     reset(cluster)
     Job.objects.bulk_enqueue(NOOP, (None for _ in range(count)), queue=QUEUE)

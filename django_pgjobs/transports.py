@@ -4,7 +4,7 @@ queues PGJOBS["QUEUES"] moves there. Reading settings only: this module never im
 A NATS queue still takes its enqueues as rows of the job table, in the caller's transaction:
 each ready row is an outbox entry that the relay (jetstream/relay.py) publishes to the queue's
 stream, and workers of the queue run its jobs from a durable JetStream consumer
-(jetstream/consumer.py). See docs/explanation/graduating.md.
+(jetstream/source.py). See docs/explanation/graduating.md.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ CLAIM_ORDER = ("-priority", "run_at", "id")
 # - unique: nothing is inserted (no row comes back) while a ready or running job holds the
 #   unique_key. Apart, because a speculative insertion costs more CPU and WAL than a plain one,
 #   and most jobs have no key.
-# - wake_up: a NOTIFY delivered at commit (data/wakeups.py sends, runtime/listener.py listens)
+# - wake_up: a NOTIFY delivered at commit (data/wakeups.py sends, runtime/postgres.py listens)
 #   rides in the same statement, evaluated only for an inserted row.
 # %(headers)s is NULL unless PGJOBS["TRACING"] gives the job a trace context (tracing.py).
 _DUE = {
@@ -141,7 +141,7 @@ COPY_JOBS_TYPES = (
 #   priority, then those of lower priorities; each branch runs only while the ones before it
 #   found fewer than %(limit)s. A NULL position is the index's start: the whole range. Jobs
 #   that become ready behind a position (committed out of order, released keeping their
-#   place) are found by the worker's next sweep from the start (runtime/positions.py).
+#   place) are found by the worker's next sweep from the start (runtime/postgres.py, Positions).
 #   Jobs that were scheduled (not yet due when written) are not in the claim index, so the
 #   scan never walks past waiting jobs of a higher priority; those that have come due are
 #   found by run_at in the scheduled index (few: workers move them to the claim index every

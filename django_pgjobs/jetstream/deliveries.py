@@ -73,7 +73,7 @@ def answer(
     """Success acks; Retry naks with its delay; an error is recorded by the worker's own rule
     (JobManager.write_back): attempts left nak with the backoff, a dead letter terms. A delay
     over `nak_limit` (the longest the message may wait out in the stream: see
-    NatsWorker._nak_limit) is not a NAK: the job is handed back to PostgreSQL, an outbox row
+    nak_limit) is not a NAK: the job is handed back to PostgreSQL, an outbox row
     due after the delay, and the message acked. A success of a message delivered again
     (`redelivered`) also deletes such a row that an earlier delivery of it wrote before its
     acknowledgement was lost: else the job ran once more at its retry. May raise

@@ -20,6 +20,7 @@ relays share the work.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -27,7 +28,7 @@ import time
 from collections.abc import Mapping
 from uuid import UUID
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, router
 
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.records import Failure
@@ -39,7 +40,7 @@ from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.outages import Outage
 from django_pgjobs.runtime.policy import outage_pause
-from django_pgjobs.transports import NatsQueue
+from django_pgjobs.transports import NatsQueue, nats_queues, nats_servers
 
 logger = logging.getLogger(__name__)
 
@@ -213,3 +214,38 @@ def relay_until(relay: Relay, stopped: threading.Event, once: bool = False) -> N
     finally:
         lock_waits.stop()
         connections.close_all()  # this thread's
+
+
+def relay_chore(bridge: Bridge | None = None) -> RelayChore:
+    """The relay of every NATS queue's outbox, as a chore (runjobs) or alone (relayjobs); on a
+    connection of its own without `bridge`."""
+    bridge = bridge or Bridge(nats_servers())
+    jobs = Job.objects.db_manager(router.db_for_write(Job))
+    return RelayChore(Relay(jobs, bridge, nats_queues(), bridge.servers.relay_batch))
+
+
+def start_relay(relay: Relay) -> None:
+    """Relay on a daemon thread until the process exits; at exit, its round in progress may
+    finish (a round cut short is rolled back and done again by the next relay)."""
+    stopped = threading.Event()
+    thread = threading.Thread(
+        target=relay_until, args=(relay, stopped), name="pgjobs-relay", daemon=True
+    )
+    thread.start()
+
+    def stop() -> None:
+        stopped.set()
+        thread.join(relay.bridge.servers.publish_timeout + 1)
+
+    atexit.register(stop)
+
+
+def relay_alone(stopped: threading.Event, once: bool = False) -> int:
+    """`relayjobs`: relay on this thread until `stopped` (or, with `once`, until the outbox is
+    drained); returns how many jobs it relayed."""
+    relay = relay_chore().relay
+    try:
+        relay_until(relay, stopped, once)
+    finally:
+        relay.bridge.close()
+    return relay.relayed

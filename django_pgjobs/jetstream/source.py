@@ -32,14 +32,17 @@ from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages
 from django_pgjobs.jetstream.bridge import Bridge, Sent
 from django_pgjobs.jetstream.deliveries import Delivery, DeliveryCounts, Reply, answer, nak_limit
+from django_pgjobs.jetstream.relay import relay_chore, start_relay
 from django_pgjobs.jetstream.streams import Consumers
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import locks
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.options import Options
 from django_pgjobs.runtime.sources import Exchange, Recorded, Seat
-from django_pgjobs.transports import NatsQueue
+from django_pgjobs.runtime.worker import Worker
+from django_pgjobs.transports import NatsQueue, nats_queues, nats_servers
 
 logger = logging.getLogger(__name__)
 
@@ -383,3 +386,30 @@ class NatsSource:
     def close(self) -> None:
         self.bridge.close()
         self._lock_waits.stop()
+
+
+class MixedQueues(ValueError):
+    """NATS queues and PostgreSQL queues given to one worker."""
+
+
+def worker(options: Options) -> Worker:
+    """The worker for `options.queues`: with a NATS source when they all use NATS, PostgreSQL
+    when none does (MixedQueues otherwise); with the relay of every NATS queue when
+    options.relay."""
+    queues = nats_queues()
+    ours = [queues[name] for name in options.queues if name in queues]
+    if ours and len(ours) != len(options.queues):
+        others = [name for name in options.queues if name not in queues]
+        raise MixedQueues(
+            f"the queues {', '.join(q.queue for q in ours)} use NATS and "
+            f"{', '.join(others)} PostgreSQL: run one runjobs for each kind"
+        )
+    bridge = Bridge(nats_servers())
+    chores: list[Chore] = []
+    if options.relay and options.once:
+        chores.append(relay_chore(bridge))
+    elif options.relay:
+        start_relay(relay_chore(bridge).relay)
+    if ours:
+        return Worker(options, NatsSource(ours, bridge), chores)
+    return Worker(options, chores=chores)

@@ -22,8 +22,8 @@ ALLOWED_LATE = {
     ("django_pgjobs.data.enqueue", "django_pgjobs.tracing"),
     ("django_pgjobs.runtime.execute", "django_pgjobs.tracing"),
     # jetstream imports nats, which only a queue whose TRANSPORT is "nats" may cost.
-    ("django_pgjobs.management.commands.runjobs", "django_pgjobs.jetstream.workers"),
-    ("django_pgjobs.management.commands.relayjobs", "django_pgjobs.jetstream.workers"),
+    ("django_pgjobs.management.commands.runjobs", "django_pgjobs.jetstream.source"),
+    ("django_pgjobs.management.commands.relayjobs", "django_pgjobs.jetstream.relay"),
     ("django_pgjobs.observability.figures", "django_pgjobs.jetstream.figures"),
 }
 

@@ -25,7 +25,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if not transports.nats_queues():
             raise CommandError("No queue uses NATS: set PGJOBS['QUEUES'][name]['TRANSPORT'].")
-        from django_pgjobs.jetstream import workers  # needs nats-py: only when used
+        from django_pgjobs.jetstream import relay  # needs nats-py: only when used
 
         stopped = threading.Event()
 
@@ -34,7 +34,7 @@ class Command(BaseCommand):
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            relayed = workers.relay_alone(stopped, once=options["once"])
+            relayed = relay.relay_alone(stopped, once=options["once"])
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)

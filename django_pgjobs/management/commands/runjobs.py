@@ -315,15 +315,15 @@ class Command(BaseCommand):
 
 
 def _worker(options: Options) -> Worker:
-    """A Worker; when a queue uses NATS (PGJOBS["QUEUES"]), what jetstream/workers.py picks.
+    """A Worker; when a queue uses NATS (PGJOBS["QUEUES"]), what jetstream/source.py picks.
     Imported only then: the PostgreSQL-only install never imports nats."""
     if not transports.nats_queues():
         return Worker(options)
-    from django_pgjobs.jetstream import workers
+    from django_pgjobs.jetstream import source
 
     try:
-        return workers.worker(options)
-    except workers.MixedQueues as error:
+        return source.worker(options)
+    except source.MixedQueues as error:
         raise CommandError(str(error)) from None
 
 
