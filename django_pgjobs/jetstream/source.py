@@ -38,8 +38,8 @@ from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import locks
 from django_pgjobs.runtime.chores import Chore
+from django_pgjobs.runtime.lifecycle import Options
 from django_pgjobs.runtime.logs import quietly
-from django_pgjobs.runtime.options import Options
 from django_pgjobs.runtime.sources import Exchange, Recorded, Seat
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.transports import NatsQueue, nats_queues, nats_servers

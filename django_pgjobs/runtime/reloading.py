@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from django.utils import autoreload
 
-from django_pgjobs.runtime.stopping import STOP_SIGNALS
+from django_pgjobs.runtime.lifecycle import STOP_SIGNALS
 
 
 class Stops(Protocol):

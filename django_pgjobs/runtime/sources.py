@@ -16,7 +16,7 @@ from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.controls import QueueControls
-from django_pgjobs.runtime.options import Options
+from django_pgjobs.runtime.lifecycle import Options
 
 
 class Recorded(NamedTuple):

@@ -26,11 +26,9 @@ from django.db import DatabaseError, connections, router
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import exiting, policy
 from django_pgjobs.runtime.chores import own_backoffs
+from django_pgjobs.runtime.lifecycle import STOP_SIGNALS, Exit, Wake, said_stop_signal, worker_id
 from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.logs import quietly
-from django_pgjobs.runtime.options import Exit, worker_id
-from django_pgjobs.runtime.stopping import STOP_SIGNALS, said_stop_signal
-from django_pgjobs.runtime.wake import Wake
 
 logger = logging.getLogger(__name__)
 

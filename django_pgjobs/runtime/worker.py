@@ -24,13 +24,12 @@ from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.leases import RETRY_PAUSE
+from django_pgjobs.runtime.lifecycle import Exit, Options, Stoppable, worker_id
 from django_pgjobs.runtime.locks import warn_of_a_small_pool
 from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
-from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.postgres import PostgresSource
 from django_pgjobs.runtime.sources import Claims, Exchange, Finished, Recorded, Seat, Source
-from django_pgjobs.runtime.stopping import Stoppable
 
 logger = logging.getLogger(__name__)
 

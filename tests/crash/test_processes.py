@@ -23,7 +23,7 @@ import pytest
 from django_pgjobs.errors import JobTimeout
 from django_pgjobs.models import Job
 from django_pgjobs.runtime.execute import exception_path
-from django_pgjobs.runtime.options import Exit
+from django_pgjobs.runtime.lifecycle import Exit
 from django_pgjobs.status import Status
 from tests.conftest import wait_until
 from tests.crash.conftest import WorkerProcess

@@ -25,7 +25,7 @@ from django_pgjobs.jetstream.bridge import Bridge  # noqa: E402
 from django_pgjobs.jetstream.relay import Relay  # noqa: E402
 from django_pgjobs.jetstream.source import NatsSource  # noqa: E402
 from django_pgjobs.models import Job  # noqa: E402
-from django_pgjobs.runtime.options import Options  # noqa: E402
+from django_pgjobs.runtime.lifecycle import Options  # noqa: E402
 from django_pgjobs.runtime.worker import Worker  # noqa: E402
 
 NATS_URL = os.environ.get("PGJOBS_TEST_NATS", "nats://127.0.0.1:4222")

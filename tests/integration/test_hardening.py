@@ -29,7 +29,7 @@ from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
 from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime.chores import Chore
-from django_pgjobs.runtime.options import Exit
+from django_pgjobs.runtime.lifecycle import Exit
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from tests.conftest import wait_until
@@ -618,7 +618,7 @@ def test_a_worker_whose_supervisor_is_gone_stops_during_an_outage_too(monkeypatc
 def test_an_orphaned_worker_stops_while_it_pauses_after_a_failed_turn(monkeypatch):
     # The supervisor was looked for at the start of each turn only, and a failed turn's pause
     # lasts up to 30 s: an orphan served on for that long during an outage.
-    from django_pgjobs.runtime import stopping
+    from django_pgjobs.runtime import lifecycle as stopping
 
     parent, gone = os.getppid(), threading.Event()
     monkeypatch.setattr(stopping.os, "getppid", lambda: 1 if gone.is_set() else parent)
@@ -675,7 +675,7 @@ def test_a_recycled_worker_lets_its_running_jobs_finish_past_its_grace():
 def test_a_recycle_waits_for_a_job_that_never_ends_only_so_long(monkeypatch, caplog):
     # Waiting for every running job to end, a recycle held the whole worker up for good behind
     # one that never returned (no time limit): no claims, no exit, its supervisor none the wiser.
-    from django_pgjobs.runtime import stopping
+    from django_pgjobs.runtime import lifecycle as stopping
 
     monkeypatch.setattr(stopping, "RECYCLE_PATIENCE", 1.0)
     monkeypatch.setattr(stopping, "RECYCLE_NOTE_EVERY", 0.3)

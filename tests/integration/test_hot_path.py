@@ -12,7 +12,7 @@ from psycopg.types.json import set_json_loads
 
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job
-from django_pgjobs.runtime.options import Options
+from django_pgjobs.runtime.lifecycle import Options
 from django_pgjobs.runtime.worker import Worker
 from tests import tasks
 

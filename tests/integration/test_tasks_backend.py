@@ -30,7 +30,7 @@ from django_pgjobs import registry
 from django_pgjobs.backend import PgJobsBackend, WorkerLost
 from django_pgjobs.errors import EnqueueError, PermanentError
 from django_pgjobs.models import Job
-from django_pgjobs.runtime.options import Exit
+from django_pgjobs.runtime.lifecycle import Exit
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs

@@ -17,13 +17,13 @@ from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
 from django_pgjobs.outcomes import Outcome
 from django_pgjobs.runtime import postgres
+from django_pgjobs.runtime.lifecycle import Options
 from django_pgjobs.runtime.locks import (
     IDLE_IN_TRANSACTION,
     LOCK_TIMEOUT,
     LockWaits,
     application_name,
 )
-from django_pgjobs.runtime.options import Options
 from django_pgjobs.runtime.worker import Worker
 from tests.conftest import end_sessions_of, wait_until
 from tests.plans import planned_once_on_an_empty_table, sequential_scans

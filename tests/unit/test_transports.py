@@ -21,7 +21,7 @@ def test_a_project_without_nats_queues_never_imports_nats() -> None:
         "from django.core import management\n"
         "from django.core.checks import run_checks\n"
         "from django_pgjobs.management.commands import runjobs, jobstats, relayjobs\n"
-        "from django_pgjobs.runtime.options import Options\n"
+        "from django_pgjobs.runtime.lifecycle import Options\n"
         "import django_pgjobs.admin, django_pgjobs.observability.report\n"
         "run_checks()\n"
         "runjobs._worker(Options(queues=['default']))\n"

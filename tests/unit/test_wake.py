@@ -1,4 +1,4 @@
-"""The loops' wake-up, given by signal handlers (runtime/wake.py)."""
+"""The loops' wake-up, given by signal handlers (runtime/lifecycle.py, Wake)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import textwrap
 import threading
 import time
 
-from django_pgjobs.runtime.wake import Wake
+from django_pgjobs.runtime.lifecycle import Wake
 
 #: A thread woken by a handler of signals that arrive every 2 ms for two seconds, while it
 #: waits and clears. With threading.Event, the handler's set() waits on the lock its own thread
@@ -16,8 +16,11 @@ from django_pgjobs.runtime.wake import Wake
 #: handler until RecursionError), as a worker did on a second SIGTERM.
 STORM = textwrap.dedent(
     """
-    import signal, time
-    from django_pgjobs.runtime.wake import Wake
+    import os, signal, time
+    import django
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    django.setup()
+    from django_pgjobs.runtime.lifecycle import Wake
     wake = Wake()
     signal.signal(signal.SIGALRM, lambda *args: wake.set())
     signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)

@@ -1,20 +1,86 @@
-"""A worker's stop (SIGTERM, SIGINT, its supervisor gone) and its recycle (a limit reached):
-it stops taking jobs, gives those running its grace period (a recycle: at least
-RECYCLE_PATIENCE), and cuts short whatever it waits for; a second stop ends the grace at once.
-Shared by the PostgreSQL worker and the NATS one."""
+"""A worker's options and its life: what wakes it, how it is told to stop or to recycle (a
+limit reached), and the exit codes that say how it ended. A stop ends the grace's wait at once the
+second time."""
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import secrets
 import signal
+import socket
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
 
 from django_pgjobs.runtime import awaiting, policy, timeouts
 from django_pgjobs.runtime.logs import quietly
-from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.timeouts import Deadlines
-from django_pgjobs.runtime.wake import Wake
+
+
+def worker_id() -> str:
+    """Unique per process: host, pid and a random suffix (pids are reused, hosts are cloned)."""
+    return f"{socket.gethostname()[:150]}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass
+class Options:
+    queues: Sequence[str] = ("default",)
+    concurrency: int = 10
+    batch_size: int = 100
+    lease: float | None = None  # default PGJOBS["LEASE"]
+    grace: float = 30.0
+    poll_interval: float = 2.0
+    listen: bool = True
+    once: bool = False
+    reap_interval: float = 5.0
+    promote_interval: float = 1.0  # how often due scheduled jobs join the claim index
+    prune_interval: float = 60.0
+    stats_interval: float = 10.0
+    controls_interval: float = 1.0  # how often the Queue controls (pause, limits) are read
+    worker_id: str | None = None  # given by a supervisor (runjobs --processes); else made up
+    max_jobs: int | None = None  # recycle after recording this many outcomes
+    max_memory_mb: float | None = None  # recycle when resident memory passes this
+    parent_pid: int | None = None  # a supervisor's: stop when it is gone
+    relay: bool = True  # publish the outbox of NATS queues (transports.py), if there are any
+
+
+class Exit(IntEnum):
+    """How a worker ended: its process's exit code."""
+
+    OK = 0  # stopped or drained, every job it held recorded or released
+    UNRELEASED = 1  # stopped, but jobs it held could not be released (their leases expire)
+    RECYCLE = 75  # stopped gracefully to be replaced: a limit of --max-jobs/--max-memory, or
+    # abandoned handler threads piled up (runtime/timeouts.py)
+
+
+class Wake:
+    """``set()`` from anywhere, a signal handler included; ``wait(timeout)`` returns at the
+    first ``set()`` since the last ``clear()`` (at once if there was one), or after `timeout`."""
+
+    def __init__(self) -> None:
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def set(self) -> None:
+        self._tokens.put(None)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            self._tokens.get(timeout=None if timeout is None else max(0.0, timeout))
+        except queue.Empty:
+            return False
+        self._tokens.put(None)  # still set until cleared, as an Event would be
+        return True
+
+    def clear(self) -> None:
+        while True:
+            try:
+                self._tokens.get_nowait()
+            except queue.Empty:
+                return
+
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 
