@@ -1,15 +1,16 @@
 """The admin's search and filter by task: an index on `task`; and the permission to edit a
 failed or cancelled job's payload before replay.
 
-Built without locking the table (CREATE INDEX CONCURRENTLY, so the migration is not atomic):
+Built without locking writers out (CREATE INDEX CONCURRENTLY, so the migration is not atomic):
 workers and enqueues keep running while it builds. If it is interrupted, run migrate again; a
-half-built index left INVALID is dropped and built again.
+half-built index left INVALID is dropped and built again (django_pgjobs.migrating).
 """
 
 from django.db import migrations, models
 
+from django_pgjobs.migrating import CreateIndexConcurrently
+
 TASK_INDEX = 'CREATE INDEX CONCURRENTLY "pgjobs_job_task_idx" ON "pgjobs_job" ("task")'
-DROP_TASK_INDEX = 'DROP INDEX CONCURRENTLY IF EXISTS "pgjobs_job_task_idx"'
 
 
 class Migration(migrations.Migration):
@@ -32,8 +33,7 @@ class Migration(migrations.Migration):
                 ),
             ],
             database_operations=[
-                migrations.RunSQL(DROP_TASK_INDEX, migrations.RunSQL.noop),
-                migrations.RunSQL(TASK_INDEX, DROP_TASK_INDEX),
+                CreateIndexConcurrently("pgjobs_job_task_idx", TASK_INDEX),
             ],
         ),
     ]

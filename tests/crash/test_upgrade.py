@@ -55,3 +55,61 @@ def test_an_install_from_before_claims_upgrades_with_migrate_and_its_waiting_job
         assert invalid == (0,)
     done = manage(old_install, "runjobs", "--once")
     assert done.returncode == 0, done.stderr
+
+
+def _indexes(database: str) -> dict[str, tuple[int, bool, str]]:
+    """The job table's indexes: name -> (oid, valid, definition)."""
+    with psycopg.connect(**{**connection_kwargs(), "dbname": database}) as session:
+        rows = session.execute(
+            "SELECT c.relname, c.oid, i.indisvalid, pg_get_indexdef(c.oid) FROM pg_index AS i "
+            "JOIN pg_class AS c ON c.oid = i.indexrelid WHERE i.indrelid = 'pgjobs_job'::regclass"
+        ).fetchall()
+    return {name: (oid, valid, definition) for name, oid, valid, definition in rows}
+
+
+def _forget_0012(database: str) -> None:
+    with psycopg.connect(**{**connection_kwargs(), "dbname": database}, autocommit=True) as db:
+        db.execute(
+            "DELETE FROM django_migrations WHERE app = 'pgjobs' AND name = '0012_scheduled_indexes'"
+        )
+
+
+def test_an_install_whose_0008_built_the_scheduled_indexes_keeps_them(old_install):
+    # An earlier release's 0008 built what 0012 builds now: the same schema, 0012 not recorded.
+    assert manage(old_install, "migrate").returncode == 0
+    built = _indexes(old_install)
+    _forget_0012(old_install)
+
+    upgrade = manage(old_install, "migrate")
+    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+    assert "Applying pgjobs.0012_scheduled_indexes... OK" in upgrade.stdout
+    assert _indexes(old_install) == built  # the same indexes, none built again
+
+
+def test_scheduled_indexes_stopped_part_way_are_finished_by_the_next_migrate(old_install):
+    assert manage(old_install, "migrate").returncode == 0
+    with psycopg.connect(**{**connection_kwargs(), "dbname": old_install}, autocommit=True) as db:
+        db.execute(
+            "INSERT INTO pgjobs_job (id, queue, task, payload, max_attempts) "
+            "SELECT gen_random_uuid(), 'default', 'tests.tasks.noop', '{}', 3 "
+            "FROM generate_series(1, 2)"
+        )
+        # As a run stops: the scheduled index's build failed half-way (left invalid) ...
+        db.execute("DROP INDEX pgjobs_job_scheduled_idx")
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            db.execute(
+                "CREATE UNIQUE INDEX CONCURRENTLY pgjobs_job_scheduled_idx ON pgjobs_job (queue)"
+            )
+        # ... and the old claim index was dropped before the new one took its name.
+        db.execute("ALTER INDEX pgjobs_job_claim_idx RENAME TO pgjobs_job_claim_new")
+    assert _indexes(old_install)["pgjobs_job_scheduled_idx"][1] is False
+    _forget_0012(old_install)
+
+    again = manage(old_install, "migrate")
+    assert again.returncode == 0, again.stdout + again.stderr
+    indexes = _indexes(old_install)
+    assert "pgjobs_job_claim_new" not in indexes
+    assert "NOT scheduled" in indexes["pgjobs_job_claim_idx"][2]
+    assert "INCLUDE (queue) WHERE (scheduled AND" in indexes["pgjobs_job_scheduled_idx"][2]
+    assert all(valid for _, valid, _ in indexes.values()), indexes
+    assert manage(old_install, "check", "--database", "default").returncode == 0
