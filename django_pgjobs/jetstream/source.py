@@ -65,6 +65,8 @@ RESEND_EVERY = 0.1
 class NatsSource:
     """A worker's jobs from the durable consumers of `queues`' streams."""
 
+    queues_are = "NATS queues"
+
     def __init__(self, queues: Sequence[NatsQueue], bridge: Bridge) -> None:
         self.queues, self.bridge = list(queues), bridge
         self._queues = {queue.queue: queue for queue in self.queues}

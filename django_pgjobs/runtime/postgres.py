@@ -47,6 +47,8 @@ HELD_RETRY = 1.0
 class PostgresSource:
     """A worker's jobs from the job table."""
 
+    queues_are = "queues"
+
     def __init__(self) -> None:
         self.chores: list[Chore] = []
         # Outcomes whose rows another session held locked, and when to try them again. The

@@ -96,6 +96,8 @@ class Source(Protocol):
 
     #: Its housekeeping, run by the worker's loop between turns (made by `attach`).
     chores: list[Chore]
+    #: What the worker's first line calls its queues ("queues", "NATS queues").
+    queues_are: str
 
     def attach(self, seat: Seat) -> None:
         """Serve the worker at `seat` (once, when the worker is made)."""

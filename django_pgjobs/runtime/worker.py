@@ -87,8 +87,9 @@ class Worker(Stoppable):
         refuse_unmigrated(self.db)
         quietly(
             logger.info,
-            "worker %s started: queues=%s concurrency=%d batch=%d lease=%gs listen=%s",
-            self.id, ",".join(options.queues), options.concurrency, options.batch_size,
+            "worker %s started: %s=%s concurrency=%d batch=%d lease=%gs listen=%s",
+            self.id, self.source.queues_are, ",".join(options.queues), options.concurrency,
+            options.batch_size,
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
         if options.parent_pid is None:  # a supervisor's children: it said so once for all
