@@ -133,6 +133,10 @@ class Deadlines:
             deadlines = [deadline for _, deadline, _ in self._running.values()]
         return min(deadlines, default=float("inf")) - time.monotonic()
 
+    def abandoned(self) -> bool:
+        """Whether an abandoned handler thread may still run."""
+        return bool(self._abandoned)
+
     def abandoned_alive(self) -> int:
         """Abandoned handler threads still running LINGER seconds after they were abandoned
         (those that returned are gone; one that returns a moment late is not counted)."""

@@ -119,7 +119,9 @@ class Worker(Stoppable):
                     outage.over()
             except Exception as error:  # the database, or a bug (outages.py): pause, try again
                 self.source.failed(error)
-                if options.once:
+                # With --once, the database's errors end the run at once; another's (a NATS
+                # stream the relay has not made yet) is tried a few times first.
+                if options.once and (isinstance(error, DatabaseError) or outage.failures >= 5):
                     self._shutdown()
                     if not isinstance(error, DatabaseError):
                         raise
@@ -151,11 +153,12 @@ class Worker(Stoppable):
         for job, decided in self.handlers.time_out():
             timeout = self.timeout_of(job) or 0.0
             self.finished.hand_in(job, execute.past_time_limit(job, timeout, decided, logger))
+        # Before the claim: a worker to be recycled takes nothing more (a NATS fetch may wait).
+        self._check_abandoned(self.handlers.deadlines)
         try:
             self.settle_and_claim()
         finally:
             self._announcer.flush()
-        self._check_abandoned(self.handlers.deadlines)
         if self._stopping:
             self._give_back_unstarted()
             self._note_recycle(len(self.claims))
@@ -216,8 +219,8 @@ class Worker(Stoppable):
     def _fetch_wait(self) -> float:
         """How long a source that waits for jobs itself may wait this turn: not while handlers
         run (their outcomes wait for it), else until the next chore or time limit."""
-        if self.claims:
-            return 0.0
+        if self.claims or self.handlers.deadlines.abandoned():
+            return 0.0  # an abandoned thread may soon recycle the worker: look again soon
         waits = [chore.due_in() for chore in self._chores]
         waits.append(self.handlers.deadlines.next_in())
         return max(0.0, min([self.options.poll_interval, *waits]))
