@@ -45,7 +45,7 @@ from django_pgjobs.errors import (
 )
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
-from django_pgjobs.runtime import awaiting, execute, timeouts
+from django_pgjobs.runtime import execute, timeouts
 from django_pgjobs.status import Status
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def run(job: Job) -> Handled:
         began = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(task.func):  # as Task.call, without its hang
-                value = awaiting.awaited(job, task.func, *args, **result.kwargs)
+                value = execute.awaited(job, task.func, *args, **result.kwargs)
             else:
                 value = task.func(*args, **result.kwargs)
             try:

@@ -10,7 +10,7 @@ Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, ex
 - ``job_started(job)``: in the handler's thread, just before the handler is called.
 - ``job_progress(job, done, total, note)``: in the thread that called ``progress()``, at every
   call inside a job (the arguments as checked; the database gets them later, see
-  runtime/progress.py).
+  runtime/leases.py).
 - ``job_succeeded(job, duration)``: the success was recorded.
 - ``job_retried(job, duration, error, delay)``: the attempt failed (``error`` is a
   ``Failure``) or asked to ``Retry`` (``error`` is None); the job is ready again later.

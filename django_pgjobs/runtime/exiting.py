@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from django_pgjobs.runtime import awaiting
+from django_pgjobs.runtime import execute
 from django_pgjobs.runtime.logs import quietly
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
@@ -47,7 +47,7 @@ def bound(code: int, grace: float) -> None:
         ]  # fmt: skip
         loops = (
             " (with the event loops of async handlers that left tasks ignoring their "
-            "cancellation)" if awaiting.lingering() else ""
+            "cancellation)" if execute.lingering() else ""
         )  # fmt: skip
         quietly(
             logger.warning,

@@ -16,7 +16,7 @@ from django_pgjobs import signals
 from django_pgjobs.errors import JobCancelled
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled
-from django_pgjobs.runtime import awaiting, cancellation, execute, timeouts
+from django_pgjobs.runtime import execute, timeouts
 from django_pgjobs.runtime.timeouts import Deadlines
 
 #: A job that waited longer than this for a thread (claimed beyond the threads, or behind slow
@@ -69,7 +69,7 @@ class HandlerPool:
         waited = started - self._submitted.pop(id(job), started)
         if job.cancel_requested:
             return True
-        if waited > CANCEL_CHECK_AFTER and cancellation.asked(job):
+        if waited > CANCEL_CHECK_AFTER and execute.cancel_asked(job):
             job.cancel_requested = True
             return True
         return False
@@ -86,7 +86,8 @@ class HandlerPool:
         late = self.deadlines.overdue()
         for job, _ in late:
             job.cancel_requested = True  # what cancel_requested() tells the handler
-            awaiting.cancel(job)  # an async one's coroutine can be stopped, at its next await
+            # An async one's coroutine can be stopped, at its next await.
+            execute.cancel_coroutine(job)
             self._since.pop(id(job), None)
             self._start_thread()
         return late
@@ -156,5 +157,5 @@ class HandlerPool:
             if timeout is not None and not self.deadlines.end(job):
                 break  # timed out: recorded already, and this thread was replaced
             self._hand_in(job, handled)
-        awaiting.release()
+        execute.release_awaiter()
         connections.close_all()

@@ -10,7 +10,8 @@ import os
 import signal
 import time
 
-from django_pgjobs.runtime import awaiting, policy, timeouts
+from django_pgjobs.runtime import execute as awaiting
+from django_pgjobs.runtime import policy, timeouts
 from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.timeouts import Deadlines

@@ -288,19 +288,17 @@ def test_an_async_handlers_error_has_the_traceback_of_its_coroutine_not_of_two_t
 def test_an_async_handler_whose_companion_fails_before_its_coroutine_still_ends(monkeypatch):
     # Its companion thread's look at its connections raised before the coroutine ran: the
     # companion ended, the answer never came, and the handler thread waited on it for good.
-    from django_pgjobs.runtime import awaiting
-
     def unusable() -> None:
         raise InterfaceError("connection already closed")
 
-    monkeypatch.setattr(awaiting, "close_old_connections", unusable)
+    monkeypatch.setattr(execute, "close_old_connections", unusable)
     Job.objects.enqueue("tests.tasks.async_noop", {"value": 1})
     (job,) = Job.objects.claim(["default"], worker="w1")
     handled: list[Handled] = []
 
     def handler_thread() -> None:
         handled.append(execute.run(job))
-        awaiting.release()  # as a handler thread does when it ends
+        execute.release_awaiter()  # as a handler thread does when it ends
 
     thread = threading.Thread(target=handler_thread, daemon=True)
     thread.start()

@@ -14,8 +14,6 @@ ROOT = Path(django_pgjobs.__file__).parent
 #: extras are imported only when used.
 ALLOWED_LATE = {
     ("django_pgjobs", "django_pgjobs.runtime.execute"),
-    ("django_pgjobs", "django_pgjobs.runtime.cancellation"),
-    ("django_pgjobs", "django_pgjobs.runtime.progress"),
     ("django_pgjobs.observability.stats", "django_pgjobs.models"),
     ("django_pgjobs.management.commands.runjobs", "django_pgjobs.metrics"),
     # tracing imports opentelemetry, which only PGJOBS["TRACING"] may cost.
