@@ -44,7 +44,8 @@ from django_pgjobs.jetstream.deliveries import Delivery, DeliveryCounts
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime import execute, locks, policy, timeouts
+from django_pgjobs.runtime import execute, locks, policy
+from django_pgjobs.runtime import handlers as timeouts
 from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls

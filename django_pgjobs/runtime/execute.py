@@ -168,7 +168,7 @@ def past_time_limit(
 ) -> Handled:
     """How an attempt abandoned at its time limit (Handlers.time_out) is recorded, said on
     `log`: as timed out (JobTimeout), unless its handler had returned and its runner decided
-    the outcome before (timeouts.decided): then that outcome, which its runner may have told
+    the outcome before (handlers.decided): then that outcome, which its runner may have told
     already (Django's task_finished; it was its receivers that passed the limit)."""
     if decided is None:
         quietly(log.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
