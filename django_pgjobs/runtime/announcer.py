@@ -1,6 +1,6 @@
 """The signals a worker sends about its own work, on a thread of their own: the outcome of each
 recorded attempt (job_succeeded, job_failed, ...) and job_enqueued for the jobs of the periodic
-schedules' ticks (runtime/scheduler.py).
+schedules' ticks (runtime/chores.py).
 
 Their receivers are the application's code: an alert to a chat server that does not answer, a
 query that waits on a lock, a `sys.exit()`. Sent from the worker's main thread, which records

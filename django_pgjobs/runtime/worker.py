@@ -24,7 +24,15 @@ from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime import execute, listener, locks, policy, served
 from django_pgjobs.runtime import handlers as timeouts
 from django_pgjobs.runtime.announcer import Announcer
-from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Reporter, Ticker
+from django_pgjobs.runtime.chores import (
+    Chore,
+    Promoter,
+    Pruner,
+    Reaper,
+    Reporter,
+    Scheduler,
+    Ticker,
+)
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.leases import RETRY_PAUSE, LeaseKeeper
@@ -33,7 +41,6 @@ from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
 from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.positions import Positions
-from django_pgjobs.runtime.scheduler import Scheduler
 from django_pgjobs.runtime.settling import Settler
 from django_pgjobs.runtime.stopping import Stoppable
 
