@@ -1,6 +1,6 @@
 """Job lifecycle signals. Receivers run in the worker process, so keep them quick and never let
 them raise: an exception in a receiver is logged, never propagated (``send_robust``). A
-worker sends the outcome signals on a thread of their own (runtime/announcer.py).
+worker sends the outcome signals on a thread of their own (runtime/reporting.py).
 
 Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, except
 ``job_enqueued``, which is sent once per enqueue call with ``jobs=[...]``.
@@ -55,7 +55,7 @@ def send(signal: Signal, sender: type[Model], **kwargs: Any) -> None:
         return
     for receiver, response in signal.send_robust(sender=sender, **kwargs):
         if isinstance(response, Exception):
-            # The application's logging may raise too (see runtime/logs.py quietly).
+            # The application's logging may raise too (see runtime/reporting.py quietly).
             with contextlib.suppress(Exception):
                 logger.error("signal receiver %r raised", receiver, exc_info=response)
 

@@ -27,7 +27,7 @@ from django_pgjobs.jetstream.deliveries import Delivery
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime.handlers import HandlerPool
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger(__name__)
 

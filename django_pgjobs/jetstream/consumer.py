@@ -42,16 +42,20 @@ from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.jetstream.consumers import Consumers
 from django_pgjobs.jetstream.deliveries import Delivery, DeliveryCounts
 from django_pgjobs.models import Job, QueueStat
-from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import execute, locks, policy
 from django_pgjobs.runtime import handlers as timeouts
-from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
-from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
 from django_pgjobs.runtime.options import Exit, Options, worker_id
+from django_pgjobs.runtime.reporting import (
+    ActivityTally,
+    Announcer,
+    log_activity,
+    log_outcome,
+    quietly,
+)
 from django_pgjobs.runtime.stopping import Stoppable
 from django_pgjobs.transports import NatsQueue
 

@@ -20,7 +20,7 @@ from django_pgjobs.errors import text_of
 from django_pgjobs.models import Job, QueueStat, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic, declared
 from django_pgjobs.runtime import policy
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Chore:
             wait = self.run()
         except Exception as error:
             if _connection_lost(error):
-                raise  # the worker's outage (runtime/outages.py)
+                raise  # the worker's outage (reporting.Outage)
             self.failures += 1
             self.failed(error)
             wait = policy.outage_pause(self.failures)
@@ -302,7 +302,7 @@ class Scheduler:
         enqueued: Callable[[list[Job]], None] | None = None,
     ) -> None:
         """`enqueued(jobs)`: sends job_enqueued for a tick's committed jobs (a worker's: on its
-        signals thread, runtime/announcer.py; by default, at once)."""
+        signals thread, reporting.Announcer; by default, at once)."""
         self.db = db
         self.enqueued = enqueued or _send_enqueued
         if schedules is None:

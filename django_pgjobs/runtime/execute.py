@@ -33,7 +33,7 @@ from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.retry import BACKOFF_PATIENCE, ExponentialBackoff, backoff_seconds, is_permanent
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 # What goes wrong around a job's handler is said with the worker's lines about its jobs.
 logger = logging.getLogger("django_pgjobs.runtime.worker")

@@ -17,7 +17,7 @@ import threading
 import time
 
 from django_pgjobs.runtime import execute
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 

@@ -13,7 +13,7 @@ from django.db import connections
 
 from django_pgjobs.data.wakeups import CHANNEL
 from django_pgjobs.runtime import locks, policy
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger(__name__)
 

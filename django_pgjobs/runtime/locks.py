@@ -20,7 +20,7 @@ from django.db.backends.signals import connection_created
 
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 

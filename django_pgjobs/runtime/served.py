@@ -13,7 +13,7 @@ from django.db import DatabaseError
 from django_pgjobs import periodic, registry
 from django_pgjobs.conf import get_settings
 from django_pgjobs.observability import stats
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 

@@ -17,7 +17,7 @@ from django_pgjobs.data.records import FailedAttempt, Failure, Settled, claim_of
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import policy
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 if TYPE_CHECKING:
     from django_pgjobs.runtime.worker import Worker

@@ -14,8 +14,8 @@ from django_pgjobs.runtime import execute as awaiting
 from django_pgjobs.runtime import handlers as timeouts
 from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.handlers import Deadlines
-from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, Options
+from django_pgjobs.runtime.reporting import quietly
 from django_pgjobs.runtime.wake import Wake
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")

@@ -19,11 +19,9 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
 from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job, QueueStat
-from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime import execute, listener, locks, policy, served
 from django_pgjobs.runtime import handlers as timeouts
-from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import (
     Chore,
     Promoter,
@@ -37,10 +35,17 @@ from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.leases import RETRY_PAUSE, LeaseKeeper
 from django_pgjobs.runtime.locks import LockWaits, application_name
-from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
 from django_pgjobs.runtime.options import Exit, Options, worker_id
-from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.positions import Positions
+from django_pgjobs.runtime.reporting import (
+    ActivityTally,
+    Announcer,
+    Outage,
+    WorkerError,
+    log_activity,
+    log_outcome,
+    quietly,
+)
 from django_pgjobs.runtime.settling import Settler
 from django_pgjobs.runtime.stopping import Stoppable
 

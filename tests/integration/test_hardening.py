@@ -760,7 +760,7 @@ def test_a_locked_row_holds_back_its_outcome_alone_under_a_shorter_statement_tim
 
 @pytest.mark.django_db(transaction=True)
 def test_a_statement_timeout_is_said_to_be_one_not_an_unreachable_database():
-    from django_pgjobs.runtime.outages import Outage
+    from django_pgjobs.runtime.reporting import Outage
 
     with pytest.raises(OperationalError) as raised, connection.cursor() as cursor:
         cursor.execute("SET statement_timeout = '10ms'")
@@ -810,7 +810,7 @@ def test_an_outcome_not_recorded_because_the_claim_was_lost_is_logged_with_its_j
 def test_a_transaction_the_database_rolled_back_is_not_said_to_be_an_unreachable_database():
     import psycopg
 
-    from django_pgjobs.runtime.outages import Outage
+    from django_pgjobs.runtime.reporting import Outage
 
     error = OperationalError("could not serialize access due to concurrent update")
     error.__cause__ = psycopg.errors.SerializationFailure("could not serialize access")

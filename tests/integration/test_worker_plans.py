@@ -143,7 +143,7 @@ def test_an_operator_rewriting_the_job_table_under_a_running_worker_costs_no_job
         worker.stop()
         thread.join(20)
     assert ended
-    failures = ("django_pgjobs.runtime.outages", "django_pgjobs.runtime.settling")
+    failures = ("django_pgjobs.runtime.reporting", "django_pgjobs.runtime.settling")
     said = [r.getMessage() for r in caplog.records if r.name in failures]
     assert said == []
 
@@ -191,7 +191,7 @@ def test_a_worker_with_a_limited_queue_goes_on_after_its_connections_are_termina
     assert ended
     assert not Job.objects.exclude(status=Status.SUCCEEDED).exists()
     assert most <= 2
-    assert any(r.name == "django_pgjobs.runtime.outages" for r in caplog.records)  # it was cut
+    assert any(r.name == "django_pgjobs.runtime.reporting" for r in caplog.records)  # it was cut
 
 
 @pytest.mark.django_db(transaction=True)

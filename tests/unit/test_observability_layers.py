@@ -11,7 +11,7 @@ import django_pgjobs.observability
 
 PACKAGE = "django_pgjobs.observability"
 #: Lowest first, as django_pgjobs/observability/__init__.py lists them.
-ORDER = ("activity", "stats", "dbstats", "load", "figures", "health", "report")
+ORDER = ("stats", "dbstats", "load", "figures", "health", "report")
 #: What observability serves, so it never imports it: the admin, commands, runtime, metrics.
 ABOVE = (
     "django_pgjobs.admin",

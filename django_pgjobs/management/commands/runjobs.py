@@ -20,9 +20,8 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import exiting, reloading, served
-from django_pgjobs.runtime.logs import quietly
 from django_pgjobs.runtime.options import Exit, Options
-from django_pgjobs.runtime.outages import WorkerError
+from django_pgjobs.runtime.reporting import WorkerError, quietly
 from django_pgjobs.runtime.stopping import STOP_SIGNALS
 from django_pgjobs.runtime.supervisor import Supervisor
 from django_pgjobs.runtime.worker import Worker
