@@ -43,8 +43,9 @@ from django_pgjobs.jetstream.consumers import Consumers
 from django_pgjobs.jetstream.deliveries import Delivery, DeliveryCounts
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime import execute, locks, policy
+from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime import handlers as timeouts
+from django_pgjobs.runtime import sessions as locks
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool

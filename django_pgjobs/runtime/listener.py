@@ -12,7 +12,8 @@ from typing import Any
 from django.db import connections
 
 from django_pgjobs.data.wakeups import CHANNEL
-from django_pgjobs.runtime import locks, policy
+from django_pgjobs.runtime import policy
+from django_pgjobs.runtime import sessions as locks
 from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger(__name__)

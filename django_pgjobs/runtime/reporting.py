@@ -242,7 +242,7 @@ class Outage:
         # An undefined table or column: the schema is older than the code.
         if schema.is_not_migrated(error):
             return schema.explained(error)
-        if rows.plan_unfit(error):  # prepared: runtime/locks.py
+        if rows.plan_unfit(error):  # prepared: runtime/sessions.py
             return (
                 "a migration changed the job table under the worker's prepared statements; "
                 "it reconnects, which prepares them again"

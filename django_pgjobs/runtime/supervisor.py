@@ -25,9 +25,9 @@ from django.db import DatabaseError, connections, router
 
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import exiting, policy
-from django_pgjobs.runtime.locks import LockWaits
 from django_pgjobs.runtime.options import Exit, worker_id
 from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.sessions import LockWaits
 from django_pgjobs.runtime.stopping import STOP_SIGNALS, said_stop_signal
 from django_pgjobs.runtime.wake import Wake
 

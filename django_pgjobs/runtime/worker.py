@@ -20,8 +20,10 @@ from django_pgjobs.data import rows
 from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.outcomes import Handled, Outcome
-from django_pgjobs.runtime import execute, listener, locks, policy, served
+from django_pgjobs.runtime import execute, listener, policy
 from django_pgjobs.runtime import handlers as timeouts
+from django_pgjobs.runtime import sessions as locks
+from django_pgjobs.runtime import sessions as served
 from django_pgjobs.runtime.chores import (
     Chore,
     Promoter,
@@ -34,7 +36,6 @@ from django_pgjobs.runtime.chores import (
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.leases import RETRY_PAUSE, LeaseKeeper
-from django_pgjobs.runtime.locks import LockWaits, application_name
 from django_pgjobs.runtime.options import Exit, Options, worker_id
 from django_pgjobs.runtime.positions import Positions
 from django_pgjobs.runtime.reporting import (
@@ -46,6 +47,7 @@ from django_pgjobs.runtime.reporting import (
     log_outcome,
     quietly,
 )
+from django_pgjobs.runtime.sessions import LockWaits, application_name
 from django_pgjobs.runtime.settling import Settler
 from django_pgjobs.runtime.stopping import Stoppable
 

@@ -941,7 +941,7 @@ def test_the_workers_connections_commit_each_statement_whatever_the_settings_bec
     # A handler set DATABASES["default"]["AUTOCOMMIT"] = False "for its job": the dict is every
     # thread's, and after a reconnect the worker's own statements ran in one transaction never
     # committed, claims and outcomes rolled back at its stop.
-    from django_pgjobs.runtime.locks import LockWaits
+    from django_pgjobs.runtime.sessions import LockWaits
 
     sessions = LockWaits("default")
     connection.close()

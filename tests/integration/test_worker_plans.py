@@ -1,4 +1,4 @@
-"""A worker's main loop prepares its statements and plans them once (runtime/locks.py,
+"""A worker's main loop prepares its statements and plans them once (runtime/sessions.py,
 data/rows.py): what an operator, a migration or a lost connection does to those plans must cost
 no job its outcome."""
 
@@ -14,8 +14,8 @@ from django.db import DatabaseError, OperationalError, connection
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job, Queue
 from django_pgjobs.outcomes import Handled, Verdict
-from django_pgjobs.runtime.locks import LockWaits, application_name
 from django_pgjobs.runtime.options import Options
+from django_pgjobs.runtime.sessions import LockWaits, application_name
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.status import Status
 from tests.conftest import wait_until

@@ -19,7 +19,7 @@ from django_pgjobs import checks, transports
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import exiting, reloading, served
+from django_pgjobs.runtime import exiting, reloading, sessions
 from django_pgjobs.runtime.options import Exit, Options
 from django_pgjobs.runtime.reporting import WorkerError, quietly
 from django_pgjobs.runtime.stopping import STOP_SIGNALS
@@ -268,7 +268,7 @@ class Command(BaseCommand):
         if options["processes"] > 1:
             queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
             who = f"the workers of supervisor {os.getpid()}"
-            served.warn(router.db_for_write(Job), queues, who)
+            sessions.warn(router.db_for_write(Job), queues, who)
             supervisor = Supervisor(options["processes"], _child_args(options), options["grace"])
             _stoppers.append(supervisor)
             try:
