@@ -207,7 +207,7 @@ def tell(target: Callable[[], None], name: str) -> None:
     """Run `target` on a thread of its own, for an integration's time-out hook (registry's
     TimedOut, called on the worker's main thread), so that slow receivers do not hold the
     worker up. Not a daemon: a worker that exits now (a recycle, a stop) waits for it, as long
-    as it waits for what handlers left (runtime/exiting.py). Counted while it runs (telling):
+    as it waits for what handlers left (runtime/processes.py). Counted while it runs (telling):
     a worker recycles when these and its abandoned threads add up to its concurrency.
     RuntimeError when no thread can be started."""
     thread = threading.Thread(target=target, name=name)

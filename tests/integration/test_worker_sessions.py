@@ -442,7 +442,7 @@ def test_a_workers_connections_keep_tcp_alive_keeping_the_projects_own_settings(
 def test_a_supervisors_connection_keeps_tcp_alive_too():
     """Its statement taking back a dead child's jobs must not wait the kernel's two hours on a
     database gone from the network."""
-    from django_pgjobs.runtime.supervisor import Supervisor
+    from django_pgjobs.runtime.processes import Supervisor
 
     settings_dict = connection.settings_dict
     saved = copy.deepcopy(settings_dict.get("OPTIONS", {}))

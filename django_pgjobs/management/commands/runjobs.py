@@ -19,11 +19,11 @@ from django_pgjobs import checks, transports
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import exiting, reloading, sessions
+from django_pgjobs.runtime import processes, sessions
 from django_pgjobs.runtime.options import Exit, Options
+from django_pgjobs.runtime.processes import Supervisor
 from django_pgjobs.runtime.reporting import WorkerError, quietly
 from django_pgjobs.runtime.stopping import STOP_SIGNALS
-from django_pgjobs.runtime.supervisor import Supervisor
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.validation import MAX_SECONDS, check_queue
 
@@ -90,7 +90,7 @@ def _grace(value: str) -> float:
 
 
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
-_stoppers: list[reloading.Stops] = []
+_stoppers: list[processes.Stops] = []
 
 
 class Command(BaseCommand):
@@ -201,13 +201,13 @@ class Command(BaseCommand):
 
     def run_from_argv(self, argv: list[str]) -> None:
         """As Django runs it from the command line; the process then ends within the grace even
-        if threads its handlers started are still running (runtime/exiting.py)."""
+        if threads its handlers started are still running (runtime/processes.py)."""
         code = 1
         try:
             super().run_from_argv(argv)
             code = 0
         except SystemExit as exit:
-            code = exiting.exit_code(exit.code)
+            code = processes.exit_code(exit.code)
             raise
         finally:
             # Its work is done and its status known: a stop signal now (a second SIGTERM from
@@ -215,7 +215,7 @@ class Command(BaseCommand):
             for signum in STOP_SIGNALS:
                 with contextlib.suppress(ValueError):  # not the main thread
                     signal.signal(signum, signal.SIG_IGN)
-            exiting.bound(code, self._grace)
+            processes.bound_exit(code, self._grace)
 
     #: --grace, once handle() has read it.
     _grace = Options().grace
@@ -249,7 +249,7 @@ class Command(BaseCommand):
         def run() -> int:
             return self.run(options)
 
-        code = reloading.run(run, _stoppers) if options["reload"] else run()
+        code = processes.run_reloading(run, _stoppers) if options["reload"] else run()
         if code and options["processes"] > 1:
             raise CommandError(
                 "worker processes failed (kept dying, or stopped without releasing their "
@@ -299,7 +299,7 @@ class Command(BaseCommand):
             worker.signalled(signum)
 
         # Signal handlers belong to the main thread (under --reload the worker runs on another:
-        # the reloader passes signals on, see runtime/reloading.py).
+        # the reloader passes signals on, see runtime/processes.py).
         main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS} if main else {}
         _stoppers.append(worker)
