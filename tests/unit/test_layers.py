@@ -22,7 +22,9 @@ ALLOWED_LATE = {
     # jetstream imports nats, which only a queue whose TRANSPORT is "nats" may cost.
     ("django_pgjobs.management.commands.runjobs", "django_pgjobs.jetstream.workers"),
     ("django_pgjobs.management.commands.relayjobs", "django_pgjobs.jetstream.workers"),
-    ("django_pgjobs.observability.figures", "django_pgjobs.jetstream.figures"),
+    ("django_pgjobs.apps", "django_pgjobs.jetstream.figures"),
+    # apps.py hands observability the seam above once the app is ready.
+    ("django_pgjobs.apps", "django_pgjobs.observability.figures"),
 }
 
 
