@@ -22,7 +22,7 @@ DATABASES = {"default": environ.Env().db_url("DATABASE_URL")}
 if os.environ.get("BENCH_PREPARE"):
     # psycopg prepares a statement after this many executions; "none": never, on every
     # connection (Django's default, and the workers' own connections then prepare nothing
-    # either: runtime/locks.py).
+    # either: runtime/sessions.py).
     threshold = os.environ["BENCH_PREPARE"]
     DATABASES["default"]["OPTIONS"] = {
         "prepare_threshold": None if threshold == "none" else int(threshold)

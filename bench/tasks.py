@@ -20,7 +20,7 @@ if os.environ.get("BENCH_METRICS") == "1":  # bench/ab.py signals: receivers on 
 
 if os.environ.get("BENCH_ANNOUNCE") == "inline":  # bench/ab.py signals: on the main thread
     from django_pgjobs import signals
-    from django_pgjobs.runtime.announcer import Announcer
+    from django_pgjobs.runtime.reporting import Announcer
 
     Announcer.announce = lambda self, *args, **kwargs: signals.announce(*args, **kwargs)  # type: ignore[method-assign]
 

@@ -20,8 +20,8 @@ def current_job() -> Job | None:
 
 
 def cancel_requested() -> bool:
-    """Whether a cancellation of the running job was requested (see runtime/cancellation.py)."""
-    from django_pgjobs.runtime.cancellation import cancel_requested
+    """Whether a cancellation of the running job was requested (see runtime/execute.py)."""
+    from django_pgjobs.runtime.execute import cancel_requested
 
     return cancel_requested()
 
@@ -29,8 +29,8 @@ def cancel_requested() -> bool:
 def progress(done: float, total: float | None = None, note: str = "") -> None:
     """Report the running job's progress: `done` of `total` (None: not known), with a short
     `note`. Cheap enough to call for every item: the worker writes the latest report about once
-    a second. Outside a job it only checks its arguments (see runtime/progress.py)."""
-    from django_pgjobs.runtime.progress import progress
+    a second. Outside a job it only checks its arguments (see runtime/execute.py)."""
+    from django_pgjobs.runtime.execute import progress
 
     progress(done, total, note)
 

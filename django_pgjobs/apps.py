@@ -1,13 +1,20 @@
 """App configuration: registers the system checks, the Django Tasks backend's runner when a
-TASKS backend uses it, and imports every app's tasks module."""
+TASKS backend uses it, the report's stream figures, and imports every app's tasks module."""
 
 from __future__ import annotations
 
 import importlib
+from datetime import datetime
+from typing import TYPE_CHECKING
 
 from django.apps import AppConfig
 from django.conf import settings
 from django.utils.module_loading import autodiscover_modules
+
+from django_pgjobs import transports
+
+if TYPE_CHECKING:
+    from django_pgjobs.observability.stats import StreamStats
 
 BACKEND = "django_pgjobs.backend.PgJobsBackend"
 
@@ -24,4 +31,20 @@ class PgJobsConfig(AppConfig):
         backends = getattr(settings, "TASKS", {}).values()
         if any(backend.get("BACKEND") == BACKEND for backend in backends):
             importlib.import_module("django_pgjobs.backend")
+        # The report asks for NATS queues' figures here: observability never imports jetstream/.
+        from django_pgjobs.observability import figures
+
+        figures.stream_stats = stream_stats
         autodiscover_modules("tasks")
+
+
+def stream_stats(now: datetime) -> list[StreamStats]:
+    """The report's figures of the queues carried by NATS (observability.figures.stream_stats),
+    asked of the server through jetstream/, imported only then: it needs nats-py. None without
+    such queues."""
+    queues = transports.nats_queues()
+    if not queues:
+        return []
+    from django_pgjobs.jetstream.figures import measure
+
+    return measure(queues, now)

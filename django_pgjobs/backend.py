@@ -46,7 +46,7 @@ from django_pgjobs.errors import (
 )
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
-from django_pgjobs.runtime import awaiting, execute, timeouts
+from django_pgjobs.runtime import execute, handlers
 from django_pgjobs.status import Status
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ def run(job: Job) -> Handled:
         # tells FAILED, decided says so): the function must not begin after that.
         cancelled = JobCancelled("cancelled before its function started")
         handled = execute.refused(cancelled)
-        if timeouts.decided(job, handled):
+        if handlers.decided(job, handled):
             finished(result, error=cancelled)
         return handled
     with execute.running(job):
@@ -238,7 +238,7 @@ def run(job: Job) -> Handled:
         unstorable: Exception | None = None
         try:
             if inspect.iscoroutinefunction(task.func):  # as Task.call, without its hang
-                value = awaiting.awaited(job, task.func, *args, **result.kwargs)
+                value = execute.awaited(job, task.func, *args, **result.kwargs)
             else:
                 value = task.func(*args, **result.kwargs)
             try:
@@ -251,24 +251,24 @@ def run(job: Job) -> Handled:
             permanent = (TypeError,) if error is unstorable else ()
             handled = execute.raised(job, error, None, permanent, began)
             # decided: an attempt timed out meanwhile is its time limit's to tell (timed_out)
-            if timeouts.decided(job, handled) and _the_last(job, handled):
+            if handlers.decided(job, handled) and _the_last(job, handled):
                 finished(result, error=error)
             return handled
     handled = Handled(Verdict.SUCCEEDED, duration=time.perf_counter() - began, result_json=kept)
-    if timeouts.decided(job, handled):
+    if handlers.decided(job, handled):
         finished(result, json.loads(kept))
     return handled
 
 
 def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
-    """A Task's attempt passed its time limit (runtime/timeouts.py): when it was the last one,
+    """A Task's attempt passed its time limit (runtime/handlers.py): when it was the last one,
     task_finished says FAILED with the JobTimeout now, not when (or if) the function returns;
     what it returns or raises later is not sent (run). An attempt whose function returned
     within the limit is not timed out, even when its receivers outlast the limit
-    (timeouts.decided): it is recorded as run told it.
+    (handlers.decided): it is recorded as run told it.
 
     Called on the worker's main thread, so the receivers run on a thread of their own
-    (timeouts.tell: a slow one must not hold the worker up; one that never returns counts
+    (handlers.tell: a slow one must not hold the worker up; one that never returns counts
     towards the worker's recycle, as an abandoned handler thread does)."""
     if not _the_last(job, handled):
         return
@@ -286,7 +286,7 @@ def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
             connections.close_all()  # this thread's, if a receiver used the database
 
     try:
-        timeouts.tell(tell, "task_finished receivers")
+        handlers.tell(tell, "task_finished receivers")
     except RuntimeError:  # no thread to be had: the worker goes on, the row says it all
         logger.exception("task_finished could not be sent for job %s", job.pk)
 

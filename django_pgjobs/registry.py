@@ -39,7 +39,7 @@ class Task:
     backoff: Backoff | None = None
     lease: float | None = None
     #: Seconds one attempt may run before it is recorded as failed (JobTimeout); None: PGJOBS
-    #: ["TIMEOUT"] (by default no limit). See runtime/timeouts.py for how it is enforced.
+    #: ["TIMEOUT"] (by default no limit). See runtime/handlers.py for how it is enforced.
     timeout: float | None = None
     permanent_errors: tuple[type[BaseException], ...] = ()
     #: Payload keys shown as "[redacted]" in the admin and in logs.

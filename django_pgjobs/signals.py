@@ -1,6 +1,6 @@
 """Job lifecycle signals. Receivers run in the worker process, so keep them quick and never let
 them raise: an exception in a receiver is logged, never propagated (``send_robust``). A
-worker sends the outcome signals on a thread of their own (runtime/announcer.py).
+worker sends the outcome signals on a thread of their own (runtime/reporting.py).
 
 Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, except
 ``job_enqueued``, which is sent once per enqueue call with ``jobs=[...]``.
@@ -10,7 +10,7 @@ Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, ex
 - ``job_started(job)``: in the handler's thread, just before the handler is called.
 - ``job_progress(job, done, total, note)``: in the thread that called ``progress()``, at every
   call inside a job (the arguments as checked; the database gets them later, see
-  runtime/progress.py).
+  runtime/leases.py).
 - ``job_succeeded(job, duration)``: the success was recorded.
 - ``job_retried(job, duration, error, delay)``: the attempt failed (``error`` is a
   ``Failure``) or asked to ``Retry`` (``error`` is None); the job is ready again later.
@@ -55,7 +55,7 @@ def send(signal: Signal, sender: type[Model], **kwargs: Any) -> None:
         return
     for receiver, response in signal.send_robust(sender=sender, **kwargs):
         if isinstance(response, Exception):
-            # The application's logging may raise too (see runtime/logs.py quietly).
+            # The application's logging may raise too (see runtime/reporting.py quietly).
             with contextlib.suppress(Exception):
                 logger.error("signal receiver %r raised", receiver, exc_info=response)
 

@@ -16,7 +16,7 @@ import pytest
 from django.db import connection, connections
 from django.db.backends.signals import connection_created
 
-from django_pgjobs.runtime.locks import application_name
+from django_pgjobs.runtime.sessions import application_name
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

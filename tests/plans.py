@@ -67,7 +67,7 @@ def planned_once_on_an_empty_table(other: Any) -> Iterator[None]:
     """The test's connection set up as a worker's main loop's (prepared, planned once) on an
     emptied, analysed job table, with autovacuum off there (as it is, in effect, for the minute
     before it next looks): what a worker started on an empty table plans; undone after."""
-    from django_pgjobs.runtime.locks import LockWaits, application_name
+    from django_pgjobs.runtime.sessions import LockWaits, application_name
 
     other.execute("ALTER TABLE pgjobs_job SET (autovacuum_enabled = false)")
     other.execute("VACUUM ANALYZE pgjobs_job")

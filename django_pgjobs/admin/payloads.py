@@ -28,7 +28,6 @@ from django_pgjobs import registry, validation
 from django_pgjobs.admin.columns import shown_payload
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
-from django_pgjobs.data.payloads import replace_payload
 from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, UnknownTask
 from django_pgjobs.models import Job
@@ -158,7 +157,7 @@ def fix_and_replay(request: HttpRequest, job: Job, form: PayloadForm) -> bool:
     with transaction.atomic(using=router.db_for_write(Job)):
         logged = Job.objects.only("id", "task", "status").get(pk=job.pk)  # as it was
         before = shown_payload(job)
-        replayed = replace_payload(selected, payload) and selected.replay(by=user.get_username())
+        replayed = selected.replace_payload(payload) and selected.replay(by=user.get_username())
         if not replayed:
             transaction.set_rollback(True)
             form.add_error(

@@ -1,6 +1,6 @@
 """JobQuerySet: filters over jobs, and the transitions an operator applies to a selection of
-them (replay, cancel, run now, discard, prune). Each transition is one statement that re-checks
-its guard on every row it writes, and returns the ids it changed."""
+them (replay, cancel, run now, discard, prune, a payload corrected before replay). Each is one
+statement that re-checks its guard on every row it writes, and returns the ids it changed."""
 
 from __future__ import annotations
 
@@ -130,6 +130,19 @@ class JobQuerySet(models.QuerySet["Job"]):
     def discard(self) -> list[UUID]:
         """Delete the selected jobs, except running ones: their worker still owns them."""
         return self._change(None, guard="j.status <> 'running'")
+
+    def replace_payload(self, payload: Any) -> list[UUID]:
+        """Give the selected failed or cancelled jobs `payload`, checked as enqueue checks one
+        (EnqueueError before anything is written): the one change of a payload after enqueue.
+        Returns the ids changed: a job that is no longer failed or cancelled (replayed, or
+        deleted, meanwhile) is left alone.
+
+        Only the payload changes; replay the jobs to run them (replay)."""
+        text = validation.payload_json(payload, get_settings().MAX_PAYLOAD_BYTES)
+        # The guarded UPDATE: the status is checked again on each row as it is written.
+        return self._change(
+            "payload = %s::jsonb", [text], guard="j.status IN ('failed', 'cancelled')"
+        )
 
     def _change(
         self, assignments: str | None, params: Sequence[Any] = (), *, guard: str

@@ -47,8 +47,8 @@ _PLANNED_ONCE: weakref.WeakKeyDictionary[Any, tuple[int, float]] = weakref.WeakK
 
 def plan_once(connection: psycopg.Connection[Any]) -> None:
     """Mark `connection`, which prepares its statements and has them planned once for any
-    parameters (a worker's main loop: runtime/locks.py): the statements `cursor` runs on it
-    carry their plans' generation, which `replan` moves on (runtime/locks.py asks
+    parameters (a worker's main loop: runtime/sessions.py): the statements `cursor` runs on it
+    carry their plans' generation, which `replan` moves on (runtime/sessions.py asks
     plans_once() first)."""
     _PLANNED_ONCE[connection] = (0, time.monotonic())
 
@@ -92,7 +92,7 @@ def _give_up_plans(connection: psycopg.Connection[Any], error: Exception) -> Non
     """A statement prepared on `connection` went missing, or another of the same name was
     there: the server behind it changes from one transaction to the next, a transaction-mode
     pooler that `DISABLE_SERVER_SIDE_CURSORS` did not announce. This process prepares nothing
-    more (runtime/locks.py asks plans_once() on every connect) and says what to set."""
+    more (runtime/sessions.py asks plans_once() on every connect) and says what to set."""
     global _POOLED
     if not _POOLED:
         _POOLED = True
@@ -122,7 +122,7 @@ def cursor(db: str, binary: bool = False) -> Iterator[Any]:
     Arrays of ids travel as parameters instead of being quoted into the SQL by Python,
     and psycopg prepares statements it sees often when the connection allows it (Django's
     OPTIONS["prepare_threshold"]; off by default, which PgBouncer in transaction mode needs;
-    a worker's main loop's connection allows it where there is no such pooler: runtime/locks.py).
+    a worker's main loop's connection allows it where there is no such pooler: runtime/sessions.py).
     With `binary`, results load in C (uuids, timestamps, jsonb) rather than by parsing text.
     It is Django's cursor wrapper all the same: error translation, execute wrappers and query
     logging (assertNumQueries, the debug toolbar) see these statements like any other.

@@ -19,7 +19,7 @@ instead, and every running row version that died since the oldest snapshot in th
 stays there: under a snapshot held for minutes, each turn read all of them (4 ms a turn and
 rising in benchmark W6, against 0.3 ms by primary key; a test checks the plan).
 
-A worker's main loop plans each statement once for any parameters (runtime/locks.py,
+A worker's main loop plans each statement once for any parameters (runtime/sessions.py,
 data/rows.py), so every plan here must be good without their values: rows that a subquery
 with a LIMIT chose are found by primary key, ``j.id = ANY (ARRAY(SELECT ...))``, never joined
 to it, since a plan that cannot know the LIMIT expects a tenth of the table and hash-joins

@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 from django_pgjobs.transports import NatsServers
 
 logger = logging.getLogger(__name__)

@@ -35,11 +35,10 @@ from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages, streams
 from django_pgjobs.jetstream.bridge import Bridge, Outgoing
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import locks
+from django_pgjobs.runtime import sessions as locks
 from django_pgjobs.runtime.chores import Chore
-from django_pgjobs.runtime.logs import quietly
-from django_pgjobs.runtime.outages import Outage
 from django_pgjobs.runtime.policy import outage_pause
+from django_pgjobs.runtime.reporting import Outage, quietly
 from django_pgjobs.transports import NatsQueue, nats_queues, nats_servers
 
 logger = logging.getLogger(__name__)

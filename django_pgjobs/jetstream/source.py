@@ -36,10 +36,10 @@ from django_pgjobs.jetstream.relay import relay_chore, start_relay
 from django_pgjobs.jetstream.streams import Consumers
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime import locks
+from django_pgjobs.runtime import sessions as locks
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.lifecycle import Options
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 from django_pgjobs.runtime.sources import Exchange, Recorded, Seat
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.transports import NatsQueue, nats_queues, nats_servers

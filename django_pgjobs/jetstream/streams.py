@@ -13,7 +13,7 @@ from nats.js.errors import NotFoundError
 
 from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.models import Queue
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 from django_pgjobs.transports import NatsQueue
 
 

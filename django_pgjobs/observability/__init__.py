@@ -1,8 +1,8 @@
-"""Observability: what workers record, the figures read back, the health verdict and the report.
+"""Observability: the figures read back (the job table, the QueueStat rows workers write,
+PostgreSQL's statistics), the health verdict and the report. It only reads.
 
 Each module imports only those listed before it:
 
-- activity: a worker's per-queue tally, written as QueueStat rows;
 - stats: the queues' depth (job table), recent activity and live workers (QueueStat rows);
 - dbstats: the job table's and the database's figures (PostgreSQL's statistics views);
 - load: the queue's share of the database's active time;

@@ -6,14 +6,13 @@ Kept apart from the report so that the verdict (health) can read the figures whi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.db import connections, transaction
 
-from django_pgjobs import transports
 from django_pgjobs.conf import get_settings
 from django_pgjobs.observability import dbstats, stats
 from django_pgjobs.observability.load import QueueLoad, queue_load
@@ -156,12 +155,12 @@ _RESTORE = """
 """
 
 
-def stream_stats(now: datetime) -> list[stats.StreamStats]:
-    """The figures of the queues carried by NATS, asked of the server; none without such queues
-    (and then nats is never imported). `now` is the database's clock, for the ages of messages."""
-    queues = transports.nats_queues()
-    if not queues:
-        return []
-    from django_pgjobs.jetstream.figures import measure  # needs nats-py: only when used
+def no_streams(now: datetime) -> list[stats.StreamStats]:
+    """No queue is carried by NATS."""
+    return []
 
-    return measure(queues, now)
+
+#: The figures of the queues carried by NATS, asked of the server; `now` is the database's clock,
+#: for the ages of messages. apps.py sets it to the seam that asks jetstream/ for them when a
+#: queue uses NATS: observability never imports jetstream/ (nor nats).
+stream_stats: Callable[[datetime], list[stats.StreamStats]] = no_streams

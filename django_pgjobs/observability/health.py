@@ -54,7 +54,7 @@ class Thresholds:
     REPORT_STATEMENT_SECONDS: float = figures.REPORT_STATEMENT_SECONDS
 
 
-#: The workers' lock_timeout (runtime/locks.py): a lock on the job table held or queued this
+#: The workers' lock_timeout (runtime/sessions.py): a lock on the job table held or queued this
 #: long makes their claims, heartbeats and outcomes fail instead of wait.
 LOCKED_SECONDS = 5.0
 

@@ -12,7 +12,7 @@ from django.db import DatabaseError, connections, transaction
 from django_pgjobs.data import rows, sql
 from django_pgjobs.errors import first_line
 from django_pgjobs.models import Queue
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger(__name__)
 

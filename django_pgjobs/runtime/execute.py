@@ -1,27 +1,42 @@
-"""Running one claimed job: find its task in the registry, call it, and classify how it ended."""
+"""Running one claimed job, and what its handler runs in: an event loop for `async def` handlers,
+current_job(), cancel_requested() and progress()."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
 import logging
+import math
+import queue
+import threading
 import time
 import traceback
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from contextvars import ContextVar
+from decimal import Decimal
+from numbers import Integral, Real
 from types import CodeType
-from typing import TYPE_CHECKING
+from typing import Any
+from weakref import WeakKeyDictionary
 
-from django_pgjobs import registry
+from asgiref.sync import async_to_sync
+from django.db import close_old_connections, connections, router
+
+from django_pgjobs import registry, signals
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
-from django_pgjobs.data.records import Failure
+from django_pgjobs.data.records import Failure, clean_text
 from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask, text_of
+from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.retry import BACKOFF_PATIENCE, ExponentialBackoff, backoff_seconds, is_permanent
-from django_pgjobs.runtime import awaiting
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
 
-if TYPE_CHECKING:
-    from django_pgjobs.models import Job
+# What goes wrong around a job's handler is said with the worker's lines about its jobs.
+logger = logging.getLogger("django_pgjobs.runtime.worker")
 
 _current_job: ContextVar[Job | None] = ContextVar("pgjobs_current_job", default=None)
 
@@ -69,7 +84,7 @@ def _run(job: Job) -> Handled:
         started = time.perf_counter()
         try:
             if task.is_async:
-                awaiting.awaited(job, task.func, **job.payload)
+                awaited(job, task.func, **job.payload)
             else:
                 task.func(**job.payload)
         except BaseException as error:
@@ -158,7 +173,7 @@ def past_time_limit(
 ) -> Handled:
     """How an attempt abandoned at its time limit (Handlers.time_out) is recorded, said on
     `log`: as timed out (JobTimeout), unless its handler had returned and its runner decided
-    the outcome before (timeouts.decided): then that outcome, which its runner may have told
+    the outcome before (handlers.decided): then that outcome, which its runner may have told
     already (Django's task_finished; it was its receivers that passed the limit)."""
     if decided is None:
         quietly(log.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
@@ -240,3 +255,306 @@ def _traceback(error: BaseException) -> str:
     except BaseException:
         frames = "".join(traceback.format_tb(error.__traceback__))
         return f"{frames}{exception_path(type(error))}: {text_of(error)}"
+
+
+# ---- async def handlers -------------------------------------------------------------------------
+
+#: Seconds a handler thread waits, after an async handler's coroutine returned, for the tasks it
+#: left running to end once cancelled.
+LEFTOVERS_GRACE = 1.0
+
+AsyncFunction = Callable[..., Coroutine[Any, Any, Any]]
+_Work = tuple[
+    "Job", AsyncFunction, tuple[Any, ...], dict[str, Any], contextvars.Context, "Future[Any]"
+]
+
+_local = threading.local()  # this handler thread's Awaiter
+_lingering: list[threading.Thread] = []  # companions left with tasks that ignore cancellation
+_lingering_lock = threading.Lock()
+_coroutines: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = {}  # id(job) → its
+_coroutines_lock = threading.Lock()  # coroutine's task, while it runs
+
+
+def awaited(job: Job, func: AsyncFunction, /, *args: Any, **kwargs: Any) -> Any:
+    """`await func(*args, **kwargs)`, `job`'s handler, from this (handler) thread to the
+    coroutine's end: its value, or what it raised (see Awaiter)."""
+    awaiter: Awaiter | None = getattr(_local, "awaiter", None)
+    if awaiter is None:
+        awaiter = _local.awaiter = Awaiter(f"{threading.current_thread().name}-async")
+    try:
+        return awaiter.call(job, func, args, kwargs)
+    finally:
+        if not awaiter.settled():
+            _local.awaiter = None
+            awaiter.stop()  # it ends, closing its connections, if its loop ever does
+            with _lingering_lock:
+                _lingering.append(awaiter.thread)
+            if job.cancel_requested:  # cancelled at its time limit: the outcome is that
+                what = (
+                    "its async handler was cancelled at its time limit, but what it awaited (a "
+                    "sync_to_async call, or a task that ignores its cancellation) did not end "
+                    "within %gs"
+                )
+            else:
+                what = (
+                    "its async handler returned, leaving tasks that did not end within %gs of "
+                    "their cancellation (the job's outcome is the handler's)"
+                )
+            quietly(
+                logger.warning,
+                "job %s (%s): " + what + "; their event loop is left running on a thread of "
+                "its own",
+                job.pk, job.task, LEFTOVERS_GRACE,
+            )  # fmt: skip
+
+
+def cancel_coroutine(job: Job) -> None:
+    """Cancel `job`'s coroutine, if its async handler is running: CancelledError is raised in
+    it at its next await (an attempt past its time limit: HandlerPool.time_out)."""
+    with _coroutines_lock:
+        running = _coroutines.get(id(job))
+    if running is not None:
+        loop, task = running
+        with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: it has ended
+            loop.call_soon_threadsafe(task.cancel)
+
+
+def release_awaiter() -> None:
+    """This handler thread ends: so does its companion."""
+    awaiter: Awaiter | None = getattr(_local, "awaiter", None)
+    if awaiter is not None:
+        _local.awaiter = None
+        awaiter.stop()
+
+
+def lingering() -> int:
+    """Companion threads left running their coroutines' leftovers, still alive."""
+    with _lingering_lock:
+        _lingering[:] = [thread for thread in _lingering if thread.is_alive()]
+        return len(_lingering)
+
+
+class Awaiter:
+    """One handler thread's companion, which awaits its async handlers one at a time.
+
+    asgiref's async_to_sync runs the coroutine (asyncio.run, on a thread of its own) while the
+    thread that called it runs the coroutine's sync_to_async calls (Django's async ORM among
+    them: thread sensitive, on that thread's connections). When the coroutine returns,
+    asyncio.run cancels the tasks it left running and waits for every one of them to end, so a
+    task that ignores its cancellation (a library's loop that catches CancelledError and goes
+    on) kept the loop, and the handler thread waiting for it, for good: the worker recorded a
+    job that had succeeded as timed out, or kept it `running` for ever when its task had no
+    time limit.
+
+    So a companion thread of each handler thread awaits its coroutines (kept from one job to
+    the next, with its connections, as the handler thread keeps its own), and the handler
+    thread takes the coroutine's own result or error as soon as the coroutine returns. The
+    companion then has LEFTOVERS_GRACE seconds to end what the coroutine left. One still busy
+    after that is left to linger (counted with the threads abandoned past their time limits,
+    which recycle the worker when they pile up: see Worker._turn), and the handler thread's
+    next async job gets a new one.
+
+    An attempt past its time limit has its coroutine cancelled (cancel_coroutine): unlike a
+    thread, a coroutine can be stopped, at its next await. One that catches its CancelledError
+    and goes on runs on, as a sync handler past its limit does.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def call(
+        self, job: Job, func: AsyncFunction, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Await `func(*args, **kwargs)`, `job`'s handler, on this companion, in the caller's
+        context (its current_job, its tracing span); the coroutine's value, or what it raised."""
+        answer: Future[Any] = Future()
+        self._idle.clear()
+        self._work.put((job, func, args, kwargs, contextvars.copy_context(), answer))
+        return answer.result()
+
+    def settled(self) -> bool:
+        """Whether the last coroutine's event loop ended within LEFTOVERS_GRACE."""
+        return self._idle.wait(LEFTOVERS_GRACE)
+
+    def stop(self) -> None:
+        self._work.put(None)
+
+    def _serve(self) -> None:
+        try:
+            while (work := self._work.get()) is not None:
+                job, func, args, kwargs, context, answer = work
+                try:
+                    close_old_connections()  # as the handler thread does around each job
+                    context.run(async_to_sync(_answering(job, func, answer)), *args, **kwargs)
+                    close_old_connections()
+                except BaseException as error:  # raised before the coroutine ran, or after:
+                    if not answer.done():  # the handler thread's to classify, never to wait on
+                        answer.set_exception(error)
+                finally:
+                    self._idle.set()
+        finally:
+            connections.close_all()
+
+
+def _answering(job: Job, func: AsyncFunction, answer: Future[Any]) -> AsyncFunction:
+    """`func`, `job`'s handler, which puts its value or error in `answer` as soon as it has one
+    (before asyncio ends the tasks it left), and which `cancel_coroutine(job)` cancels while it
+    runs. The error is not raised again here: the handler thread raises it, and its traceback
+    gets only that thread's frames after the coroutine's, not this companion's too (one
+    exception object raised in two threads collects both's frames)."""
+
+    async def answering(*args: Any, **kwargs: Any) -> None:
+        task = asyncio.current_task()
+        if task is not None:  # always: async_to_sync runs it as a task
+            with _coroutines_lock:
+                _coroutines[id(job)] = (asyncio.get_running_loop(), task)
+        try:
+            value = await func(*args, **kwargs)
+        except BaseException as error:
+            answer.set_exception(error)
+        else:
+            answer.set_result(value)
+        finally:
+            with _coroutines_lock:
+                _coroutines.pop(id(job), None)
+
+    return answering
+
+
+# ---- cancel_requested() -------------------------------------------------------------------------
+
+#: How often cancel_requested() asks the database; between asks, the worker's heartbeats
+#: also bring the news.
+CHECK_INTERVAL = 1.0
+
+_checked_at: WeakKeyDictionary[Job, float] = WeakKeyDictionary()
+
+
+def cancel_requested() -> bool:
+    """True when a cancellation of the running job was requested (admin action "Cancel", or
+    ``Job.objects.filter(...).cancel()``). Call it between steps of long work, in a plain or an
+    ``async def`` handler; then stop, e.g. by raising ``JobCancelled``. Outside a job it is
+    False.
+
+    The answer is at most CHECK_INTERVAL seconds old: it asks the database (a primary-key
+    lookup) at most that often per job.
+    """
+    job = current_job()
+    if job is None:
+        return False
+    if not job.cancel_requested:
+        now = time.monotonic()
+        if now - _checked_at.get(job, 0.0) >= CHECK_INTERVAL:
+            _checked_at[job] = now
+            if _asked_now(job):
+                job.cancel_requested = True
+    return job.cancel_requested
+
+
+def _asked_now(job: Job) -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # a plain handler: ask on this thread's connection
+        return cancel_asked(job)
+    # An async handler's event loop may not run queries (SynchronousOnlyOperation): ask from a
+    # short-lived thread with its own connection. A primary-key lookup, once a second at most.
+    answer: list[bool] = []
+
+    def ask() -> None:
+        try:
+            answer.append(cancel_asked(job))
+        finally:
+            connections.close_all()  # this thread's own connection
+
+    thread = threading.Thread(target=ask, name="pgjobs-cancel-check", daemon=True)
+    thread.start()
+    thread.join()
+    return bool(answer and answer[0])
+
+
+def cancel_asked(job: Job) -> bool:
+    """Whether a cancellation of `job` was requested, asked of the database on this thread."""
+    # The write database, where the request was written: a replica behind a router may lag.
+    jobs = Job.objects.db_manager(router.db_for_write(Job))
+    asked: bool = jobs.filter(pk=job.pk, cancel_requested=True).exists()
+    return asked
+
+
+# ---- progress() ---------------------------------------------------------------------------------
+
+#: How many characters of a note are kept; a longer one is cut, ending in "…".
+NOTE_LENGTH = 200
+
+#: How many characters of a bad value's repr an error message shows.
+SHOWN_LENGTH = 40
+
+
+def progress(done: float, total: float | None = None, note: str = "") -> None:
+    """Report the running job's progress: `done` of `total` (None: a total not known), with a
+    short `note` ("invoice 1,204", "uploading").
+
+    Cheap enough to call for every item: it only keeps the latest report on the job in memory
+    (``current_job().progress``); the worker writes it with its next round, about once a second,
+    and with the job's outcome. Outside a job (a test calling the function directly) it checks
+    its arguments and does nothing else. TypeError or ValueError for a report that cannot be
+    shown: `done` and `total` must be finite numbers of 0 or more, `done` at most `total`, and
+    `note` a str (cut to NOTE_LENGTH characters).
+    """
+    report = checked_progress(done, total, note)
+    job = current_job()
+    if job is None:
+        return
+    job.progress = report
+    signals.send(signals.job_progress, Job, job=job, **report)
+
+
+def checked_progress(done: Any, total: Any, note: Any) -> dict[str, Any]:
+    """The report as it is stored (before the worker adds "at"); raises saying what is wrong."""
+    done = _number("done", done)
+    if total is not None:
+        total = _number("total", total)
+        if done > total:
+            raise ValueError(
+                f"progress(done={_shown(done)}, total={_shown(total)}): done is more than total; "
+                "pass total=None while the total is not known."
+            )
+    if not isinstance(note, str):
+        raise TypeError(f"progress(note=...) must be a str, got {type(note).__name__}.")
+    # Cut before cleaning, which only ever lengthens: the same note without copying a huge one.
+    note = clean_text(note[: NOTE_LENGTH + 1], NOTE_LENGTH)
+    return {"done": done, "total": total, "note": note}
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (Real, Decimal)):
+        raise TypeError(f"progress({name}=...) must be a number, got {type(value).__name__}.")
+    number = _finite(value)
+    if number is None:
+        raise ValueError(f"progress({name}={_shown(value)}) must be a finite number.")
+    if number < 0:
+        raise ValueError(f"progress({name}={_shown(value)}) must be 0 or more.")
+    return number
+
+
+def _finite(value: Real | Decimal) -> float | None:
+    """`value` as an int or a float; None when it is not finite, or too large for a float (no
+    bar can show it)."""
+    if isinstance(value, Decimal) and not value.is_finite():
+        return None  # NaN, Infinity, and a signalling NaN, which float() refuses
+    try:
+        number = int(value) if isinstance(value, Integral) else float(value)
+        return number if math.isfinite(number) else None
+    except OverflowError:  # beyond a float's range
+        return None
+
+
+def _shown(value: Any) -> str:
+    """`value` in an error message: its repr, cut to SHOWN_LENGTH characters; never an error of
+    its own (an int of more digits than Python converts to text, a repr that raises)."""
+    try:
+        return clean_text(repr(value), SHOWN_LENGTH)
+    except Exception:
+        return f"<{type(value).__qualname__}>"

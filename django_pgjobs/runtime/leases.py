@@ -20,8 +20,8 @@ from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.records import Claim, claim_of
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import policy
-from django_pgjobs.runtime.locks import LockWaits
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.sessions import LockWaits
 
 logger = logging.getLogger(__name__)
 

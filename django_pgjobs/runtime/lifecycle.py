@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from django_pgjobs.runtime import awaiting, policy, timeouts
-from django_pgjobs.runtime.logs import quietly
-from django_pgjobs.runtime.timeouts import Deadlines
+from django_pgjobs.runtime import execute, handlers, policy
+from django_pgjobs.runtime.reporting import quietly
 
 
 def worker_id() -> str:
@@ -53,7 +52,7 @@ class Exit(IntEnum):
     OK = 0  # stopped or drained, every job it held recorded or released
     UNRELEASED = 1  # stopped, but jobs it held could not be released (their leases expire)
     RECYCLE = 75  # stopped gracefully to be replaced: a limit of --max-jobs/--max-memory, or
-    # abandoned handler threads piled up (runtime/timeouts.py)
+    # abandoned handler threads piled up (runtime/handlers.py)
 
 
 class Wake:
@@ -167,12 +166,12 @@ class Stoppable:
                 self.id, running, max(0.0, self._deadline - time.monotonic()),
             )  # fmt: skip
 
-    def _check_abandoned(self, deadlines: Deadlines) -> None:
+    def _check_abandoned(self, deadlines: handlers.Deadlines) -> None:
         """Recycle once as many threads as the worker has are left behind at time limits: handler
         threads abandoned, companions running an async handler's tasks that ignore their
         cancellation, and threads telling of a timed-out Django Task (task_finished's receivers,
-        timeouts.tell). Each may hold memory and a connection for good."""
-        left = deadlines.abandoned_alive() + awaiting.lingering() + timeouts.telling()
+        handlers.tell). Each may hold memory and a connection for good."""
+        left = deadlines.abandoned_alive() + execute.lingering() + handlers.telling()
         if left >= self.options.concurrency:
             self._recycle(
                 f"{left} threads were abandoned past their time limit (handlers, async handlers' "

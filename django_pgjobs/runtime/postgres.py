@@ -29,12 +29,12 @@ from django_pgjobs.data.records import FailedAttempt, Failure, Position, Settled
 from django_pgjobs.data.wakeups import CHANNEL
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime import execute, locks, policy
-from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Ticker
+from django_pgjobs.runtime import execute, policy
+from django_pgjobs.runtime import sessions as locks
+from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Scheduler, Ticker
 from django_pgjobs.runtime.leases import LeaseKeeper
-from django_pgjobs.runtime.locks import LockWaits, application_name
-from django_pgjobs.runtime.logs import quietly
-from django_pgjobs.runtime.scheduler import Scheduler
+from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.sessions import LockWaits, application_name
 from django_pgjobs.runtime.sources import Exchange, Recorded, Seat
 
 logger = logging.getLogger(__name__)

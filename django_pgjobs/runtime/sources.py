@@ -13,10 +13,10 @@ from typing import NamedTuple, Protocol
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime import policy
-from django_pgjobs.runtime.announcer import Announcer
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.lifecycle import Options
+from django_pgjobs.runtime.reporting import Announcer
 
 
 class Recorded(NamedTuple):

@@ -16,19 +16,24 @@ from django_pgjobs import schema
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
 from django_pgjobs.models import Job, QueueStat
-from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled
-from django_pgjobs.runtime import execute, policy, served, timeouts
-from django_pgjobs.runtime.announcer import Announcer
+from django_pgjobs.runtime import execute, handlers, policy, sessions
 from django_pgjobs.runtime.chores import Chore, Reporter
 from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.handlers import HandlerPool
 from django_pgjobs.runtime.leases import RETRY_PAUSE
 from django_pgjobs.runtime.lifecycle import Exit, Options, Stoppable, worker_id
-from django_pgjobs.runtime.locks import warn_of_a_small_pool
-from django_pgjobs.runtime.logs import log_activity, log_outcome, quietly
-from django_pgjobs.runtime.outages import Outage, WorkerError
 from django_pgjobs.runtime.postgres import PostgresSource
+from django_pgjobs.runtime.reporting import (
+    ActivityTally,
+    Announcer,
+    Outage,
+    WorkerError,
+    log_activity,
+    log_outcome,
+    quietly,
+)
+from django_pgjobs.runtime.sessions import warn_of_a_small_pool
 from django_pgjobs.runtime.sources import Claims, Exchange, Finished, Recorded, Seat, Source
 
 logger = logging.getLogger(__name__)
@@ -93,7 +98,7 @@ class Worker(Stoppable):
             self.lease, "yes" if options.listen and not options.once else "no",
         )  # fmt: skip
         if options.parent_pid is None:  # a supervisor's children: it said so once for all
-            served.warn(self.db, options.queues, f"worker {self.id}")
+            sessions.warn(self.db, options.queues, f"worker {self.id}")
         warn_of_a_small_pool(self.db, options.concurrency, f"worker {self.id}")
         self.source.start()
         self.handlers.start()
@@ -317,7 +322,7 @@ class Worker(Stoppable):
             # Told already (a Task whose task_finished receivers outlast the grace): recorded
             # as told, not returned to run again.
             for job in self.claims.all():
-                if (decided := timeouts.decided_of(job)) is not None:
+                if (decided := handlers.decided_of(job)) is not None:
                     self.finished.hand_in(job, decided)
             self.settle_and_claim()
         except Exception as error:  # the database, or a bug: what is left is returned below

@@ -14,7 +14,7 @@ from django.db import connection
 
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
-from django_pgjobs.runtime import served
+from django_pgjobs.runtime import sessions
 from django_pgjobs.status import Status
 from tests.conftest import statistics_count
 from tests.factories import JobFactory
@@ -177,14 +177,14 @@ def test_runjobs_with_no_task_registered_asks_whether_the_tasks_app_is_installed
 ):
     """The app holding tasks.py left out of INSTALLED_APPS: the warning says so, rather than
     "(they use )"; and one task's queue that nobody serves is what that task "uses"."""
-    monkeypatch.setattr(served, "used_queues", lambda: {})
+    monkeypatch.setattr(sessions, "used_queues", lambda: {})
     call_command("runjobs", "--once", "--queue", "emails", verbosity=0)
     assert (
         "Django Tasks backend (no task is registered at all: is the app with your tasks module "
         "in INSTALLED_APPS?): a typo in --queue?"
     ) in caplog.text
     caplog.clear()
-    monkeypatch.setattr(served, "used_queues", lambda: {"emails": ["myapp.tasks.send_welcome"]})
+    monkeypatch.setattr(sessions, "used_queues", lambda: {"emails": ["myapp.tasks.send_welcome"]})
     call_command("runjobs", "--once", "--queue", "emial", verbosity=0)
     assert "(they use emails): a typo in --queue?" in caplog.text
     assert (

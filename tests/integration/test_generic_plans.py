@@ -1,5 +1,5 @@
 """A worker's own connections plan each statement once, for any parameters
-(plan_cache_mode force_generic_plan: runtime/locks.py). Such a plan cannot know how many rows
+(plan_cache_mode force_generic_plan: runtime/sessions.py). Such a plan cannot know how many rows
 a LIMIT or an array parameter stands for, so every statement of data/sql.py must be written
 so that its generic plan still reads the job table by its indexes, never whole."""
 

@@ -288,19 +288,17 @@ def test_an_async_handlers_error_has_the_traceback_of_its_coroutine_not_of_two_t
 def test_an_async_handler_whose_companion_fails_before_its_coroutine_still_ends(monkeypatch):
     # Its companion thread's look at its connections raised before the coroutine ran: the
     # companion ended, the answer never came, and the handler thread waited on it for good.
-    from django_pgjobs.runtime import awaiting
-
     def unusable() -> None:
         raise InterfaceError("connection already closed")
 
-    monkeypatch.setattr(awaiting, "close_old_connections", unusable)
+    monkeypatch.setattr(execute, "close_old_connections", unusable)
     Job.objects.enqueue("tests.tasks.async_noop", {"value": 1})
     (job,) = Job.objects.claim(["default"], worker="w1")
     handled: list[Handled] = []
 
     def handler_thread() -> None:
         handled.append(execute.run(job))
-        awaiting.release()  # as a handler thread does when it ends
+        execute.release_awaiter()  # as a handler thread does when it ends
 
     thread = threading.Thread(target=handler_thread, daemon=True)
     thread.start()
@@ -643,11 +641,11 @@ def test_an_orphaned_worker_stops_while_it_pauses_after_a_failed_turn(monkeypatc
 def test_a_child_that_cannot_be_started_is_a_crash_not_the_supervisors_end(monkeypatch, caplog):
     # Popen's error (the interpreter gone in a deploy, no process left to fork) ended the
     # supervisor with a traceback, its other children left running unsupervised.
-    from django_pgjobs.runtime import supervisor
+    from django_pgjobs.runtime import processes
 
-    monkeypatch.setattr(supervisor.sys, "executable", "/nonexistent/python3")
-    monkeypatch.setattr(supervisor.policy, "doubling", lambda *args: 0.01)  # restart at once
-    assert supervisor.Supervisor(2, []).run() == 1  # gave up, as for children that keep dying
+    monkeypatch.setattr(processes.sys, "executable", "/nonexistent/python3")
+    monkeypatch.setattr(processes.policy, "doubling", lambda *args: 0.01)  # restart at once
+    assert processes.Supervisor(2, []).run() == 1  # gave up, as for children that keep dying
     said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any("could not be started" in line and "starting another in" in line for line in said)
     assert "stopping them all" in said[-1]
@@ -774,7 +772,7 @@ def test_a_locked_row_holds_back_its_outcome_alone_under_a_shorter_statement_tim
 
 @pytest.mark.django_db(transaction=True)
 def test_a_statement_timeout_is_said_to_be_one_not_an_unreachable_database():
-    from django_pgjobs.runtime.outages import Outage
+    from django_pgjobs.runtime.reporting import Outage
 
     with pytest.raises(OperationalError) as raised, connection.cursor() as cursor:
         cursor.execute("SET statement_timeout = '10ms'")
@@ -824,7 +822,7 @@ def test_an_outcome_not_recorded_because_the_claim_was_lost_is_logged_with_its_j
 def test_a_transaction_the_database_rolled_back_is_not_said_to_be_an_unreachable_database():
     import psycopg
 
-    from django_pgjobs.runtime.outages import Outage
+    from django_pgjobs.runtime.reporting import Outage
 
     error = OperationalError("could not serialize access due to concurrent update")
     error.__cause__ = psycopg.errors.SerializationFailure("could not serialize access")
@@ -955,7 +953,7 @@ def test_the_workers_connections_commit_each_statement_whatever_the_settings_bec
     # A handler set DATABASES["default"]["AUTOCOMMIT"] = False "for its job": the dict is every
     # thread's, and after a reconnect the worker's own statements ran in one transaction never
     # committed, claims and outcomes rolled back at its stop.
-    from django_pgjobs.runtime.locks import LockWaits
+    from django_pgjobs.runtime.sessions import LockWaits
 
     sessions = LockWaits("default")
     connection.close()

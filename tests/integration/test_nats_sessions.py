@@ -1,4 +1,4 @@
-"""The NATS worker's and the relay's own database sessions are a worker's own (runtime/locks.py):
+"""The NATS worker's and the relay's own database sessions are a worker's own (runtime/sessions.py):
 an idle_session_timeout the database sets does not end them between their statements, and a
 NATS worker's commits are durable whatever WORKER_SYNCHRONOUS_COMMIT says (it acknowledges the
 message of a job it wrote back). Against a real PostgreSQL and nats-server."""
@@ -16,7 +16,7 @@ from django.db import connection
 
 from django_pgjobs.jetstream.relay import relay_until
 from django_pgjobs.models import Job
-from django_pgjobs.runtime.locks import LockWaits
+from django_pgjobs.runtime.sessions import LockWaits
 from tests import tasks
 from tests.conftest import wait_until
 from tests.integration.nats_helpers import WorkerThread, queue, relay

@@ -30,7 +30,7 @@ from django_pgjobs.observability import dbstats, figures, health
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability.health import Level
 from django_pgjobs.periodic import DeclarationError, Periodic, check_periodic, parse
-from django_pgjobs.runtime.scheduler import Scheduler
+from django_pgjobs.runtime.chores import Scheduler
 from tests.factories import JobFactory
 
 REPORT = reverse("admin:pgjobs_queue_report")
@@ -398,10 +398,10 @@ def test_a_schedule_that_fails_is_logged_by_name_and_paused_and_the_others_are_e
 def test_ticks_enqueued_late_but_within_grace_are_not_said_to_be_missed(caplog):
     scheduler = all_due(schedule("every-second", "* * * * * *"))
     Schedule.objects.update(last_tick=Now() - timedelta(seconds=5))
-    caplog.set_level(logging.INFO, logger="django_pgjobs.runtime.scheduler")
+    caplog.set_level(logging.INFO, logger="django_pgjobs.runtime.chores")
     Scheduler("default", list(scheduler.schedules.values())).enqueue_due()
     assert Job.objects.count() >= 5
-    said = [r.getMessage() for r in caplog.records if r.name.endswith("scheduler")]
+    said = [r.getMessage() for r in caplog.records if r.name == "django_pgjobs.runtime.chores"]
     assert not [line for line in said if "missed" in line]
     assert [line for line in said if "ticks late" in line and "within its grace of 60s" in line]
 

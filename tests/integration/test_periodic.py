@@ -13,7 +13,7 @@ from django.urls import reverse
 
 from django_pgjobs.models import Job, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic
-from django_pgjobs.runtime.scheduler import Scheduler
+from django_pgjobs.runtime.chores import Scheduler
 from tests.conftest import run_together, wait_until
 
 pytestmark = pytest.mark.django_db

@@ -18,7 +18,7 @@ from django_pgjobs.data.records import Failure
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import execute
 from django_pgjobs.runtime.leases import LeaseKeeper
-from django_pgjobs.runtime.locks import LockWaits
+from django_pgjobs.runtime.sessions import LockWaits
 from django_pgjobs.signals import job_progress
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from django_pgjobs.models import Job, Queue
-from django_pgjobs.runtime import locks, policy
+from django_pgjobs.runtime import policy, sessions
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from tests.conftest import connection_kwargs, wait_until
@@ -50,7 +50,7 @@ def waiting_on_the_lock() -> bool:
 def test_after_a_table_lock_a_worker_lets_live_workers_renew_before_it_reaps(
     other_connection, monkeypatch, lock_timeout, lock_left
 ):
-    monkeypatch.setattr(locks, "LOCK_TIMEOUT", lock_timeout)
+    monkeypatch.setattr(sessions, "LOCK_TIMEOUT", lock_timeout)
     monkeypatch.setattr(policy, "REAP_RECOVERY", RECOVERY, raising=False)
     for _ in range(2):
         Job.objects.enqueue("tests.tasks.noop")

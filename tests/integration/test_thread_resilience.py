@@ -20,7 +20,7 @@ from django.db import connection
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import postgres
 from django_pgjobs.runtime.leases import LeaseKeeper
-from django_pgjobs.runtime.locks import LockWaits
+from django_pgjobs.runtime.sessions import LockWaits
 from tests.conftest import ReadOnlySessions, read_only_sessions, wait_until
 from tests.factories import JobFactory
 from tests.integration.test_transitions import claim_one

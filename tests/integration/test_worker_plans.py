@@ -1,4 +1,4 @@
-"""A worker's main loop prepares its statements and plans them once (runtime/locks.py,
+"""A worker's main loop prepares its statements and plans them once (runtime/sessions.py,
 data/rows.py): what an operator, a migration or a lost connection does to those plans must cost
 no job its outcome."""
 
@@ -15,7 +15,7 @@ from django_pgjobs.data import rows
 from django_pgjobs.models import Job, Queue
 from django_pgjobs.outcomes import Handled, Verdict
 from django_pgjobs.runtime.lifecycle import Options
-from django_pgjobs.runtime.locks import LockWaits, application_name
+from django_pgjobs.runtime.sessions import LockWaits, application_name
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.status import Status
 from tests.conftest import wait_until
@@ -143,7 +143,7 @@ def test_an_operator_rewriting_the_job_table_under_a_running_worker_costs_no_job
         worker.stop()
         thread.join(20)
     assert ended
-    failures = ("django_pgjobs.runtime.outages", "django_pgjobs.runtime.settling")
+    failures = ("django_pgjobs.runtime.reporting", "django_pgjobs.runtime.settling")
     said = [r.getMessage() for r in caplog.records if r.name in failures]
     assert said == []
 
@@ -191,7 +191,7 @@ def test_a_worker_with_a_limited_queue_goes_on_after_its_connections_are_termina
     assert ended
     assert not Job.objects.exclude(status=Status.SUCCEEDED).exists()
     assert most <= 2
-    assert any(r.name == "django_pgjobs.runtime.outages" for r in caplog.records)  # it was cut
+    assert any(r.name == "django_pgjobs.runtime.reporting" for r in caplog.records)  # it was cut
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,4 +1,4 @@
-"""The session settings of the worker's own connections (runtime/locks.py)."""
+"""The session settings of the worker's own connections (runtime/sessions.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from django_pgjobs.observability import stats
 from django_pgjobs.outcomes import Outcome
 from django_pgjobs.runtime import postgres
 from django_pgjobs.runtime.lifecycle import Options
-from django_pgjobs.runtime.locks import (
+from django_pgjobs.runtime.sessions import (
     IDLE_IN_TRANSACTION,
     LOCK_TIMEOUT,
     LockWaits,
@@ -421,7 +421,7 @@ def test_a_worker_asks_for_new_plans_when_a_turn_comes_back_full(
 @pytest.mark.django_db(transaction=True)
 def test_a_workers_connections_keep_tcp_alive_keeping_the_projects_own_settings():
     """A database gone from the network without closing the connections is noticed in about
-    20 s (locks.KEEPALIVES), not the kernel's two hours; what the project set stays."""
+    20 s (sessions.KEEPALIVES), not the kernel's two hours; what the project set stays."""
     settings_dict = connection.settings_dict
     saved = copy.deepcopy(settings_dict.get("OPTIONS", {}))
     settings_dict.setdefault("OPTIONS", {})["keepalives_idle"] = 99  # the project's own
@@ -442,7 +442,7 @@ def test_a_workers_connections_keep_tcp_alive_keeping_the_projects_own_settings(
 def test_a_supervisors_connection_keeps_tcp_alive_too():
     """Its statement taking back a dead child's jobs must not wait the kernel's two hours on a
     database gone from the network."""
-    from django_pgjobs.runtime.supervisor import Supervisor
+    from django_pgjobs.runtime.processes import Supervisor
 
     settings_dict = connection.settings_dict
     saved = copy.deepcopy(settings_dict.get("OPTIONS", {}))

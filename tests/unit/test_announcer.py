@@ -13,8 +13,8 @@ import pytest
 from django_pgjobs import signals
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime import announcer
-from django_pgjobs.runtime.announcer import Announcer
+from django_pgjobs.runtime import reporting
+from django_pgjobs.runtime.reporting import Announcer
 
 HANDLED = Handled(Verdict.SUCCEEDED, duration=0.1)
 
@@ -60,7 +60,7 @@ def test_no_thread_is_started_while_no_signal_has_a_receiver(monkeypatch):
 
 
 def test_a_receiver_that_hangs_delays_only_the_signals_after_it(monkeypatch, caplog):
-    monkeypatch.setattr(announcer, "BACKLOG", 3)
+    monkeypatch.setattr(reporting, "BACKLOG", 3)
     release = threading.Event()
 
     def hangs(sender: Any, **kwargs: Any) -> None:

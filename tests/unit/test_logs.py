@@ -7,9 +7,8 @@ import logging
 import pytest
 
 from django_pgjobs.data.records import Failure
-from django_pgjobs.observability.activity import ActivityTally
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
-from django_pgjobs.runtime.logs import log_activity, log_outcome, rate
+from django_pgjobs.runtime.reporting import ActivityTally, log_activity, log_outcome, rate
 from tests.factories import JobFactory
 
 

@@ -10,7 +10,7 @@ import tracemalloc
 import pytest
 
 from django_pgjobs import progress
-from django_pgjobs.runtime.progress import NOTE_LENGTH, checked
+from django_pgjobs.runtime.execute import NOTE_LENGTH, checked_progress
 
 
 class Unshowable(float):
@@ -63,17 +63,17 @@ def test_a_report_that_cannot_be_shown_is_a_specific_error(done, total, note, er
 
 
 def test_numbers_are_kept_as_ints_or_floats():
-    assert checked(3, 7, "") == {"done": 3, "total": 7, "note": ""}
-    report = checked(decimal.Decimal("1.5"), fractions.Fraction(7, 2), "")
+    assert checked_progress(3, 7, "") == {"done": 3, "total": 7, "note": ""}
+    report = checked_progress(decimal.Decimal("1.5"), fractions.Fraction(7, 2), "")
     assert report == {"done": 1.5, "total": 3.5, "note": ""}
-    assert checked(0, 0, "")["total"] == 0  # nothing to do is done
-    assert checked(5, None, "")["total"] is None
+    assert checked_progress(0, 0, "")["total"] == 0  # nothing to do is done
+    assert checked_progress(5, None, "")["total"] is None
 
 
 def test_a_long_note_is_cut_and_what_postgresql_refuses_is_replaced():
-    note = checked(1, None, "x" * 10_000)["note"]
+    note = checked_progress(1, None, "x" * 10_000)["note"]
     assert len(note) == NOTE_LENGTH and note.endswith("…")
-    assert checked(1, None, "a\x00b\ud800")["note"] == "a\\x00b\\ud800"
+    assert checked_progress(1, None, "a\x00b\ud800")["note"] == "a\\x00b\\ud800"
 
 
 def test_a_huge_note_costs_no_copy_of_it():
@@ -81,7 +81,7 @@ def test_a_huge_note_costs_no_copy_of_it():
     note = "x\x00" * 5_000_000  # 10 MB, with what PostgreSQL refuses
     tracemalloc.start()
     try:
-        report = checked(1, None, note)
+        report = checked_progress(1, None, note)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

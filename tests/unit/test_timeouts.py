@@ -1,4 +1,4 @@
-"""The handler threads' time limits (runtime/timeouts.py): a returned attempt and its time-out
+"""The handler threads' time limits (runtime/handlers.py): a returned attempt and its time-out
 cannot both end it, and what a runner told is what is recorded."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
-from django_pgjobs.runtime import timeouts
-from django_pgjobs.runtime.timeouts import Deadlines, decided
+from django_pgjobs.runtime import handlers
+from django_pgjobs.runtime.handlers import Deadlines, decided
 
 SUCCEEDED = Handled(Verdict.SUCCEEDED)
 
@@ -58,16 +58,16 @@ def test_an_attempt_without_a_time_limit_after_one_with_a_limit_is_in_time():
 
 def test_threads_telling_of_time_outs_are_counted_while_they_run(monkeypatch):
     release = threading.Event()
-    before = timeouts.telling()
-    timeouts.tell(release.wait, "task_finished receivers")
-    assert timeouts.telling() == before  # not a moment after the limit
-    monkeypatch.setattr(timeouts, "LINGER", 0.0)
-    assert timeouts.telling() == before + 1
+    before = handlers.telling()
+    handlers.tell(release.wait, "task_finished receivers")
+    assert handlers.telling() == before  # not a moment after the limit
+    monkeypatch.setattr(handlers, "LINGER", 0.0)
+    assert handlers.telling() == before + 1
     release.set()
     deadline = time.monotonic() + 5
-    while timeouts.telling() > before and time.monotonic() < deadline:
+    while handlers.telling() > before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert timeouts.telling() == before
+    assert handlers.telling() == before
 
 
 def test_a_handler_that_ends_a_moment_after_its_time_limit_is_not_left_behind(monkeypatch):
@@ -84,7 +84,7 @@ def test_a_handler_that_ends_a_moment_after_its_time_limit_is_not_left_behind(mo
     time.sleep(0.05)
     assert deadlines.overdue() == [(job, None)]
     assert deadlines.abandoned_alive() == 0  # abandoned a moment ago
-    monkeypatch.setattr(timeouts, "LINGER", 0.0)
+    monkeypatch.setattr(handlers, "LINGER", 0.0)
     assert deadlines.abandoned_alive() == 1
     release.set()
     thread.join()

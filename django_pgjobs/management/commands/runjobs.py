@@ -19,11 +19,10 @@ from django_pgjobs import checks, transports
 from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import exiting, reloading, served
+from django_pgjobs.runtime import processes, sessions
 from django_pgjobs.runtime.lifecycle import STOP_SIGNALS, Exit, Options
-from django_pgjobs.runtime.logs import quietly
-from django_pgjobs.runtime.outages import WorkerError
-from django_pgjobs.runtime.supervisor import Supervisor
+from django_pgjobs.runtime.processes import Supervisor
+from django_pgjobs.runtime.reporting import WorkerError, quietly
 from django_pgjobs.runtime.worker import Worker, refuse_unmigrated
 from django_pgjobs.validation import MAX_SECONDS, check_queue
 
@@ -86,7 +85,7 @@ def _grace(value: str) -> float:
 
 
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
-_stoppers: list[reloading.Stops] = []
+_stoppers: list[processes.Stops] = []
 
 
 class Command(BaseCommand):
@@ -197,13 +196,13 @@ class Command(BaseCommand):
 
     def run_from_argv(self, argv: list[str]) -> None:
         """As Django runs it from the command line; the process then ends within the grace even
-        if threads its handlers started are still running (runtime/exiting.py)."""
+        if threads its handlers started are still running (runtime/processes.py)."""
         code = 1
         try:
             super().run_from_argv(argv)
             code = 0
         except SystemExit as exit:
-            code = exiting.exit_code(exit.code)
+            code = processes.exit_code(exit.code)
             raise
         finally:
             # Its work is done and its status known: a stop signal now (a second SIGTERM from
@@ -211,7 +210,7 @@ class Command(BaseCommand):
             for signum in STOP_SIGNALS:
                 with contextlib.suppress(ValueError):  # not the main thread
                     signal.signal(signum, signal.SIG_IGN)
-            exiting.bound(code, self._grace)
+            processes.bound_exit(code, self._grace)
 
     #: --grace, once handle() has read it.
     _grace = Options().grace
@@ -245,7 +244,7 @@ class Command(BaseCommand):
         def run() -> int:
             return self.run(options)
 
-        code = reloading.run(run, _stoppers) if options["reload"] else run()
+        code = processes.run_reloading(run, _stoppers) if options["reload"] else run()
         if code and options["processes"] > 1:
             raise CommandError(
                 "worker processes failed (kept dying, or stopped without releasing their "
@@ -268,7 +267,7 @@ class Command(BaseCommand):
             except WorkerError as error:
                 raise CommandError(str(error)) from None
             who = f"the workers of supervisor {os.getpid()}"
-            served.warn(router.db_for_write(Job), queues, who)
+            sessions.warn(router.db_for_write(Job), queues, who)
             supervisor = Supervisor(options["processes"], _child_args(options), options["grace"])
             _stoppers.append(supervisor)
             try:
@@ -299,7 +298,7 @@ class Command(BaseCommand):
             worker.signalled(signum)
 
         # Signal handlers belong to the main thread (under --reload the worker runs on another:
-        # the reloader passes signals on, see runtime/reloading.py).
+        # the reloader passes signals on, see runtime/processes.py).
         main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS} if main else {}
         _stoppers.append(worker)

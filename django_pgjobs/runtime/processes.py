@@ -1,15 +1,10 @@
-"""runjobs --processes N: a small supervisor that runs N worker processes and keeps them running.
-
-Each child is ``runjobs`` itself (its own connections, threads and LISTEN), started with a worker
-id the supervisor chose, so that when a child dies the supervisor takes back its running jobs at
-once (JobManager.abandon: the attempt is recorded as lost, due again now) instead of waiting for
-their leases. A child that dies is restarted with backoff; children that keep dying make the
-supervisor stop them all and exit non-zero. A child that exits to be recycled (Exit.RECYCLE) is
-replaced at once. SIGTERM or SIGINT stops every child gracefully; a second one, at once.
-"""
+"""How runjobs runs as processes: the supervisor of --processes, the parent of --reload, and a
+process's exit once its worker has stopped."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -17,20 +12,79 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any, Protocol
 
 from django.db import DatabaseError, connections, router
+from django.utils import autoreload
 
 from django_pgjobs.models import Job
-from django_pgjobs.runtime import exiting, policy
+from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime.chores import own_backoffs
 from django_pgjobs.runtime.lifecycle import STOP_SIGNALS, Exit, Wake, said_stop_signal, worker_id
-from django_pgjobs.runtime.locks import LockWaits
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.sessions import LockWaits
 
 logger = logging.getLogger(__name__)
+# What a worker's own process says as it exits is the worker's.
+worker_logger = logging.getLogger("django_pgjobs.runtime.worker")
+
+
+# ---- a process's exit ---------------------------------------------------------------------------
+
+#: The longest a process waits for what its handlers left running, after its worker stopped.
+#: Its --grace, when shorter: the time the operator gave the process to stop.
+LINGER = 10.0
+
+
+def exit_code(code: object) -> int:
+    """The process's exit status for SystemExit's `code` (None, a number, or a message)."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def bound_exit(code: int, grace: float) -> None:
+    """End this process with `code` if it is still running min(grace, LINGER) seconds (at least
+    one) from now. A watch on a daemon thread: a process that exits as usual ends it unseen.
+
+    Python's exit waits for every thread that is not a daemon and for the threads of every
+    `concurrent.futures` pool (its own exit function joins them). A handler that started either
+    and left it running would keep a stopped worker's process alive for good: a supervisor
+    waiting to replace it never does, `runjobs --once` under cron never ends, a deploy waits for
+    its SIGKILL."""
+    within = max(1.0, min(grace, LINGER))
+
+    def watch() -> None:
+        time.sleep(within)
+        left = [
+            thread.name for thread in threading.enumerate()
+            if thread is not threading.main_thread() and thread is not threading.current_thread()
+            and not thread.name.startswith("pgjobs")
+        ]  # fmt: skip
+        loops = (
+            " (with the event loops of async handlers that left tasks ignoring their "
+            "cancellation)" if execute.lingering() else ""
+        )  # fmt: skip
+        quietly(
+            worker_logger.warning,
+            "the process is still running after its worker stopped (%gs): threads left by its "
+            "handlers or their signals' receivers have not ended (%s)%s: Python's exit waits "
+            "for threads that are not daemons and for concurrent.futures pools; exiting "
+            "without them",
+            within, ", ".join(repr(name) for name in left) or "none found", loops,
+        )  # fmt: skip
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+        os._exit(code)
+
+    threading.Thread(target=watch, name="pgjobs-exit", daemon=True).start()
+
+
+# ---- runjobs --processes: the supervisor --------------------------------------------------------
 
 #: Children that died within CRASH_WINDOW seconds holding no job, past which the supervisor
 #: gives up: a deployment whose workers cannot start or run at all. A child that died holding
@@ -43,9 +97,9 @@ CRASH_WINDOW = 60.0
 #: A child still running this long after its grace ended (or after a second stop signal) cannot
 #: act on its SIGTERM (stopped, frozen, stuck in a call that ignores signals): it is killed and
 #: its jobs taken back, so that the supervisor's stop ends. Longer than a child's own wait for
-#: what its handlers left running once its worker stopped (exiting.LINGER), so that a child
-#: that released everything is not killed on its way out.
-KILL_MARGIN = exiting.LINGER + 10.0
+#: what its handlers left running once its worker stopped (LINGER), so that a child that
+#: released everything is not killed on its way out.
+KILL_MARGIN = LINGER + 10.0
 
 
 @dataclass
@@ -57,7 +111,16 @@ class Child:
 
 @dataclass
 class Supervisor:
-    """Runs `count` children, each ``python -m django runjobs *args``."""
+    """Runs `count` children, each ``python -m django runjobs *args``, and keeps them running.
+
+    Each child is ``runjobs`` itself (its own connections, threads and LISTEN), started with a
+    worker id the supervisor chose, so that when a child dies the supervisor takes back its
+    running jobs at once (JobManager.abandon: the attempt is recorded as lost, due again now)
+    instead of waiting for their leases. A child that dies is restarted with backoff; children
+    that keep dying make the supervisor stop them all and exit non-zero. A child that exits to
+    be recycled (Exit.RECYCLE) is replaced at once. SIGTERM or SIGINT stops every child
+    gracefully; a second one, at once.
+    """
 
     count: int
     args: Sequence[str]
@@ -236,3 +299,81 @@ class Supervisor:
                 returned + failed, child.worker_id, failed, reason,
             )  # fmt: skip
         return bool(returned or failed)
+
+
+# ---- runjobs --reload ---------------------------------------------------------------------------
+
+
+class Stops(Protocol):
+    """What --reload stops: a worker or a supervisor."""
+
+    def stop(self, immediately: bool = False) -> None: ...
+
+    def signalled(self, signum: int) -> None: ...
+
+
+def run_reloading(run: Callable[[], int], stoppers: list[Stops]) -> int:
+    """Run `run` under Django's autoreloader: a parent process starts a child that runs it and
+    watches the Python files, and starts it again when the child exits because one changed.
+
+    Django's own parent (run_with_reloader) SIGKILLs its child on SIGTERM, which would leave the
+    worker's jobs to their leases; this parent passes stop signals on instead, so the worker
+    stops as it always does, and says so. The child stops its worker at once when a file
+    changed, releasing the jobs, before it exits to be restarted. `stoppers`: what `run` runs."""
+    if os.environ.get(autoreload.DJANGO_AUTORELOAD_ENV) != "true":
+        return _reloading_parent()
+    reloader = autoreload.get_reloader()
+    codes: list[int] = []
+
+    def inner() -> None:
+        try:
+            codes.append(run())
+        finally:
+            reloader.stop()  # stopped by a signal: the process ends with it
+
+    def stop_at_exit() -> None:  # a file changed: the reloader exits the process
+        for stopper in list(stoppers):
+            stopper.stop(True)
+        for _ in range(100):
+            if codes:
+                break
+            time.sleep(0.1)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        for stopper in list(stoppers):
+            stopper.signalled(signum)
+
+    # The worker runs on the reloader's thread; signals arrive on this one.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_signal)
+    atexit.register(stop_at_exit)
+    autoreload.start_django(reloader, inner)
+    return codes[0] if codes else 0
+
+
+def _reloading_parent() -> int:
+    """Start the reloading child again whenever it exits because a file changed (status 3),
+    passing stop signals on to it; return its exit status otherwise. Once a stop signal came,
+    the child is not started again (a file changed as it stopped would have), and the status is
+    0: the worker was stopped, as asked."""
+    env = {**os.environ, autoreload.DJANGO_AUTORELOAD_ENV: "true"}
+    stopped: list[int] = []
+    while True:
+        # Its own session: a terminal's Ctrl-C reaches it once, through this process.
+        child = subprocess.Popen(autoreload.get_child_arguments(), env=env, start_new_session=True)
+
+        def forward(signum: int, frame: FrameType | None, child: Any = child) -> None:
+            stopped.append(signum)
+            child.send_signal(signum)
+
+        previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+        try:
+            code = child.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if stopped:
+            # Ended by the signal passed on before it could handle it (still starting): a stop.
+            return 0 if code in (3, -stopped[0]) else code
+        if code != 3:
+            return code

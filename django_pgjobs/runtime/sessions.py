@@ -1,26 +1,23 @@
-"""The session settings of the worker's own connections (its main thread's and lease keeper's,
-a NATS worker's main thread's and the relay's; handlers' connections are left alone): a
-lock_timeout, so that no statement of the worker's own waits long on a lock held elsewhere; an
-idle_in_transaction_session_timeout and the server's tcp_user_timeout (user_timeout), so that
-no lock of its own outlives a stopped process for long; no idle_session_timeout (IDLE_SESSION:
-they are idle between turns by design); an application_name that says whose they are in
-pg_stat_activity; synchronous_commit off unless PGJOBS["WORKER_SYNCHRONOUS_COMMIT"] (or the
-session must be durable: a NATS worker's); and prepared statements for what they run again and
-again. And the TCP keepalives of every connection a worker process makes (KEEPALIVES)."""
+"""The worker's own database sessions, and what a worker warns of at start: queues that nothing
+uses or no worker serves, a connection pool smaller than its handler threads."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+from django.conf import settings as django_settings
 from django.db import DatabaseError, connections
 from django.db.backends.signals import connection_created
 
+from django_pgjobs import periodic, registry
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
-from django_pgjobs.runtime.logs import quietly
+from django_pgjobs.observability import stats
+from django_pgjobs.runtime.reporting import quietly
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 
@@ -159,6 +156,17 @@ class LockWaits:
     leak to other clients of the pooled server connection. There, set it for the worker's role
     (``ALTER ROLE worker SET lock_timeout = '5s'``; see docs/howto/pgbouncer.md), and name the
     worker's connections in its OPTIONS.
+
+    In all, the worker's own connections (its main thread's and lease keeper's, a NATS worker's
+    main thread's and the relay's; handlers' connections are left alone) get: a lock_timeout,
+    so that no statement of the worker's own waits long on a lock held elsewhere; an
+    idle_in_transaction_session_timeout and the server's tcp_user_timeout (user_timeout), so
+    that no lock of its own outlives a stopped process for long; no idle_session_timeout
+    (IDLE_SESSION: they are idle between turns by design); an application_name that says whose
+    they are in pg_stat_activity; synchronous_commit off unless
+    PGJOBS["WORKER_SYNCHRONOUS_COMMIT"] (or the session must be durable: a NATS worker's); and
+    prepared statements for what they run again and again. Every connection a worker process
+    makes gets the TCP keepalives (KEEPALIVES).
     """
 
     def __init__(self, db: str, name: str = "pgjobs worker", durable: bool | None = None) -> None:
@@ -242,3 +250,75 @@ class LockWaits:
             connection.connection.prepare_threshold = PREPARE_THRESHOLD
             connection.connection.prepared_max = PREPARED_MAX
             rows.plan_once(connection.connection)
+
+
+# ---- the queues a worker serves -----------------------------------------------------------------
+
+#: Django's Tasks framework's default queue (DEFAULT_TASK_QUEUE_NAME), for a backend whose
+#: QUEUES setting allows any queue.
+DJANGO_TASKS_QUEUE = "default"
+BACKEND = "django_pgjobs.backend.PgJobsBackend"
+
+
+def used_queues() -> dict[str, list[str]]:
+    """The queues this process's code enqueues into, each with who uses it: registered tasks,
+    periodic schedules, and the QUEUES of Django Tasks backends that are django-pgjobs'."""
+    default = get_settings().DEFAULT_QUEUE
+    used: dict[str, list[str]] = {}
+    for task in registry.all_tasks().values():
+        used.setdefault(task.queue or default, []).append(task.name)
+    tasks = registry.all_tasks()
+    for schedule in periodic.declared()[0]:
+        of_task = tasks[schedule.task].queue if schedule.task in tasks else None
+        queue = schedule.queue or of_task or default
+        used.setdefault(queue, []).append(f"periodic schedule {schedule.name}")
+    tasks_settings = getattr(django_settings, "TASKS", {}) or {}
+    for alias, backend in tasks_settings.items():
+        if isinstance(backend, dict) and backend.get("BACKEND") == BACKEND:
+            for queue in backend.get("QUEUES") or [DJANGO_TASKS_QUEUE]:
+                used.setdefault(queue, []).append(f"Django Tasks of TASKS[{alias!r}]")
+    return used
+
+
+def warn(db: str, queues: Sequence[str], who: str) -> None:
+    """Log a warning for each queue served that nothing uses, and one for the tasks' queues
+    that neither `who` (a worker, or a supervisor's workers) nor another running worker
+    serves."""
+    used = used_queues()
+    for queue in queues:
+        if queue not in used:
+            quietly(
+                logger.warning,
+                "the queue %r, served by %s, is used by no registered task, periodic schedule or "
+                "Django Tasks backend (%s): a typo in --queue? Jobs reach it only when "
+                "enqueued with queue=%r.",
+                queue, who, _what_they_use(used), queue,
+            )  # fmt: skip
+    unserved = sorted(set(used) - set(queues))
+    if not unserved:
+        return
+    try:
+        others = stats.served_queues(stats.worker_stats(db))
+    except DatabaseError:
+        return  # the worker's loop says what is wrong with the database
+    for queue in unserved:
+        if queue not in others:
+            quietly(
+                logger.warning,
+                "no running worker serves the queue %r, which %s %s: its jobs wait until a "
+                "worker does (runjobs --queue %s; served by %s: %s).",
+                queue, _listed(used[queue]), "uses" if len(used[queue]) == 1 else "use", queue,
+                who, _listed(queues),
+            )  # fmt: skip
+
+
+def _what_they_use(used: dict[str, list[str]]) -> str:
+    if used:
+        return f"they use {_listed(sorted(used))}"
+    # Nothing at all: most likely the app whose tasks module declares them is not installed.
+    return "no task is registered at all: is the app with your tasks module in INSTALLED_APPS?"
+
+
+def _listed(names: Sequence[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
