@@ -134,3 +134,24 @@ def test_a_venv_whose_install_failed_is_removed_and_made_again_by_the_next_run(
         )
     assert made == [django6.venv, django6.venv]
 
+
+def test_the_demos_follow_up_commands_carry_the_database_url_it_ran_with():
+    # Without it, runserver in a new shell opened the embedded database instead, quietly.
+    from example_project.shop.management.commands import demo
+
+    url = "postgres://shop:s3cr&t@db.example.com:5432/shop"
+    commands = [line.strip() for line in demo.look_around(url).splitlines()]
+    manage = f"DATABASE_URL='{url}' {demo.shown(sys.executable)} manage.py"
+    assert f"{manage} runserver" in commands
+    assert any(line.startswith(f"{manage} runjobs --queue emails") for line in commands)
+    assert "DATABASE_URL" not in demo.look_around("")
+
+
+def test_the_demos_worker_log_is_kept_in_the_project_not_the_temporary_folder(settings):
+    # Each demo left one more pgjobs-demo-worker-*.log in /tmp.
+    from example_project.shop.management.commands import demo
+
+    settings.BASE_DIR = ROOT  # the example project's (its settings would start a database)
+    log = demo.worker_log()
+    assert log.parent == ROOT
+    assert subprocess.run(["git", "check-ignore", "-q", str(log)], cwd=ROOT).returncode == 0
