@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 import sys
 import venv
 from pathlib import Path
@@ -154,4 +153,6 @@ def test_the_demos_worker_log_is_kept_in_the_project_not_the_temporary_folder(se
     settings.BASE_DIR = ROOT  # the example project's (its settings would start a database)
     log = demo.worker_log()
     assert log.parent == ROOT
-    assert subprocess.run(["git", "check-ignore", "-q", str(log)], cwd=ROOT).returncode == 0
+    ignored = ROOT / ".gitignore"
+    if ignored.exists():  # a checkout's (an sdist has none, nor git)
+        assert log.name in ignored.read_text().splitlines()
