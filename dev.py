@@ -109,26 +109,70 @@ def venv_python(folder: Path) -> Path:
 
 def ensure_venv(leg: Leg) -> None:
     """Create the leg's virtualenv and install the project with its dev extras and the leg's
-    Django into it (again when pyproject.toml or the leg changes)."""
+    Django into it (again when pyproject.toml or the leg changes). A virtualenv this run made
+    and could not finish is removed, so that the next run makes it again."""
     stamp = leg.venv / ".installed"
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + leg.django.encode())
     if stamp.exists() and stamp.read_text() == wanted.hexdigest():
         return
     python = venv_python(leg.venv)
-    if not python.exists():
-        base = find_python(leg)
-        step(f"creating the virtualenv in {leg.venv.name}/ ({base})")
-        if base == sys.executable:
-            venv.create(leg.venv, with_pip=True)
-        else:
-            run([base, "-m", "venv", str(leg.venv)])
-    step(
-        f"installing django-pgjobs, {leg.django} and the development tools into "
-        f"{leg.venv.name}/ (first run: ~1 minute)"
-    )
-    run([str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
-    run([str(python), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[dev]", leg.django])
+    made = not python.exists()
+    base = find_python(leg) if made else ""
+    if not made:
+        check_venv_python(leg, python)
+    try:
+        if made:
+            step(f"creating the virtualenv in {leg.venv.name}/ ({base})")
+            if base == sys.executable:
+                venv.create(leg.venv, with_pip=True)
+            else:
+                run([base, "-m", "venv", str(leg.venv)])
+        step(
+            f"installing django-pgjobs, {leg.django} and the development tools into "
+            f"{leg.venv.name}/ (first run: ~1 minute)"
+        )
+        run([str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
+        run([str(python), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[dev]", leg.django])
+    except BaseException:  # a failed install, or Ctrl-C during it
+        if made:
+            shutil.rmtree(leg.venv, ignore_errors=True)
+            print(f"dev.py: removed the unfinished {leg.venv.name}/; the next run makes it again")
+        raise
     stamp.write_text(wanted.hexdigest())
+
+
+def python_version(python: str) -> str | None:
+    """The version `python` runs ("3.12"), or None when it does not run."""
+    # A pyenv shim on PATH exists even when pyenv cannot run that version: ask it.
+    try:
+        probe = subprocess.run(
+            [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return None
+    version = probe.stdout.strip()
+    return version if probe.returncode == 0 and version.replace(".", "", 1).isdigit() else None
+
+
+def too_old(version: str, leg: Leg) -> bool:
+    """Whether Python `version` is older than the first (the oldest) of the leg's versions."""
+    if not leg.pythons:
+        return False
+    have, needed = (tuple(map(int, text.split("."))) for text in (version, leg.pythons[0]))
+    return have < needed
+
+
+def check_venv_python(leg: Leg, python: Path) -> None:
+    """Refuse a leg's existing virtualenv whose Python is older than the leg's Django needs (made
+    by hand, or by an older dev.py): every install into it would fail the same way."""
+    found = python_version(str(python))
+    if found is not None and too_old(found, leg):
+        raise SystemExit(
+            f"dev.py: {leg.venv.name}/ runs Python {found}, and Django {leg.name} needs "
+            f"{leg.pythons[0]} or newer: delete it (rm -rf {leg.venv}) and run again"
+        )
 
 
 def find_python(leg: Leg) -> str:
@@ -137,25 +181,24 @@ def find_python(leg: Leg) -> str:
     if not leg.pythons:
         return sys.executable
     chosen = os.environ.get("PGJOBS_PYTHON")
-    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    candidates = [chosen] if chosen else []
-    for version in [] if chosen else leg.pythons:
-        candidates += sorted(str(p) for p in pyenv.glob(f"{version}.*/bin/python{version}"))
-        candidates += [shutil.which(f"python{version}") or ""]
-    for candidate in filter(None, candidates):
-        # A pyenv shim on PATH exists even when pyenv cannot run that version: ask it.
-        try:
-            probe = subprocess.run(
-                [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                capture_output=True,
-                text=True,
-            )
-        except OSError:
-            continue
-        if probe.returncode == 0 and (chosen or probe.stdout.strip() in leg.pythons):
-            return candidate
     if chosen:
-        raise SystemExit(f"dev.py: PGJOBS_PYTHON={chosen} does not run")
+        found = python_version(chosen)
+        if found is None:
+            raise SystemExit(f"dev.py: PGJOBS_PYTHON={chosen} does not run")
+        if too_old(found, leg):
+            raise SystemExit(
+                f"dev.py: PGJOBS_PYTHON={chosen} is Python {found}, and Django {leg.name} needs "
+                f"{leg.pythons[0]} or newer: point PGJOBS_PYTHON at a Python "
+                f"{' or '.join(leg.pythons)}, or unset it to have one looked for"
+            )
+        return chosen
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for version in leg.pythons:
+        candidates = sorted(str(p) for p in pyenv.glob(f"{version}.*/bin/python{version}"))
+        candidates += [shutil.which(f"python{version}") or ""]
+        for candidate in filter(None, candidates):
+            if python_version(candidate) == version:
+                return candidate
     raise SystemExit(
         f"dev.py: Django {leg.name} runs here on Python {' or '.join(leg.pythons)}, and none was "
         f"found on PATH or in {pyenv}: install one, or set PGJOBS_PYTHON=/path/to/python3.12"
@@ -246,9 +289,12 @@ def pytest_in_tiers(args: list[str]) -> int:
         if code == NO_TESTS_COLLECTED:
             times.append(f"{tier} none selected")
             continue
-        times.append(f"{tier} {time.monotonic() - tier_started:.0f}s")
+        times.append(
+            f"{tier} {time.monotonic() - tier_started:.0f}s" + (" (failed)" if code else "")
+        )
         if code != 0:
             print(f"\nthe {tier} tests failed; not run: {', '.join(names[n + 1 :]) or 'none'}")
+            print(f"tiers: {', '.join(times)}")
             return code
         selected = True
     print(f"\ntiers: {', '.join(times)}")

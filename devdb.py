@@ -169,7 +169,8 @@ def _start() -> Path:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
-            import pgserver
+            # From its module: the package's __init__ does not re-export them (mypy --strict)
+            from pgserver.postgres_server import PostgresServer, get_server
     except ImportError:
         return _start_with_binaries_on_path()
     # pgserver narrates every command at INFO and logs a failed one with its whole output at
@@ -189,13 +190,13 @@ def _start() -> Path:
         _ensure_system_user()
     # pgserver waits for ever for a lock of its own, one per user and machine: held by a process
     # stopped while it started a server (Ctrl-Z), every later start of any checkout hung.
-    lock = pgserver.PostgresServer._lock
+    lock = PostgresServer._lock
     if not lock.acquire(timeout=STARTING_SECONDS):
         raise _held_up(f"an embedded PostgreSQL (it holds pgserver's lock {lock.path!r})")
     lock.release()
     try:
         mend_pid_list(PGDATA / PID_LIST)
-        server = pgserver.get_server(PGDATA, cleanup_mode=None)
+        server = get_server(PGDATA, cleanup_mode=None)
         return Path(server.get_postmaster_info().socket_dir)
     except Exception as error:  # whatever pgserver raises, the reader needs one line
         said = failures.last_line or _one_line(error)
@@ -209,7 +210,7 @@ def _start() -> Path:
         # With cleanup_mode=None its exit hook only takes this pid off the list again: a read
         # and rewrite of that file that can fail, and that nothing of ours needs. Registered
         # before anything can fail, it is unregistered whatever happened.
-        made = pgserver.PostgresServer._instances.get(PGDATA.resolve())
+        made = PostgresServer._instances.get(PGDATA.resolve())
         if made is not None:
             atexit.unregister(made._cleanup)
 

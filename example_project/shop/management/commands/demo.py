@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -68,13 +68,12 @@ class Command(BaseCommand):
         ensure_superuser()
         self.step(f"placing {orders} orders (each enqueues send_confirmation and charge_card)")
         burst = place_orders(orders)
-        log = tempfile.NamedTemporaryFile(  # noqa: SIM115  (kept open for the worker's output)
-            "w+", prefix="pgjobs-demo-worker-", suffix=".log", delete=False
-        )
+        log = worker_log()
         self.step(f"starting the worker: {' '.join(worker_command(concurrency)[1:])}")
-        self.stdout.write(f"    (its log: {log.name})")
+        self.stdout.write(f"    (its log: {shown(str(log))})")
         started = time.monotonic()
-        worker = subprocess.Popen(worker_command(concurrency), stdout=log, stderr=log)
+        with log.open("w") as output:
+            worker = subprocess.Popen(worker_command(concurrency), stdout=output, stderr=output)
         try:
             progress = self.watch(burst, started, worker, deadline=started + timeout)
         except KeyboardInterrupt:  # the worker had the Ctrl-C too; stop() waits for it
@@ -117,9 +116,6 @@ class Command(BaseCommand):
         self, progress: Progress, burst: Burst, elapsed: float, code: int, orders: int
     ) -> None:
         rate = progress.done / elapsed if elapsed else 0.0
-        python = sys.executable
-        if python.startswith(os.getcwd() + os.sep):
-            python = os.path.relpath(python)
         dead_tasks = ", ".join(f"{name} × {count}" for name, count in dead_letters_by_task(burst))
         self.stdout.write("")
         self.step("summary")
@@ -131,17 +127,37 @@ class Command(BaseCommand):
             f"    the worker stopped on SIGTERM with exit code {code}"
         )
         self.step("look around")
-        self.stdout.write(
-            f"    {python} manage.py runserver\n"
-            f"    http://127.0.0.1:8000/admin/  (username {USERNAME}, password {PASSWORD})\n"
-            "        the dead letters are invoices for orders to 'UK': set such an order's\n"
-            "        country to GB, then replay its job\n"
-            "    http://127.0.0.1:8000/  places orders; a worker processes them:\n"
-            f"    {python} manage.py runjobs " + " ".join(f"--queue {q}" for q in QUEUES)
-        )
+        self.stdout.write(look_around(os.environ.get("DATABASE_URL", "")))
 
     def step(self, message: str) -> None:
         self.stdout.write(self.style.MIGRATE_HEADING(f"==> {message}"))
+
+
+def look_around(database_url: str) -> str:
+    """The commands that open the admin and run a worker on the demo's database: with the
+    DATABASE_URL the demo ran with, since a new shell without it opens the embedded server."""
+    manage = f"{shown(sys.executable)} manage.py"
+    if database_url:
+        manage = f"DATABASE_URL={shlex.quote(database_url)} {manage}"
+    return (
+        f"    {manage} runserver\n"
+        f"    http://127.0.0.1:8000/admin/  (username {USERNAME}, password {PASSWORD})\n"
+        "        the dead letters are invoices for orders to 'UK': set such an order's\n"
+        "        country to GB, then replay its job\n"
+        "    http://127.0.0.1:8000/  places orders; a worker processes them:\n"
+        f"    {manage} runjobs " + " ".join(f"--queue {q}" for q in QUEUES)
+    )
+
+
+def shown(path: str) -> str:
+    """`path` relative to the current folder when it is inside it (the checkout's .venv/)."""
+    return os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+
+
+def worker_log() -> Path:
+    """The demo worker's log: in the project (ignored by git), each demo's in place of the last
+    one's, rather than one more file in the system's temporary folder per demo."""
+    return Path(settings.BASE_DIR) / ".demo-worker.log"
 
 
 def ensure_superuser() -> None:
@@ -239,7 +255,5 @@ def stop(worker: subprocess.Popen[bytes], grace: float = 20.0) -> int:
         return worker.wait()
 
 
-def tail(log: IO[str], lines: int = 30) -> str:
-    log.flush()
-    log.seek(0)
-    return "".join(log.readlines()[-lines:])
+def tail(log: Path, lines: int = 30) -> str:
+    return "".join(log.read_text(errors="replace").splitlines(keepends=True)[-lines:])
