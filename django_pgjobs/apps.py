@@ -45,6 +45,6 @@ def stream_stats(now: datetime) -> list[StreamStats]:
     queues = transports.nats_queues()
     if not queues:
         return []
-    from django_pgjobs.jetstream.figures import measure
+    from django_pgjobs.jetstream.streams import measure
 
     return measure(queues, now)

@@ -10,5 +10,5 @@ Imported only when a queue uses NATS: it needs the nats-py package (the `nats` e
 - source: the worker's source of jobs for NATS queues (fetching, answers, acknowledgements),
   and the worker runjobs runs when a queue uses NATS;
 - deliveries: one message as the worker holds it, and the answer to a finished attempt;
-- figures: the streams' and consumers' figures for the health report.
+
 """

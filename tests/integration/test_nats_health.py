@@ -13,7 +13,7 @@ from django.db import connection
 from django.urls import reverse
 
 from django_pgjobs import transports
-from django_pgjobs.jetstream import figures
+from django_pgjobs.jetstream import streams as figures
 from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability import stats

@@ -93,7 +93,7 @@ ALLOWED_LATE = {
     # jetstream imports nats, which only a queue whose TRANSPORT is "nats" may cost.
     ("django_pgjobs.management.commands.runjobs", "django_pgjobs.jetstream.source"),
     ("django_pgjobs.management.commands.relayjobs", "django_pgjobs.jetstream.relay"),
-    ("django_pgjobs.apps", "django_pgjobs.jetstream.figures"),
+    ("django_pgjobs.apps", "django_pgjobs.jetstream.streams"),
 }
 
 
