@@ -148,7 +148,7 @@ def test_a_job_running_three_times_longer_than_its_lease_is_never_reaped_while_i
     wait_until(has_run(1), timeout=20)
     reaped = []
     while Job.objects.get(pk=job.pk).status == Status.RUNNING:
-        reaped.append(Job.objects.reap())  # an eager reaper running beside the live worker
+        reaped.append(Job.objects.reap()[:2])  # an eager reaper running beside the live worker
         time.sleep(0.1)
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.attempts) == (Status.SUCCEEDED, 1)
