@@ -55,7 +55,7 @@ def send(signal: Signal, sender: type[Model], **kwargs: Any) -> None:
         return
     for receiver, response in signal.send_robust(sender=sender, **kwargs):
         if isinstance(response, Exception):
-            # The application's logging may raise too (see runtime/reporting.py quietly).
+            # The application's logging may raise too (see runtime/reporting.py log_safely).
             with contextlib.suppress(Exception):
                 logger.error("signal receiver %r raised", receiver, exc_info=response)
 

@@ -305,9 +305,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 job.cancel_requested = True
         return set(owned)
 
-    def held(self, jobs: Sequence[Job]) -> set[UUID]:
+    def owned(self, jobs: Sequence[Job]) -> set[UUID]:
         """The ids of those of `jobs` whose claims their worker still holds."""
-        return set(self._own(sql.HELD, jobs))
+        return set(self._own(sql.OWNED, jobs))
 
     def locked_elsewhere(self, jobs: Sequence[Job]) -> set[UUID]:
         """The ids of those of `jobs` whose rows another session holds locked (sql.

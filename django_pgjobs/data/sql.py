@@ -342,7 +342,7 @@ HEARTBEAT = """
 
 # Which of a worker's claims it still holds (a plain read: no lock, no wait), in the shape of
 # HEARTBEAT's result.
-HELD = """
+OWNED = """
     SELECT j.id, j.cancel_requested FROM pgjobs_job AS j
     JOIN unnest(%(ids)s::uuid[], %(claims)s::int4[]) AS mine(id, claims)
       ON j.id = mine.id AND j.claims = mine.claims

@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 from django_pgjobs.transports import NatsServers
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Bridge:
         unless the bridge itself was closed."""
         with self._connecting:
             if self._client is not None and self._client.is_closed and not self._closing:
-                quietly(
+                log_safely(
                     logger.warning,
                     "NATS: the connection was closed after an error (%s); connecting again",
                     self._client.last_error or "no error said",

@@ -146,7 +146,7 @@ class Delivery:
             self.lost = True
         return not self.lost
 
-    def held(self, sent_at: float, confirmed_at: float, ack_wait: float) -> None:
+    def extended(self, sent_at: float, confirmed_at: float, ack_wait: float) -> None:
         """The server confirmed an in-progress acknowledgement sent at `sent_at`: it counts
         only if the confirmation came while the delivery was the worker's (one that came later
         may have extended another worker's delivery)."""

@@ -38,7 +38,7 @@ from django_pgjobs.models import Job
 from django_pgjobs.runtime import sessions as locks
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.policy import outage_pause
-from django_pgjobs.runtime.reporting import Outage, quietly
+from django_pgjobs.runtime.reporting import Outage, log_safely
 from django_pgjobs.transports import NatsQueue, nats_queues, nats_servers
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class Relay:
         else:
             what = f"{len(unsent)} messages were not acknowledged by its stream (job {job.pk}"
             what += f", {job.task}, among them)"
-        quietly(
+        log_safely(
             logger.warning,
             "relay: queue %r: %s (%s: %s); they stay in the outbox, the queue is tried again "
             "in %.1fs, the other queues relay on",
@@ -156,7 +156,7 @@ class Relay:
             "store large data elsewhere and pass its id (or raise max_payload on the server)",
         )
         self.jobs.refuse_relayed(job, too_large)
-        quietly(logger.error, "relay: job %s (%s): %s", job.pk, job.task, too_large.message)
+        log_safely(logger.error, "relay: job %s (%s): %s", job.pk, job.task, too_large.message)
 
 
 class RelayChore(Chore):

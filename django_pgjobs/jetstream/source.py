@@ -39,7 +39,7 @@ from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import sessions as locks
 from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.lifecycle import Options
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 from django_pgjobs.runtime.sources import Exchange, Recorded, Seat
 from django_pgjobs.runtime.worker import Worker
 from django_pgjobs.transports import NatsQueue, nats_queues, nats_servers
@@ -197,7 +197,7 @@ class NatsSource:
             except Exception as error:  # malformed, of another shape, nested too deep, ...
                 # Not a message of ours (published by hand, or by a newer release): it would
                 # come back forever, so it is terminated and said once.
-                quietly(logger.error, "worker %s: terminated a message it cannot read (%s: %s)",
+                log_safely(logger.error, "worker %s: terminated a message it cannot read (%s: %s)",
                         self.id, type(error).__name__, error)  # fmt: skip
                 self.bridge.settle([], [], [msg])
                 continue
@@ -231,7 +231,7 @@ class NatsSource:
             with self._sending:
                 sent = self.bridge.acknowledge(answers)
         except Exception as error:  # the connection's loop did not finish in time
-            quietly(logger.warning, "worker %s: acknowledging %d messages: %s", self.id,
+            log_safely(logger.warning, "worker %s: acknowledging %d messages: %s", self.id,
                     len(answers), error)  # fmt: skip
             sent = [Sent.UNCERTAIN] * len(sending)
         for delivery, result in zip(sending, sent, strict=True):
@@ -281,7 +281,7 @@ class NatsSource:
         else:
             said = "is ended (written back to PostgreSQL), but NATS did not confirm its "
             said += "message's termination: its next delivery finds it ended and is terminated"
-        quietly(logger.warning, "worker %s: job %s (%s) %s", self.id, job.pk, job.task,
+        log_safely(logger.warning, "worker %s: job %s (%s) %s", self.id, job.pk, job.task,
                 said)  # fmt: skip
         if handled is not None:
             outcome = delivery.outcome if reply in (Reply.NAK, Reply.TERM) else None
@@ -305,11 +305,13 @@ class NatsSource:
             with contextlib.suppress(BaseException):  # NATS away: the last one read stands
                 self.ack_wait = self._consumers.read(self.ack_wait)
             try:
-                self._hold()
+                self._send_in_progress()
             except BaseException as error:
-                quietly(logger.warning, "could not extend the ack wait of running jobs: %s", error)
+                log_safely(
+                    logger.warning, "could not extend the ack wait of running jobs: %s", error
+                )
 
-    def _hold(self) -> None:
+    def _send_in_progress(self) -> None:
         ack_wait = self.ack_wait
         with self._sending:
             with self._lock:
@@ -324,7 +326,7 @@ class NatsSource:
             confirmed = self.bridge.in_progress([(d.msg, d.until(ack_wait)) for d in holding])
         for delivery, confirmed_at in zip(holding, confirmed, strict=True):
             if confirmed_at is not None:
-                delivery.held(sent_at, confirmed_at, ack_wait)
+                delivery.extended(sent_at, confirmed_at, ack_wait)
 
     # ---- giving back ---------------------------------------------------------------------------
 
@@ -339,7 +341,7 @@ class NatsSource:
         except Exception as error:
             if not self.seat.stopping():
                 raise
-            quietly(
+            log_safely(
                 logger.warning,
                 "worker %s: could not give back %d unstarted messages (%s): they are delivered "
                 "again, each counting as an attempt", self.id, len(jobs), error,
@@ -377,7 +379,7 @@ class NatsSource:
             self._not_acknowledged(delivery, delivery.handled)
         self.unanswered = []
         if self._deliveries:
-            quietly(
+            log_safely(
                 logger.warning,
                 "worker %s: %d jobs still running are delivered again after their ack wait",
                 self.id, len(self._deliveries),

@@ -18,7 +18,7 @@ from django_pgjobs.jetstream.bridge import Bridge
 from django_pgjobs.jetstream.messages import due_at
 from django_pgjobs.models import Queue
 from django_pgjobs.observability.stats import StreamStats
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 from django_pgjobs.transports import NatsQueue, nats_servers
 
 
@@ -163,7 +163,7 @@ class Consumers:
                 )
             except NotFoundError:
                 self._gone.add(queue.queue)
-                quietly(
+                log_safely(
                     logger.warning,
                     "worker %s: the consumer %s of queue %r is gone (deleted, or the server "
                     "lost its storage); making it again", self.worker, queue.consumer, queue.queue,
@@ -175,7 +175,7 @@ class Consumers:
             waits.append(float(info.config.ack_wait or self.lease))
         shortest = min(waits)
         if shortest < self.lease and shortest != last:
-            quietly(
+            log_safely(
                 logger.warning,
                 "worker %s: a consumer of its queues has an ack wait of %gs, under its lease of "
                 "%gs (set by a worker started with a shorter --lease): in-progress "
@@ -187,7 +187,7 @@ class Consumers:
         """Say that the queue's consumer had to be made, and which messages it delivers."""
         state = stream.state
         if floor is not None:
-            quietly(
+            log_safely(
                 logger.warning,
                 "worker %s: made the consumer %s of queue %r again, delivering from stream "
                 "sequence %d on (after the last one it had acknowledged in order, as this "
@@ -195,7 +195,7 @@ class Consumers:
                 self.worker, queue.consumer, queue.queue, floor + 1,
             )  # fmt: skip
         elif state.messages and queue.retention != "workqueue":  # there, none ran: all due
-            quietly(
+            log_safely(
                 logger.warning,
                 "worker %s: the consumer %s of queue %r did not exist: made, it delivers every "
                 "message the stream %s holds (%d, sequences %d to %d). If the queue ran on "

@@ -22,7 +22,7 @@ from django_pgjobs.errors import UnknownTask, text_of
 from django_pgjobs.models import Job, QueueStat, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic, declared
 from django_pgjobs.runtime import policy
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +62,18 @@ class Chore:
             wait = policy.outage_pause(self.failures)
             name, first = type(self).__name__, _first_line(error)
             if self.failures == 1:
-                quietly(
+                log_safely(
                     logger.error, "%s failed (%s); trying again in %.1fs", name, first, wait,
                     exc_info=error,
                 )  # fmt: skip
             else:
-                quietly(
+                log_safely(
                     logger.warning, "%s failed again (%d times: %s); trying again in %.1fs",
                     name, self.failures, first, wait,
                 )  # fmt: skip
         else:
             if self.failures:
-                quietly(logger.info, "%s works again", type(self).__name__)
+                log_safely(logger.info, "%s works again", type(self).__name__)
                 self.failures = 0
         self.next_at = time.monotonic() + wait
 
@@ -109,7 +109,7 @@ class Reaper(Chore):
     def trouble(self, error: Exception) -> None:
         """A statement of the worker's (a turn's, this chore's) failed with `error`: trouble
         when it may have held up every worker's heartbeats too (held_up)."""
-        if held_up(error):
+        if blocks_heartbeats(error):
             self._troubled = True
 
     def calm(self) -> None:
@@ -142,7 +142,7 @@ class Reaper(Chore):
         self.jobs.delay(own_backoffs(taken))
         returned, failed = taken.returned, taken.failed
         if returned or failed:
-            quietly(
+            log_safely(
                 logger.warning,
                 "reaped %d jobs with expired leases (%d failed)",
                 returned + failed,
@@ -239,7 +239,7 @@ class Reporter(Chore):
                     connection.close()
                     continue
                 if not lost or connection.connection is not None:  # not a failed connect
-                    quietly(
+                    log_safely(
                         logger.warning,
                         "worker %s could not record that it stopped (%s): it reads as alive "
                         "until its reports are overdue",
@@ -270,14 +270,14 @@ def own_backoffs(taken: TakenBack) -> list[tuple[UUID, int, float]]:
         try:
             delay = retry.backoff_seconds(backoff, attempts, task_name, within=left)
         except Exception as error:  # ValueError, RuntimeError or TimeoutError, naming the task
-            quietly(logger.warning, "a reaped job of %s keeps the default backoff: %s",
+            log_safely(logger.warning, "a reaped job of %s keeps the default backoff: %s",
                     task_name, error)  # fmt: skip
             continue
         delays.append((job_id, claims, delay))
     return delays
 
 
-def held_up(error: Exception) -> bool:
+def blocks_heartbeats(error: Exception) -> bool:
     """Whether `error` may have held up every worker's heartbeats too: a statement that waited
     out its time (a lock on the job table), or a connection lost (an outage); not a transaction
     the database rolled back (a serialization failure: they come and go under contention), nor
@@ -340,7 +340,7 @@ class Scheduler:
         if schedules is None:
             schedules, errors = declared()
             for error in errors:
-                quietly(logger.error, "%s (not scheduled; %s)", error, error.id)
+                log_safely(logger.error, "%s (not scheduled; %s)", error, error.id)
         self.schedules = {each.name: each for each in schedules}
         self._next: dict[str, datetime] = {}  # each schedule's next tick after its last one
         self._last: dict[str, datetime] = {}  # each schedule's last tick, as last read
@@ -361,7 +361,7 @@ class Scheduler:
             except ProgrammingError:
                 # New code before its migration (a deploy that migrates after starting workers):
                 # keep running jobs, and look again later.
-                quietly(
+                log_safely(
                     logger.error,
                     "periodic schedules are off until the pgjobs migrations are applied "
                     "(manage.py migrate pgjobs); looking again in %gs", MAX_WAIT, exc_info=True,
@@ -398,7 +398,7 @@ class Scheduler:
             self._last[name] = last_tick
             self._next[name] = self.schedules[name].next_tick(last_tick)
         self._synced = True
-        quietly(
+        log_safely(
             logger.info,
             "periodic schedules: %s",
             "; ".join(
@@ -420,13 +420,13 @@ class Scheduler:
             self._failed(periodic, error)
         else:
             if self._failures.pop(name, 0):
-                quietly(logger.info, "periodic %s: enqueued again after failing", name)
+                log_safely(logger.info, "periodic %s: enqueued again after failing", name)
 
     def _failed(self, periodic: Periodic, error: Exception) -> None:
         failures = self._failures[periodic.name] = self._failures.get(periodic.name, 0) + 1
         pause = policy.doubling(FAILED_RETRY, failures, MAX_WAIT)
         self._next[periodic.name] = self._now() + timedelta(seconds=pause)
-        quietly(
+        log_safely(
             logger.error,
             "periodic %s failed (%s: %s; %d times in a row); the other schedules go on, this "
             "one is tried again in %gs", periodic.name, type(error).__name__, error, failures,
@@ -484,14 +484,14 @@ class Scheduler:
         if not won:
             return
         if not ticks or ticks[0] != periodic.next_tick(last):  # some ticks got no job
-            quietly(
+            log_safely(
                 logger.warning,
                 "periodic %s: ticks after %s were missed; enqueued %d jobs, up to the tick of %s "
                 "(missed=%r, grace=%gs)", periodic.name, last.isoformat(), len(ticks),
                 latest.isoformat(), periodic.missed, periodic.grace,
             )  # fmt: skip
         elif len(ticks) > 1:  # late, but each tick within grace got its own job
-            quietly(
+            log_safely(
                 logger.info,
                 "periodic %s: enqueued %d ticks late, from %s to %s, each one's job within its "
                 "grace of %gs", periodic.name, len(ticks), ticks[0].isoformat(),

@@ -12,7 +12,7 @@ from django.db import DatabaseError, connections, transaction
 from django_pgjobs.data import rows, sql
 from django_pgjobs.errors import first_line
 from django_pgjobs.models import Queue
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class QueueControls:
             if not rows.timed_out(error):
                 raise
             if not self._stale:
-                quietly(
+                log_safely(
                     logger.warning,
                     "the queue controls cannot be read (%s): as last read until they can",
                     first_line(error),
@@ -56,7 +56,7 @@ class QueueControls:
             self._stale = True
             return False
         if self._stale:
-            quietly(logger.info, "the queue controls can be read again")
+            log_safely(logger.info, "the queue controls can be read again")
             self._stale = False
         # A max_running of 0 runs nothing: as paused, whatever carries the queue (for NATS, no
         # consumer can be limited to 0 messages: it is not fetched from at all).

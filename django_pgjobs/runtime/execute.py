@@ -33,7 +33,7 @@ from django_pgjobs.errors import JobTimeout, PayloadMismatch, Retry, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.retry import BACKOFF_PATIENCE, ExponentialBackoff, backoff_seconds, is_permanent
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 
 # What goes wrong around a job's handler is said with the worker's lines about its jobs.
 logger = logging.getLogger("django_pgjobs.runtime.worker")
@@ -176,9 +176,9 @@ def past_time_limit(
     the outcome before (handlers.decided): then that outcome, which its runner may have told
     already (Django's task_finished; it was its receivers that passed the limit)."""
     if decided is None:
-        quietly(log.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
+        log_safely(log.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
         return timed_out(job, timeout)
-    quietly(
+    log_safely(
         log.warning,
         "job %s (%s) returned within its time limit of %gs, and what ran after it (its "
         "task_finished signal's receivers, say) passed it: recorded as it ended (%s), its "
@@ -300,7 +300,7 @@ def awaited(job: Job, func: AsyncFunction, /, *args: Any, **kwargs: Any) -> Any:
                     "its async handler returned, leaving tasks that did not end within %gs of "
                     "their cancellation (the job's outcome is the handler's)"
                 )
-            quietly(
+            log_safely(
                 logger.warning,
                 "job %s (%s): " + what + "; their event loop is left running on a thread of "
                 "its own",

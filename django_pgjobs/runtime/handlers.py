@@ -72,7 +72,7 @@ class HandlerPool:
             return True
         return False
 
-    def held_up(self, longer_than: float) -> int:
+    def busy(self, longer_than: float) -> int:
         """How many threads have been running their current job for more than `longer_than`
         seconds (abandoned ones aside)."""
         since = time.perf_counter() - longer_than

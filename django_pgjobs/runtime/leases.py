@@ -2,7 +2,7 @@
 and writes their handlers' progress reports about once a second, whatever the worker's main
 loop is doing (waiting, slow, or stuck on the database). It lives as long as the worker: a
 round that fails, whatever it raised, is tried again after a pause, and a logging filter of
-the application's that raises cannot end it (runtime/logs.py, `quietly`)."""
+the application's that raises cannot end it (runtime/logs.py, `log_safely`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.records import Claim, claim_of
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import policy
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 from django_pgjobs.runtime.sessions import LockWaits
 
 logger = logging.getLogger(__name__)
@@ -88,23 +88,23 @@ class LeaseKeeper:
     def interval(self, claims: list[Job]) -> float:
         return min([self.default_lease, *map(self.lease_of, claims)]) / 3
 
-    def overdue(self) -> bool:
+    def behind(self) -> bool:
         """Whether no heartbeat went through for half an interval past the one that was due:
         this thread's rounds fail (its connection refused, say, when the database has no
         connection left for it) or it is held up. Claims made now would be lost."""
         return time.monotonic() - self._renewed_at > 1.5 * self._interval
 
-    def stand_in(self) -> None:
+    def renew_if_behind(self) -> None:
         """On the worker's main thread, while overdue: heartbeat the running claims on that
         thread's connection, unless this thread is in the middle of a round. A lost connection
         is the caller's to handle; any other failure leaves the leases overdue (the worker then
         claims nothing), and this thread's own log lines say why."""
-        if not self.overdue() or not self._rounds.acquire(blocking=False):
+        if not self.behind() or not self._rounds.acquire(blocking=False):
             return
         try:
             if not self._standing_in:
                 self._standing_in = True
-                quietly(
+                log_safely(
                     logger.warning,
                     "the lease keeper has renewed no lease for %.0fs; the worker's main loop "
                     "renews them, and claims nothing more while it cannot",
@@ -131,16 +131,16 @@ class LeaseKeeper:
             renewed |= self.jobs.heartbeat(jobs, lease)
             skipped = [job for job in jobs if claim_of(job)[0] not in renewed]
             if skipped:  # locked elsewhere (renewed next round), settled meanwhile, or lost
-                held = self.jobs.held(skipped)
+                owned = self.jobs.owned(skipped)
                 for job in skipped:
                     claim = claim_of(job)
-                    if claim[0] in held:
+                    if claim[0] in owned:
                         self._locked.add(claim)
                     elif claim not in self._unheld:
                         self._unheld.add(claim)  # looked at again next round
                     else:
                         self._lost.add(claim)
-                        quietly(
+                        log_safely(
                             logger.warning,
                             "lost the lease of job %s (%s); its outcome will not be recorded",
                             job.pk, job.task,
@@ -209,10 +209,10 @@ class LeaseKeeper:
                             connections[self.jobs.db].close()
                     if failures == 1 or time.monotonic() - logged_at >= FAILURE_LOG_INTERVAL:
                         logged_at = time.monotonic()
-                        quietly(self._log_failure, error, failures)
+                        log_safely(self._log_failure, error, failures)
                 else:
                     if failures:
-                        quietly(
+                        log_safely(
                             logger.info,
                             "the lease keeper renews leases again, after %d failed rounds",
                             failures,

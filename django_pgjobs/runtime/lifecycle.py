@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from django_pgjobs.runtime import execute, handlers, policy
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 
 
 def worker_id() -> str:
@@ -148,7 +148,7 @@ class Stoppable:
         and again after each recycle: it never finished. A stop signal meanwhile gives at most
         the usual grace."""
         if not self._stopping:
-            quietly(logger.info, "worker %s stops to be replaced: %s", self.id, why)
+            log_safely(logger.info, "worker %s stops to be replaced: %s", self.id, why)
             self._exit = Exit.RECYCLE
             patience = max(self.options.grace, RECYCLE_PATIENCE)
             self._deadline = time.monotonic() + patience
@@ -160,7 +160,7 @@ class Stoppable:
         """While a recycle waits for running jobs: a line every RECYCLE_NOTE_EVERY seconds."""
         if self._finishing and running and time.monotonic() >= self._noted_at + RECYCLE_NOTE_EVERY:
             self._noted_at = time.monotonic()
-            quietly(
+            log_safely(
                 logger.info,
                 "worker %s waits for %d running jobs before it is replaced (%.0fs at most)",
                 self.id, running, max(0.0, self._deadline - time.monotonic()),
@@ -187,7 +187,7 @@ class Stoppable:
         self._limits_at = time.monotonic() + LIMITS_INTERVAL
         parent = self.options.parent_pid
         if parent is not None and os.getppid() != parent and not self._stopping:
-            quietly(
+            log_safely(
                 logger.warning, "worker %s: its supervisor %d is gone; stopping", self.id, parent
             )
             self.stop()
@@ -205,7 +205,7 @@ class Stoppable:
             # Before its first outcome: a replacement would start as large and exit at once,
             # again and again, running nothing.
             self._memory_said = True
-            quietly(
+            log_safely(
                 logger.error,
                 "worker %s uses %.0f MB before its first job ended, over --max-memory-per-child "
                 "%g: a replacement would too, so it is not replaced until it has recorded an "
@@ -233,6 +233,6 @@ def said_stop_signal(log_to: logging.Logger, signum: int, *, again: bool, grace:
     which one, and what it does."""
     name = signal.Signals(signum).name
     if again:
-        quietly(log_to.warning, "%s again: releasing the running jobs now", name)
+        log_safely(log_to.warning, "%s again: releasing the running jobs now", name)
     else:
-        quietly(log_to.info, "%s: stopping; running jobs get %gs to finish", name, grace)
+        log_safely(log_to.info, "%s: stopping; running jobs get %gs to finish", name, grace)

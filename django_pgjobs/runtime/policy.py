@@ -19,7 +19,7 @@ PREFETCH_HORIZON = 0.05
 #: prefetch leaves it out, and once every thread is held up so, the jobs claimed for them and
 #: not started go back to ready for other workers (instead of waiting, leases renewed, for as
 #: long as the slowest handler runs).
-HELD_UP = 1.0
+BUSY_AFTER = 1.0
 
 #: The longest pause between tries while the database is unreachable.
 OUTAGE_BACKOFF_MAX = 30.0

@@ -3,8 +3,8 @@ turn, leases renewed by a thread of their own, wake-ups by LISTEN, and the house
 job table (reaping, promoting, pruning, periodic ticks).
 
 A batch of outcomes the database refuses is recorded again job by job, so one bad outcome never
-wedges the worker; outcomes whose rows another session holds locked are held back, so one locked
-row never stalls the others.
+wedges the worker; outcomes whose rows another session holds locked are set aside (blocked), so
+one locked row never stalls the others.
 
 Where a worker's claims got to in each queue (Positions): its next claim starts there instead of
 at the claim index's start. The index keeps an entry for every job claimed since the last vacuum,
@@ -33,7 +33,7 @@ from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime import sessions as locks
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Scheduler, Ticker
 from django_pgjobs.runtime.leases import LeaseKeeper
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 from django_pgjobs.runtime.sessions import LockWaits, application_name
 from django_pgjobs.runtime.sources import Exchange, Recorded, Seat
 
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 #: How long outcomes whose rows another session held locked wait before they are tried again
 #: (each time only once their rows are free: they never make a turn wait for a lock again).
-HELD_RETRY = 1.0
+BLOCKED_RETRY = 1.0
 
 
 class PostgresSource:
@@ -53,8 +53,8 @@ class PostgresSource:
         self.chores: list[Chore] = []
         # Outcomes whose rows another session held locked, and when to try them again. The
         # lease keeper renews their claims, as it does every claim held.
-        self._held: list[tuple[Job, Handled]] = []
-        self._held_until = 0.0
+        self._blocked: list[tuple[Job, Handled]] = []
+        self._blocked_until = 0.0
 
     def attach(self, seat: Seat) -> None:
         self.seat, options = seat, seat.options
@@ -93,7 +93,7 @@ class PostgresSource:
             self.seat.poll_now()
 
     def can_claim(self) -> bool:
-        return not self.leases.overdue()
+        return not self.leases.behind()
 
     def renew(self, jobs: list[Job]) -> None:
         self.leases.renew(jobs)
@@ -102,7 +102,7 @@ class PostgresSource:
         self.jobs.release(jobs)
 
     def due_in(self) -> float:
-        return self._held_until - time.monotonic() if self._held else float("inf")
+        return self._blocked_until - time.monotonic() if self._blocked else float("inf")
 
     def failed(self, error: Exception) -> None:
         self.reaper.trouble(error)
@@ -113,14 +113,14 @@ class PostgresSource:
         if left:
             try:
                 released = self.jobs.release(left)
-                quietly(
+                log_safely(
                     logger.warning,
                     "released %d unfinished jobs back to ready: %s",
                     len(released), ", ".join(str(pk) for pk in released),
                 )  # fmt: skip
             except Exception as error:  # the database, or a bug: the process ends all the same
                 clean = False
-                quietly(
+                log_safely(
                     logger.error,
                     "could not release %d jobs (%s); they return when their leases expire",
                     len(left), str(error).strip().splitlines()[0] if str(error).strip() else "",
@@ -138,7 +138,7 @@ class PostgresSource:
         """Record the finished outcomes and claim into the free slots, in one statement; a
         Retry asked by a handler is recorded on its own, and so is each claim from a queue
         with a limit."""
-        self.leases.stand_in()  # the lease keeper's rounds fail: leases are renewed here
+        self.leases.renew_if_behind()  # the lease keeper's rounds fail: leases are renewed here
         began = time.monotonic()
         self._exchange(finished, wanted, turn)
         if time.monotonic() - began > policy.STALLED:
@@ -148,7 +148,7 @@ class PostgresSource:
 
     def _exchange(self, finished: list[tuple[Job, Handled]], wanted: int, turn: Exchange) -> None:
         seat, jobs = self.seat, self.jobs
-        finished += self._held_now_free()
+        finished += self._unblocked()
         for item in [item for item in finished if item[1].verdict is Verdict.RETRY]:
             job, handled = item
             owned = jobs.retry_later(job, handled.delay)
@@ -167,12 +167,12 @@ class PostgresSource:
         try:
             settled = self._record(succeeded, failed, wanted - len(limited))
         except DatabaseError as error:
-            held = self._hold_locked(error, [*succeeded, *failed])
-            if not held:
+            blocked = self._set_aside_blocked(error, [*succeeded, *failed])
+            if not blocked:
                 raise
-            finished[:] = [item for item in finished if id(item[0]) not in held]
-            succeeded = [item for item in succeeded if id(item[0]) not in held]
-            failed = [item for item in failed if id(item[0]) not in held]
+            finished[:] = [item for item in finished if id(item[0]) not in blocked]
+            succeeded = [item for item in succeeded if id(item[0]) not in blocked]
+            failed = [item for item in failed if id(item[0]) not in blocked]
             settled = self._record(succeeded, failed, wanted - len(limited))
         finished.clear()  # every outcome is recorded now, or held
         for job, handled in [*succeeded, *failed]:
@@ -201,36 +201,40 @@ class PostgresSource:
                     # The controls' table is locked: this queue sits the turn out (the
                     # controls' own read says so, runtime/controls.py).
 
-    def _held_now_free(self) -> list[tuple[Job, Handled]]:
-        """The held outcomes due to be tried again whose rows are free now (the others stay
-        held); none before their time, unless the worker is stopping."""
-        if not self._held or (time.monotonic() < self._held_until and not self.seat.stopping()):
+    def _unblocked(self) -> list[tuple[Job, Handled]]:
+        """The blocked outcomes due to be tried again whose rows are free now (the others stay
+        blocked); none before their time, unless the worker is stopping."""
+        if not self._blocked or (
+            time.monotonic() < self._blocked_until and not self.seat.stopping()
+        ):
             return []
-        locked = self.jobs.locked_elsewhere([job for job, _ in self._held])
-        free = [item for item in self._held if claim_of(item[0])[0] not in locked]
-        self._held = [item for item in self._held if claim_of(item[0])[0] in locked]
-        self._held_until = time.monotonic() + HELD_RETRY
+        locked = self.jobs.locked_elsewhere([job for job, _ in self._blocked])
+        free = [item for item in self._blocked if claim_of(item[0])[0] not in locked]
+        self._blocked = [item for item in self._blocked if claim_of(item[0])[0] in locked]
+        self._blocked_until = time.monotonic() + BLOCKED_RETRY
         return free
 
-    def _hold_locked(self, error: DatabaseError, outcomes: list[tuple[Job, Handled]]) -> set[int]:
+    def _set_aside_blocked(
+        self, error: DatabaseError, outcomes: list[tuple[Job, Handled]]
+    ) -> set[int]:
         """After the turn's statement ran out of time (its lock_timeout, or a shorter
-        statement_timeout of the project's): hold back the outcomes whose rows another session
+        statement_timeout of the project's): set aside the outcomes whose rows another session
         holds locked, to be recorded once they are free. Returns them (as id(job)); none when
         `error` is not such a wait or no row is locked."""
         if not (outcomes and rows.timed_out(error)):
             return set()
         locked = self.jobs.locked_elsewhere([job for job, _ in outcomes])
-        held = [item for item in outcomes if claim_of(item[0])[0] in locked]
-        if held:
-            self._held += held
-            self._held_until = time.monotonic() + HELD_RETRY
-            quietly(
+        blocked = [item for item in outcomes if claim_of(item[0])[0] in locked]
+        if blocked:
+            self._blocked += blocked
+            self._blocked_until = time.monotonic() + BLOCKED_RETRY
+            log_safely(
                 logger.warning,
                 "the rows of %d finished jobs are locked by another session (%s); recording "
                 "the other outcomes, and those once their rows are free",
-                len(held), ", ".join(str(job.pk) for job, _ in held),
+                len(blocked), ", ".join(str(job.pk) for job, _ in blocked),
             )  # fmt: skip
-        return {id(job) for job, _ in held}
+        return {id(job) for job, _ in blocked}
 
     def _record(
         self,
@@ -260,7 +264,7 @@ class PostgresSource:
                 raise  # the connection: tried again after the reconnect
             if not (succeeded or failed):
                 raise  # only a claim: nothing of a job's to blame (e.g. a missing table)
-            quietly(
+            log_safely(
                 logger.error,
                 "the database refused a batch of %d outcomes (%s); recording them one by one",
                 len(succeeded) + len(failed), str(error).strip().splitlines()[0],
@@ -294,7 +298,7 @@ class PostgresSource:
                 status = jobs.fail(job, refused, permanent=True, delay=0)
                 recorded = {claim_of(job): status} if status else {}
                 settled = Settled(set(), {}, [], recorded)
-                quietly(logger.error, "job %s (%s): %s", job.pk, job.task, refused.message)
+                log_safely(logger.error, "job %s (%s): %s", job.pk, job.task, refused.message)
             result.recorded.update(settled.recorded)
         return result
 
@@ -393,7 +397,7 @@ def listen(
         except BaseException as error:
             failures += 1
             delay = policy.doubling(0.2, failures, 5.0)
-            quietly(
+            log_safely(
                 logger.warning,
                 "wake-up listener lost its connection (%s: %s); retrying in %.1fs",
                 type(error).__name__, error, delay,

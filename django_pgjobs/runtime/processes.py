@@ -24,7 +24,7 @@ from django_pgjobs.models import Job
 from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime.chores import own_backoffs
 from django_pgjobs.runtime.lifecycle import STOP_SIGNALS, Exit, Wake, said_stop_signal, worker_id
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 from django_pgjobs.runtime.sessions import LockWaits
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def bound_exit(code: int, grace: float) -> None:
             " (with the event loops of async handlers that left tasks ignoring their "
             "cancellation)" if execute.lingering() else ""
         )  # fmt: skip
-        quietly(
+        log_safely(
             worker_logger.warning,
             "the process is still running after its worker stopped (%gs): threads left by its "
             "handlers or their signals' receivers have not ended (%s)%s: Python's exit waits "
@@ -147,7 +147,7 @@ class Supervisor:
         lock_waits = LockWaits(db, f"pgjobs supervisor {os.getpid()}")
         lock_waits.limit_this_thread()
         try:
-            quietly(
+            log_safely(
                 logger.info, "supervisor %d starting %d worker processes", os.getpid(), self.count
             )
             for slot in range(self.count):
@@ -197,7 +197,7 @@ class Supervisor:
             pid = child.process.pid
             if child.process.poll() is None and pid not in self._killed:
                 self._killed.add(pid)
-                quietly(
+                log_safely(
                     logger.error,
                     "worker process %d did not stop when asked (its grace and %gs more, or %gs "
                     "after another stop signal); killing it", pid, KILL_MARGIN, KILL_MARGIN,
@@ -217,7 +217,7 @@ class Supervisor:
             self._crashed(slot, f"worker process {child_id} could not be started ({error})")
             return
         self.children[slot] = Child(slot, child_id, process)
-        quietly(logger.info, "worker process %d started as %s", process.pid, child_id)
+        log_safely(logger.info, "worker process %d started as %s", process.pid, child_id)
         if self._stopping:  # a stop signal came while it was being started: it missed it
             process.send_signal(signal.SIGTERM)
 
@@ -233,12 +233,12 @@ class Supervisor:
         pid = child.process.pid
         if code in (Exit.OK, Exit.RECYCLE):
             if code == Exit.RECYCLE and not self._stopping:
-                quietly(
+                log_safely(
                     logger.info, "worker process %d exited to be replaced; starting another", pid
                 )
                 self._restart_at[child.slot] = time.monotonic()
             elif not self._stopping:  # a clean exit nobody asked for: keep the slot filled
-                quietly(
+                log_safely(
                     logger.warning,
                     "worker process %d exited (code 0) though nobody asked it to; starting "
                     "another", pid,
@@ -265,7 +265,7 @@ class Supervisor:
         if not held:
             self._crashes.append(now)
         if len(self._crashes) > CRASH_LIMIT:
-            quietly(
+            log_safely(
                 logger.error,
                 "%s; worker processes died %d times in %gs; stopping them all",
                 what, len(self._crashes), CRASH_WINDOW,
@@ -274,7 +274,7 @@ class Supervisor:
             self.stop()
             return
         pause = policy.doubling(0.5, len(self._deaths), 30.0)
-        quietly(logger.error, "%s; starting another in %.1fs", what, pause)
+        log_safely(logger.error, "%s; starting another in %.1fs", what, pause)
         self._restart_at[slot] = now + pause
 
     def _take_back(self, child: Child, reason: str) -> bool:
@@ -284,7 +284,7 @@ class Supervisor:
             taken = Job.objects.abandon(child.worker_id, reason)
             Job.objects.delay(own_backoffs(taken))
         except DatabaseError as error:
-            quietly(
+            log_safely(
                 logger.error,
                 "could not take back the jobs of %s (%s); they return when their leases expire",
                 child.worker_id, str(error).strip().splitlines()[0],
@@ -293,7 +293,7 @@ class Supervisor:
             return False
         returned, failed = taken.returned, taken.failed
         if returned or failed:
-            quietly(
+            log_safely(
                 logger.warning,
                 "took back %d jobs of %s (%d dead-lettered): %s",
                 returned + failed, child.worker_id, failed, reason,

@@ -36,7 +36,7 @@ worker_logger = logging.getLogger("django_pgjobs.runtime.worker")
 # ---- log lines ----------------------------------------------------------------------------------
 
 
-def quietly(log: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+def log_safely(log: Callable[..., object], *args: Any, **kwargs: Any) -> None:
     """`log(*args, **kwargs)` (a logger's method), whatever the application's logging does with
     it. Python's logging calls filters outside its own guard, so a filter that raises (one that
     reads `record.request`, say, on a record that has none) raises in the thread that logs: a
@@ -49,16 +49,16 @@ def quietly(log: Callable[..., object], *args: Any, **kwargs: Any) -> None:
 
 def log_outcome(job: Job, handled: Handled, outcome: Outcome) -> None:
     """A line for a failed, dead-lettered or cancelled attempt (successes at DEBUG), with the
-    job's fields as extras for structured log handlers; never raises (see `quietly`)."""
+    job's fields as extras for structured log handlers; never raises (see `log_safely`)."""
     # Nothing is built for an outcome that logs no line (a success above DEBUG, the common
     # case): the extras alone cost more than the rest of settling a no-op job.
     if outcome is Outcome.SUCCEEDED:
         if worker_logger.isEnabledFor(logging.DEBUG):
             extra = _extra(job, handled)
-            quietly(worker_logger.debug, "job %s (%s) succeeded", job.pk, job.task, extra=extra)
+            log_safely(worker_logger.debug, "job %s (%s) succeeded", job.pk, job.task, extra=extra)
         return
     if outcome is Outcome.LOST:
-        quietly(
+        log_safely(
             worker_logger.warning,
             "job %s (%s): its outcome (%s) was not recorded: the worker no longer held its claim "
             "(its lease ran out, the process stalled or the database was out of reach; another "
@@ -71,10 +71,10 @@ def log_outcome(job: Job, handled: Handled, outcome: Outcome) -> None:
     assert handled.failure is not None
     extra = _extra(job, handled) | {"error": handled.failure.summary, "status": outcome.value}
     if outcome is Outcome.CANCELLED:
-        quietly(worker_logger.info, "job %s (%s) cancelled", job.pk, job.task, extra=extra)
+        log_safely(worker_logger.info, "job %s (%s) cancelled", job.pk, job.task, extra=extra)
         return
     dead = outcome is Outcome.FAILED
-    quietly(
+    log_safely(
         worker_logger.error if dead else worker_logger.info,
         "job %s (%s) attempt %d failed: %s%s", job.pk, job.task, job.attempts,
         handled.failure.summary, "; dead-lettered" if dead else "", extra=extra,
@@ -99,7 +99,7 @@ def log_activity(activity: ActivityTally, seconds: float, in_flight: int) -> Non
     """One line of what the worker did over the last `seconds`."""
     if activity.queues or in_flight:
         done, dead = activity.total(Outcome.SUCCEEDED), activity.total(Outcome.FAILED)
-        quietly(
+        log_safely(
             worker_logger.info,
             "last %s: done=%d retried=%d dead=%d cancelled=%d lost=%d in_flight=%d%s",
             _span(seconds), done, activity.total(Outcome.RETRIED), dead,
@@ -217,12 +217,12 @@ class Outage:
         self.database = isinstance(error, DatabaseError)
         pause = policy.outage_pause(self.failures)
         if self.failures == 1:
-            quietly(
+            log_safely(
                 logger.error, "%s%s; retrying in %.2fs", self.prefix, self.describe(error), pause,
                 exc_info=error,
             )  # fmt: skip
         else:
-            quietly(
+            log_safely(
                 logger.warning, "%s%s (attempt %d); retrying in %.1fs",
                 self.prefix, self.describe(error), self.failures, pause,
             )  # fmt: skip
@@ -231,7 +231,9 @@ class Outage:
     def over(self) -> None:
         if self.failures:
             what = "the database is back" if self.database else f"{self.who} runs again"
-            quietly(logger.info, "%s%s after %d failed attempts", self.prefix, what, self.failures)
+            log_safely(
+                logger.info, "%s%s after %d failed attempts", self.prefix, what, self.failures
+            )
             self.failures = 0
 
     def describe(self, error: Exception) -> str:
@@ -338,7 +340,7 @@ class Announcer:
         self._todo.put(None)
         self._thread.join(within)
         if self._thread.is_alive():
-            quietly(
+            log_safely(
                 logger.warning,
                 "not every outcome signal was sent: a receiver did not return within %gs", within,
             )  # fmt: skip
@@ -346,7 +348,7 @@ class Announcer:
     def _drop(self, count: int) -> None:
         before, self._dropped = self._dropped, self._dropped + count
         if before == 0 or before // 1000 != self._dropped // 1000:
-            quietly(
+            log_safely(
                 logger.warning,
                 "%d outcome signals dropped: %d wait for a receiver that does not return",
                 self._dropped, BACKLOG,
@@ -361,7 +363,7 @@ class Announcer:
                     send()
                 except BaseException as error:  # SystemExit, KeyboardInterrupt: send_robust lets
                     # them through; a receiver's bug, not a reason to stop sending
-                    quietly(logger.error, "a signal's receiver raised", exc_info=error)
+                    log_safely(logger.error, "a signal's receiver raised", exc_info=error)
                 with self._lock:
                     self._waiting -= 1
             _close_old_connections()

@@ -17,7 +17,7 @@ from django_pgjobs import periodic, registry
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
 from django_pgjobs.observability import stats
-from django_pgjobs.runtime.reporting import quietly
+from django_pgjobs.runtime.reporting import log_safely
 
 logger = logging.getLogger("django_pgjobs.runtime.worker")
 
@@ -119,7 +119,7 @@ def warn_of_a_small_pool(db: str, concurrency: int, who: str) -> None:
     sizes = pool if isinstance(pool, dict) else {}
     size = sizes.get("max_size") or sizes.get("min_size", 4)  # psycopg_pool's defaults
     if isinstance(size, int) and size < concurrency:
-        quietly(
+        log_safely(
             logger.warning,
             "%s: the connection pool of database %r (DATABASES OPTIONS 'pool') holds at most %d "
             "connections, fewer than its %d handler threads: jobs will wait for a connection, "
@@ -287,7 +287,7 @@ def warn(db: str, queues: Sequence[str], who: str) -> None:
     used = used_queues()
     for queue in queues:
         if queue not in used:
-            quietly(
+            log_safely(
                 logger.warning,
                 "the queue %r, served by %s, is used by no registered task, periodic schedule or "
                 "Django Tasks backend (%s): a typo in --queue? Jobs reach it only when "
@@ -303,7 +303,7 @@ def warn(db: str, queues: Sequence[str], who: str) -> None:
         return  # the worker's loop says what is wrong with the database
     for queue in unserved:
         if queue not in others:
-            quietly(
+            log_safely(
                 logger.warning,
                 "no running worker serves the queue %r, which %s %s: its jobs wait until a "
                 "worker does (runjobs --queue %s; served by %s: %s).",

@@ -46,28 +46,28 @@ class Claims:
     job. Shared with the threads that renew leases."""
 
     def __init__(self) -> None:
-        self._held: dict[int, Job] = {}
+        self._blocked: dict[int, Job] = {}
         self._lock = threading.Lock()
 
     def add(self, jobs: Sequence[Job]) -> None:
         with self._lock:
             for job in jobs:
-                self._held[id(job)] = job
+                self._blocked[id(job)] = job
 
     def forget(self, jobs: Sequence[Job]) -> None:
         with self._lock:
             for job in jobs:
-                self._held.pop(id(job), None)
+                self._blocked.pop(id(job), None)
 
     def all(self) -> list[Job]:
         with self._lock:
-            return list(self._held.values())
+            return list(self._blocked.values())
 
     def __contains__(self, job: Job) -> bool:
-        return id(job) in self._held
+        return id(job) in self._blocked
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._blocked)
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class Finished:
     a buffer, released in batches when policy.settle_due says so."""
 
     def __init__(self, options: Options, held: Callable[[], int], stopping: Callable[[], bool]):
-        self.options, self._held, self._stopping = options, held, stopping
+        self.options, self._blocked, self._stopping = options, held, stopping
         self._done: list[tuple[Job, Handled]] = []
         self._first_at = 0.0  # when the oldest outcome came in
         self._lock = threading.Lock()
@@ -194,6 +194,6 @@ class Finished:
     def _due(self) -> bool:
         options = self.options
         return self._stopping() or policy.settle_due(
-            len(self._done), self._held(), options.concurrency, options.batch_size,
+            len(self._done), self._blocked(), options.concurrency, options.batch_size,
             time.monotonic() - self._first_at,
         )  # fmt: skip

@@ -31,7 +31,7 @@ from django_pgjobs.runtime.reporting import (
     WorkerError,
     log_activity,
     log_outcome,
-    quietly,
+    log_safely,
 )
 from django_pgjobs.runtime.sessions import warn_of_a_small_pool
 from django_pgjobs.runtime.sources import Claims, Exchange, Finished, Recorded, Seat, Source
@@ -90,7 +90,7 @@ class Worker(Stoppable):
         database cannot be used at all."""
         options = self.options
         refuse_unmigrated(self.db)
-        quietly(
+        log_safely(
             logger.info,
             "worker %s started: %s=%s concurrency=%d batch=%d lease=%gs listen=%s",
             self.id, self.source.queues_are, ",".join(options.queues), options.concurrency,
@@ -169,12 +169,12 @@ class Worker(Stoppable):
             self._note_recycle(len(self.claims))
             return
         # Nothing will start the jobs claimed for the threads before long: other workers may.
-        held_up = self.handlers.held_up(policy.HELD_UP) >= self.options.concurrency
-        if held_up and (given_back := self._give_back_unstarted()):
-            quietly(
+        all_busy = self.handlers.busy(policy.BUSY_AFTER) >= self.options.concurrency
+        if all_busy and (given_back := self._give_back_unstarted()):
+            log_safely(
                 logger.info,
                 "gave back %d claimed jobs: every handler thread is busy with a job that has "
-                "run for more than %gs", given_back, policy.HELD_UP,
+                "run for more than %gs", given_back, policy.BUSY_AFTER,
             )  # fmt: skip
         for chore in self._chores:
             chore.run_if_due()
@@ -208,7 +208,7 @@ class Worker(Stoppable):
 
     def free_slots(self) -> int:
         options = self.options
-        ready_soon = options.concurrency - self.handlers.held_up(policy.HELD_UP)
+        ready_soon = options.concurrency - self.handlers.busy(policy.BUSY_AFTER)
         extra = policy.prefetch(ready_soon, options.batch_size, self._mean_duration)
         return options.concurrency + extra - len(self.claims)
 
@@ -298,7 +298,7 @@ class Worker(Stoppable):
         waits += [self.finished.due_in(), self.source.due_in()]
         waits.append(self.handlers.deadlines.next_in())
         if len(self.claims) > self.options.concurrency:  # jobs claimed beyond the threads:
-            waits.append(policy.HELD_UP / 2)  # given back soon if every thread is held up
+            waits.append(policy.BUSY_AFTER / 2)  # given back soon if every thread is busy
         if self._stopping:
             waits.append(self._deadline - time.monotonic())
         elif not self.source.can_claim():  # no claim: the leases are renewed here before long
@@ -326,7 +326,7 @@ class Worker(Stoppable):
                     self.finished.hand_in(job, decided)
             self.settle_and_claim()
         except Exception as error:  # the database, or a bug: what is left is returned below
-            quietly(logger.warning, "could not record every outcome at the stop: %s", error)
+            log_safely(logger.warning, "could not record every outcome at the stop: %s", error)
         finally:
             recorded, clean = self.source.shutdown(self.claims.all())
         for each in recorded:
@@ -337,7 +337,7 @@ class Worker(Stoppable):
         self.source.close()
         self._announcer.stop(within=policy.grace_left(self.options.grace, self._deadline))
         connections.close_all()
-        quietly(logger.info, "worker %s stopped", self.id)
+        log_safely(logger.info, "worker %s stopped", self.id)
         return self._exit if clean else Exit.UNRELEASED
 
 

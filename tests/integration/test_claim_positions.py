@@ -180,7 +180,7 @@ def test_a_worker_finds_its_own_jobs_by_primary_key_never_through_the_running_in
         "outcomes (failed)": (sql.SETTLE_AND_CLAIM, turn_params(
             [], failed, [], worker="w1", limit=0, lease=60.0, results={})),
         "heartbeat": (sql.HEARTBEAT, own),
-        "held": (sql.HELD, own),
+        "owned": (sql.OWNED, own),
         "release": (sql.RELEASE, own),
     }  # fmt: skip
     for name, (statement, params) in statements.items():

@@ -46,7 +46,7 @@ def settled(worker: Worker) -> bool:
     to be sent again."""
     assert isinstance(worker.source, NatsSource)
     answered = all(delivery.reply for delivery in worker.source.deliveries())
-    return not worker.handlers.held_up(0) and not len(worker.finished) and answered
+    return not worker.handlers.busy(0) and not len(worker.finished) and answered
 
 
 def test_an_acknowledgement_sent_while_cut_off_from_nats_is_sent_again_after(
@@ -109,7 +109,7 @@ def behind_a_long_job(
     """A job of `seconds` started on the worker's one thread, and one fetched with it (relayed
     after it, `options` for its enqueue), not started. The queue is paused while both are
     relayed, so that the worker fetches them in one pull once it is resumed: fetched one by
-    one, on a loaded machine the long job could run past policy.HELD_UP before the next pull,
+    one, on a loaded machine the long job could run past policy.BUSY_AFTER before the next pull,
     which then fetched nothing for its thread."""
     reader = direct_bridge()
     Queue.objects.update_or_create(name=queue, defaults={"paused": True})

@@ -253,7 +253,7 @@ def test_a_logging_filter_that_raises_does_not_end_a_nats_workers_acknowledgemen
         seat=SimpleNamespace(stopping=stopped.is_set),
         _deliveries={1: "a delivery"},
         _consumers=SimpleNamespace(read=lambda last: last),
-        _hold=hold,
+        _send_in_progress=hold,
         bridge=SimpleNamespace(closed=False),
     )
     thread = threading.Thread(target=NatsSource._keep_in_progress, args=(acks,), daemon=True)

@@ -1,5 +1,5 @@
 """What people bring from Celery fails loudly (docs/howto/from-celery.md): django-pgjobs has no
-aliases for Celery's spellings, so none of them may quietly do something else, and each one says
+aliases for Celery's spellings, so none of them may log_safely do something else, and each one says
 what to write instead."""
 
 from __future__ import annotations

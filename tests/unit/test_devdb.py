@@ -135,7 +135,7 @@ def test_a_venv_whose_install_failed_is_removed_and_made_again_by_the_next_run(
 
 
 def test_the_demos_follow_up_commands_carry_the_database_url_it_ran_with():
-    # Without it, runserver in a new shell opened the embedded database instead, quietly.
+    # Without it, runserver in a new shell opened the embedded database instead, log_safely.
     from example_project.shop.management.commands import demo
 
     url = "postgres://shop:s3cr&t@db.example.com:5432/shop"

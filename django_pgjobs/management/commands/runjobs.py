@@ -22,7 +22,7 @@ from django_pgjobs.models import Job
 from django_pgjobs.runtime import processes, sessions
 from django_pgjobs.runtime.lifecycle import STOP_SIGNALS, Exit, Options
 from django_pgjobs.runtime.processes import Supervisor
-from django_pgjobs.runtime.reporting import WorkerError, quietly
+from django_pgjobs.runtime.reporting import WorkerError, log_safely
 from django_pgjobs.runtime.worker import Worker, refuse_unmigrated
 from django_pgjobs.validation import MAX_SECONDS, check_queue
 
@@ -221,7 +221,7 @@ class Command(BaseCommand):
         lease = options["lease"]
         # A supervisor's children leave the warnings to it (runjobs --processes).
         if lease is not None and lease < checks.MIN_LEASE and not options["supervised_by"]:
-            quietly(logger.warning,
+            log_safely(logger.warning,
                 "--lease %g is under %gs: heartbeats go out every lease/3 and the reaper looks "
                 "every 5 s, so a worker paused for more than %gs (a database failover, a long "
                 "garbage collection) loses its jobs to another worker while their handlers "
