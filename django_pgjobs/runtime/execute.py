@@ -175,8 +175,7 @@ def past_time_limit(
     `log`: as timed out (JobTimeout), unless its handler had returned and its runner decided
     the outcome before (handlers.decided): then that outcome, which its runner may have told
     already (Django's task_finished; it was its receivers that passed the limit)."""
-    if decided is None:
-        log_safely(log.error, "job %s (%s) passed its time limit of %gs", job.pk, job.task, timeout)
+    if decided is None:  # said once, by the outcome's line (JobTimeout, its time limit)
         return timed_out(job, timeout)
     log_safely(
         log.warning,

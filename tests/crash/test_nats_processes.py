@@ -121,7 +121,7 @@ def test_a_worker_stopped_past_its_ack_wait_does_not_answer_the_delivery_another
         with WorkerThread(queue, concurrency=2, lease=3.0):
             wait_until(lambda: delivered(reader, queue) >= 2, timeout=30)  # B runs attempt 2
             a.signal(signal.SIGCONT)
-            wait_until(lambda: "passed its time limit" in a.log(), timeout=30)
+            wait_until(lambda: "its outcome (error) is not acknowledged" in a.log(), timeout=30)
             wait_until(lambda: consumer_info(reader, queue).num_ack_pending == 0, timeout=60)
             assert delivered(reader, queue) == 2
         assert not DeadLetter.objects.filter(pk=job.pk).exists()
