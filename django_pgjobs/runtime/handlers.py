@@ -24,16 +24,19 @@ CANCEL_CHECK_AFTER = 0.1
 
 class HandlerPool:
     """`size` threads running jobs; `finished(job, handled)` is called from the thread that ran
-    the job; `timeout_of(job)` is its attempt's time limit in seconds (None: none)."""
+    the job; `timeout_of(job)` is its attempt's time limit in seconds (None: none), and
+    `deadline_set()` is called when an attempt with one begins (its deadline is then known)."""
 
     def __init__(
         self,
         size: int,
         finished: Callable[[Job, Handled], None],
         timeout_of: Callable[[Job], float | None],
+        deadline_set: Callable[[], None] = lambda: None,
     ) -> None:
         self.size = size
         self.finished, self.timeout_of = finished, timeout_of
+        self.deadline_set = deadline_set
         self.deadlines = Deadlines()
         self._closing, self._closed = threading.Lock(), False
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -131,6 +134,7 @@ class HandlerPool:
             timeout = self.timeout_of(job)
             if timeout is not None:
                 self.deadlines.begin(job, timeout)
+                self.deadline_set()  # the caller's wait must now end by this deadline
             try:
                 # Django closes obsolete connections before and after each request. After one
                 # job and before the next one taken at once, they are the same look: it is

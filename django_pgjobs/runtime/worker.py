@@ -58,7 +58,9 @@ class Worker(Stoppable):
         self.claims = Claims()
         self.controls = QueueControls(options.queues, options.controls_interval)
         self.finished = Finished(options, lambda: len(self.claims), lambda: self._stopping)
-        self.handlers = HandlerPool(options.concurrency, self.hand_in, self.timeout_of)
+        self.handlers = HandlerPool(
+            options.concurrency, self.hand_in, self.timeout_of, deadline_set=self._wake.set
+        )
         self._announcer = Announcer()  # outcome signals, off the main thread
         self._exit = Exit.OK
         self._recorded = 0  # outcomes recorded, for --max-jobs-per-child

@@ -67,3 +67,21 @@ def test_a_handler_thread_looks_at_its_connections_after_each_job_and_before_one
         "look", "look", "job 3 done",  # the thread waited for it
         "look", "job 4 done",  # taken at once
     ]  # fmt: skip
+
+
+def test_an_attempt_with_a_time_limit_says_when_it_begins_so_that_the_wait_ends_by_its_deadline():
+    # The worker's loop reckoned its wait before the thread began the attempt, without its
+    # deadline: a worker with nothing else due slept on long past the limit.
+    done = threading.Event()
+    began: list[float] = []
+    pool = HandlerPool(
+        1,
+        lambda job, handled: done.set(),
+        lambda job: 5.0 if job.task == "tests.tasks.noop" else None,
+        deadline_set=lambda: began.append(pool.deadlines.next_in()),
+    )
+    pool.start()
+    pool.submit(JobFactory.build(task="tests.tasks.noop"))
+    assert done.wait(5)
+    pool.stop()
+    assert len(began) == 1 and 4 < began[0] <= 5  # the deadline was known when it said so

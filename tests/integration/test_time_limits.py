@@ -1,4 +1,4 @@
-"""What a worker says about the jobs it runs: one line for each attempt's end."""
+"""How a worker says that an attempt passed its time limit: once."""
 
 from __future__ import annotations
 
