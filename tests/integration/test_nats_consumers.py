@@ -11,7 +11,7 @@ import pytest
 
 from django_pgjobs import transports
 from django_pgjobs.jetstream.source import ACK_WAIT_CHECK
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, Queue
 from tests import tasks
 from tests.conftest import wait_until
 from tests.integration.nats_helpers import (
@@ -92,20 +92,32 @@ def test_a_consumer_deleted_twice_with_no_acknowledgement_between_is_made_again_
 
 
 def test_a_stream_made_again_while_a_worker_runs_has_every_message_delivered(
-    queue: str,
+    queue: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The consumer (gone with its stream) was made again after the old stream's ack floor:
     # the new stream's first messages, their outbox rows deleted, never ran (attack 13).
     first, reader, stream = five_relayed(queue)
-    with WorkerThread(queue):
+    with caplog.at_level(logging.INFO, "django_pgjobs"), WorkerThread(queue) as worker:
         ran_and_acknowledged(reader, queue, 5)
-        time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer's floor meanwhile
+        Queue.objects.update_or_create(name=queue, defaults={"paused": True})
+        wait_until(lambda: queue not in worker.controls.open, timeout=30)
+        Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
+        relay().round()  # lost with the stream, unrun
+        wait_until(lambda: consumer_info(reader, queue).num_pending == 3, timeout=10)
+        time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer meanwhile
         reader.call(reader.js.delete_stream(stream.stream))  # `nats stream rm`, say
+        Queue.objects.filter(name=queue).update(paused=False)
         second = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(2)], queue=queue)
         relay().round()  # makes the stream again: its sequences start at 1
         wait_until(lambda: ChaosExecution.objects.count() >= 7, timeout=30)
     runs = sorted(ChaosExecution.objects.values_list("job_id", flat=True))
     assert runs == sorted(job.pk for job in [*first, *second])
+    # Said once, with what the stream took with it.
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    lost = [said for said in warned if f"the stream {stream.stream} of queue" in said]
+    assert len(lost) == 1, warned
+    assert "every message it held is lost with it (3 were pending as its consumer was last " \
+        "read: 3 not yet delivered, which never run, and 0 delivered" in lost[0]  # fmt: skip
 
 
 def test_a_worker_that_finds_no_consumer_on_a_stream_holding_messages_says_it_delivers_them(
