@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
+from django.utils import timezone
 from nats.js import api
 from nats.js.errors import NotFoundError
 
@@ -91,6 +93,11 @@ logger = logging.getLogger("django_pgjobs.jetstream.consumer")
 #: The server's error code for a stream that does not exist (a consumer's is 10014).
 STREAM_NOT_FOUND = 10059
 
+#: Seconds before a worker started within which a stream made counts as new (made by a relay
+#: started with it, give or take the clocks): a consumer of this worker's queue that was deleted
+#: before it started cannot have run any of its messages.
+NEW_STREAM = 60.0
+
 
 class Consumers:
     """The consumers of `queues` for worker `worker` (its --lease `lease`, its database `db`):
@@ -116,6 +123,7 @@ class Consumers:
         self._pending: dict[str, tuple[int, int]] = {}
         self._streams_made: dict[str, Any] = {}  # by queue: when its stream was created
         self._loss_said: set[str] = set()  # queues whose stream was said gone (read)
+        self._started = timezone.now()
 
     def subscription(self, queue: NatsQueue) -> object:
         """The queue's pull subscription, its stream and consumer made (again) if need be."""
@@ -217,7 +225,17 @@ class Consumers:
     def _say_made(self, queue: NatsQueue, stream: Any, floor: int | None) -> None:
         """Say that the queue's consumer had to be made, and which messages it delivers."""
         state = stream.state
-        if floor is not None:
+        if floor is None and state.messages and self._new(stream):
+            # A first start (jobs relayed before any worker took them), or a stream made again:
+            # none of its messages has run.
+            quietly(
+                logger.info,
+                "worker %s: made the consumer %s of queue %r on its new stream %s: it delivers "
+                "the %d messages relayed so far (sequences %d to %d)",
+                self.worker, queue.consumer, queue.queue, queue.stream, state.messages,
+                state.first_seq, state.last_seq,
+            )  # fmt: skip
+        elif floor is not None:
             quietly(
                 logger.warning,
                 "worker %s: made the consumer %s of queue %r again, delivering from stream "
@@ -235,6 +253,11 @@ class Consumers:
                 self.worker, queue.consumer, queue.queue, queue.stream, state.messages,
                 state.first_seq, state.last_seq,
             )  # fmt: skip
+
+    def _new(self, stream: Any) -> bool:
+        """Whether `stream` was made since this worker started (NEW_STREAM aside)."""
+        made = stream.created
+        return made is not None and made >= self._started - timedelta(seconds=NEW_STREAM)
 
     def _max_ack_pending(self, queue: NatsQueue) -> int:
         """The queue's max_running (a Queue row) when set: across every worker, as many
