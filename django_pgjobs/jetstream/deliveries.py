@@ -169,6 +169,16 @@ class Delivery:
         return b"-NAK " + json.dumps({"delay": int(self.delay * 10**9)}).encode()
 
 
+MessageKey = tuple[str, int, str | None]
+
+
+def message_key(msg: Msg) -> MessageKey:
+    """A message as the worker tells messages apart: its stream, its stream sequence and its
+    message id (a stream made again numbers new messages from 1)."""
+    meta = msg.metadata
+    return (meta.stream, meta.sequence.stream, (msg.headers or {}).get("Nats-Msg-Id"))
+
+
 class DeliveryCounts:
     """The delivery count of each message, as this worker has seen it go: never backwards.
 
@@ -186,13 +196,44 @@ class DeliveryCounts:
     LIMIT = 10_000
 
     def __init__(self) -> None:
-        self._seen: OrderedDict[tuple[str, int, str | None], int] = OrderedDict()
+        self._seen: OrderedDict[MessageKey, int] = OrderedDict()
 
     def of(self, msg: Msg) -> int:
-        meta = msg.metadata
-        key = (meta.stream, meta.sequence.stream, (msg.headers or {}).get("Nats-Msg-Id"))
-        count = max(meta.num_delivered, self._seen.pop(key, 0) + 1)
+        key = message_key(msg)
+        count = max(msg.metadata.num_delivered, self._seen.pop(key, 0) + 1)
         self._seen[key] = count
         if len(self._seen) > self.LIMIT:
             self._seen.popitem(last=False)
         return count
+
+
+class FinalAnswers:
+    """The final answers (ACK, TERM) this worker decided, by message (message_key), so that a
+    message delivered to it again is answered the same way without running.
+
+    An acknowledged or terminated message should never come back, but it does: nats-server
+    before 2.10.14 (Debian 12 ships 2.9.10) may deliver a terminated message again
+    (nats-server#5305, #5338), and an answer the server did not confirm within the fence is
+    lost with its delivery. Either way the job's end was decided (a success, a dead letter
+    written to PostgreSQL, a retry handed back to it, a copy given back): running the message
+    again would run the job once more. Bounded: the LIMIT most recent messages."""
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self._answers: OrderedDict[MessageKey, Reply] = OrderedDict()
+
+    def record(self, msg: Msg, reply: Reply) -> None:
+        """Keep `reply` as `msg`'s final answer, unless it is a NAK (the message is meant to
+        come back and run)."""
+        if reply is Reply.NAK:
+            return
+        key = message_key(msg)
+        self._answers.pop(key, None)
+        self._answers[key] = reply
+        if len(self._answers) > self.LIMIT:
+            self._answers.popitem(last=False)
+
+    def of(self, msg: Msg) -> Reply | None:
+        """The final answer this worker gave `msg` (an earlier delivery of it), if any."""
+        return self._answers.get(message_key(msg))

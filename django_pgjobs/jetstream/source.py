@@ -6,7 +6,8 @@ succeeded, acknowledged; Retry, negatively acknowledged with its delay; an error
 by the worker's own rule (attempts left: a NAK with the backoff; else a dead letter written to
 PostgreSQL and the message terminated). A job's attempts are its deliveries, so a message
 delivered more often than its job's max_attempts without an outcome (its workers died) is
-dead-lettered without running again, as the reaper does.
+dead-lettered without running again, as the reaper does; one it acknowledged or terminated
+before, delivered again, is answered the same way without running (deliveries.FinalAnswers).
 
 Every acknowledgement is a request the server confirms, sent only while the delivery is still
 the worker's (Delivery.ours); one not confirmed is sent again until then, and said in the log if
@@ -31,7 +32,14 @@ from nats.js.errors import NotFoundError
 from django_pgjobs.data.records import Failure
 from django_pgjobs.jetstream import messages
 from django_pgjobs.jetstream.bridge import Bridge, Sent
-from django_pgjobs.jetstream.deliveries import Delivery, DeliveryCounts, Reply, answer, nak_limit
+from django_pgjobs.jetstream.deliveries import (
+    Delivery,
+    DeliveryCounts,
+    FinalAnswers,
+    Reply,
+    answer,
+    nak_limit,
+)
 from django_pgjobs.jetstream.relay import relay_chore, start_relay
 from django_pgjobs.jetstream.streams import Consumers
 from django_pgjobs.models import Job
@@ -76,6 +84,8 @@ class NatsSource:
         self._recorded: list[Recorded] = []  # answers confirmed since the last exchange
         self._arrived_lost: list[tuple[Job, Handled]] = []  # delivered past max_attempts
         self._delivery_counts = DeliveryCounts()
+        self._final_answers = FinalAnswers()  # what it acknowledged or terminated, by message
+        self._said_answered_again = False  # said at INFO once, then at DEBUG
         self.unanswered: list[Delivery] = []  # decided, not confirmed (the main thread's)
         # Held by whoever sends acknowledgements: an in-progress one sent after a NAK would
         # undo the NAK's delay.
@@ -154,6 +164,7 @@ class NatsSource:
                     redelivered = delivery.count > 1
                     reply, delay, outcome = answer(self.jobs, job, handled, limit, redelivered)
                     delivery.decide(reply, delay, handled, outcome)
+                    self._final_answers.record(delivery.msg, reply)
                     self.unanswered.append(delivery)
                 else:
                     self._not_acknowledged(delivery, handled)
@@ -201,6 +212,9 @@ class NatsSource:
                         self.id, type(error).__name__, error)  # fmt: skip
                 self.bridge.settle([], [], [msg])
                 continue
+            if (final := self._final_answers.of(msg)) is not None:
+                self._answer_again(job, msg, final)
+                continue
             with self._lock:
                 self._deliveries[id(job)] = Delivery(job, msg, held_at=sent_at, count=delivered)
             if job.attempts > job.max_attempts:
@@ -213,6 +227,29 @@ class NatsSource:
                 continue
             jobs.append(job)
         return jobs
+
+    def _answer_again(self, job: Job, msg: Msg, reply: Reply) -> None:
+        """Answer a message this worker acknowledged or terminated before, delivered again,
+        the same way, without running it."""
+        done = "terminated" if reply is Reply.TERM else "acknowledged"
+        said = "worker %s: job %s (%s) was delivered again after this worker %s its message: "
+        said += "%s again, not run"
+        if self._said_answered_again:
+            log_safely(logger.debug, said, self.id, job.pk, job.task, done, done)
+        else:
+            self._said_answered_again = True
+            said += (
+                " (nats-server before 2.10.14 delivers terminated messages again, and an answer "
+                "NATS did not confirm in time is lost with its delivery; later ones are said at "
+                "DEBUG)"
+            )
+            log_safely(logger.info, said, self.id, job.pk, job.task, done, done)
+        # Not confirmed: an answer lost here brings the message back, to be answered again.
+        with contextlib.suppress(Exception):
+            if reply is Reply.TERM:
+                self.bridge.settle([], [], [msg])
+            else:
+                self.bridge.settle([msg], [], [])
 
     # ---- answers -------------------------------------------------------------------------------
 
@@ -262,7 +299,8 @@ class NatsSource:
             said += "dead letter, WorkerLost, if it had none left)"
         elif handled is None:
             said = "given back unstarted, but NATS did not confirm it: the message is also "
-            said += "delivered again after its ack wait, and that delivery counts as an attempt"
+            said += "delivered again after its ack wait; on another worker it runs, and that "
+            said += "delivery counts as an attempt (this one acknowledges it again unrun)"
         elif reply is None:
             said = f"its outcome ({handled.verdict.value}) is not acknowledged: no in-progress "
             said += "acknowledgement reached NATS within its ack wait (the worker was stopped, "
@@ -270,17 +308,20 @@ class NatsSource:
         elif reply is Reply.ACK and delivery.outcome is Outcome.RETRIED:
             said = "was handed back to PostgreSQL for its retry (an outbox row), but NATS did "
             said += "not confirm its message's acknowledgement within its ack wait: it is "
-            said += "delivered again, and may run again before its retry"
+            said += "delivered again, and may run again before its retry on another worker "
+            said += "(this one acknowledges it again unrun)"
         elif reply is Reply.ACK:
             said = "succeeded, but NATS did not confirm its acknowledgement within its ack "
-            said += "wait: it is delivered again, and run again (a dead letter, WorkerLost, if "
-            said += "it had no attempt left: it did succeed)"
+            said += "wait: it is delivered again; this worker acknowledges it again unrun, "
+            said += "another runs it again (a dead letter, WorkerLost, if it had no attempt "
+            said += "left: it did succeed)"
         elif reply is Reply.NAK:
             said = "failed, and NATS did not confirm its negative acknowledgement within its "
             said += "ack wait: it is delivered again after the ack wait, not its delay"
         else:
             said = "is ended (written back to PostgreSQL), but NATS did not confirm its "
-            said += "message's termination: its next delivery finds it ended and is terminated"
+            said += "message's termination: it is delivered again; this worker terminates it "
+            said += "again unrun, another runs it once more, finds it ended and terminates it"
         log_safely(logger.warning, "worker %s: job %s (%s) %s", self.id, job.pk, job.task,
                 said)  # fmt: skip
         if handled is not None:
@@ -364,6 +405,7 @@ class NatsSource:
         self.bridge.publish([messages.given_back(d.job, d.msg) for d in ours])
         for delivery in ours:
             delivery.decide(Reply.ACK)
+            self._final_answers.record(delivery.msg, Reply.ACK)  # its copy carries the job
             self.unanswered.append(delivery)
         self._send()
 

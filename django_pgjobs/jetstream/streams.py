@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
+from django.utils import timezone
 from nats.js import api
 from nats.js.api import StreamInfo
 from nats.js.errors import NotFoundError
@@ -93,6 +94,14 @@ def ensure_consumer(
 
 logger = logging.getLogger("django_pgjobs.jetstream.consumer")
 
+#: The server's error code for a stream that does not exist (a consumer's is 10014).
+STREAM_NOT_FOUND = 10059
+
+#: Seconds before a worker started within which a stream made counts as new (made by a relay
+#: started with it, give or take the clocks): a consumer of this worker's queue that was deleted
+#: before it started cannot have run any of its messages.
+NEW_STREAM = 60.0
+
 
 class Consumers:
     """The consumers of `queues` for worker `worker` (its --lease `lease`, its database `db`):
@@ -113,7 +122,12 @@ class Consumers:
         self._subscriptions: dict[str, object] = {}
         self._gone: set[str] = set()  # queues whose consumer was found gone (read)
         self._ack_floors: dict[str, int] = {}  # by queue: its consumer's, as last read
-        self._streams_made: dict[str, object] = {}  # by queue: when its stream was created
+        # By queue: its consumer's messages not yet delivered, and delivered and unacknowledged,
+        # as last read (what a stream gone took with it).
+        self._pending: dict[str, tuple[int, int]] = {}
+        self._streams_made: dict[str, Any] = {}  # by queue: when its stream was created
+        self._loss_said: set[str] = set()  # queues whose stream was said gone (read)
+        self._started = timezone.now()
 
     def subscription(self, queue: NatsQueue) -> object:
         """The queue's pull subscription, its stream and consumer made (again) if need be."""
@@ -124,11 +138,16 @@ class Consumers:
         if subscription is None:
             stream = ensure_stream(self.bridge, queue)
             floor = self._ack_floors.get(queue.queue)
+            said = queue.queue in self._loss_said
+            self._loss_said.discard(queue.queue)
             if self._streams_made.setdefault(queue.queue, stream.created) != stream.created:
                 # The stream itself was made again (deleted, or the server lost its storage):
                 # its sequences start again, and the old floor would pass over its messages.
                 self._streams_made[queue.queue], floor = stream.created, None
                 self._ack_floors.pop(queue.queue, None)
+                if not said:
+                    self._say_stream_lost(queue, "was made again")
+                self._pending.pop(queue.queue, None)
             subscription, made = ensure_consumer(
                 self.bridge, queue, self.lease, self._max_ack_pending(queue), resume_after=floor
             )
@@ -161,8 +180,12 @@ class Consumers:
                     self.bridge.js.consumer_info(queue.stream, queue.consumer),
                     self.bridge.servers.publish_timeout,
                 )
-            except NotFoundError:
+            except NotFoundError as error:
                 self._gone.add(queue.queue)
+                if error.err_code == STREAM_NOT_FOUND:
+                    self._loss_said.add(queue.queue)
+                    self._say_stream_lost(queue, "is gone")
+                    continue
                 log_safely(
                     logger.warning,
                     "worker %s: the consumer %s of queue %r is gone (deleted, or the server "
@@ -172,6 +195,7 @@ class Consumers:
             self._ack_floors[queue.queue] = max(  # where one made again starts (subscription)
                 self._ack_floors.get(queue.queue, 0), ack_floor(info)
             )
+            self._pending[queue.queue] = (info.num_pending or 0, info.num_ack_pending or 0)
             waits.append(float(info.config.ack_wait or self.lease))
         shortest = min(waits)
         if shortest < self.lease and shortest != last:
@@ -183,10 +207,39 @@ class Consumers:
             )  # fmt: skip
         return shortest
 
+    def _say_stream_lost(self, queue: NatsQueue, what: str) -> None:
+        """Say that the queue's stream `what` ("is gone", "was made again"), and how many
+        messages its consumer had pending as last read: they went with it."""
+        pending = self._pending.pop(queue.queue, None)
+        if pending is None:
+            held = "how many is unknown: the worker had not read its consumer yet"
+        else:
+            waiting, delivered = pending
+            held = f"{waiting + delivered} were pending as its consumer was last read: "
+            held += f"{waiting} not yet delivered, which never run, and {delivered} delivered "
+            held += "and not acknowledged, which are not retried"
+        log_safely(
+            logger.warning,
+            "worker %s: the stream %s of queue %r %s (deleted, or the server lost its "
+            "storage); every message it held is lost with it (%s). Jobs relayed from now on go "
+            "to the stream made again (docs/explanation/graduating.md)",
+            self.worker, queue.stream, queue.queue, what, held,
+        )  # fmt: skip
+
     def _say_made(self, queue: NatsQueue, stream: Any, floor: int | None) -> None:
         """Say that the queue's consumer had to be made, and which messages it delivers."""
         state = stream.state
-        if floor is not None:
+        if floor is None and state.messages and self._new(stream):
+            # A first start (jobs relayed before any worker took them), or a stream made again:
+            # none of its messages has run.
+            log_safely(
+                logger.info,
+                "worker %s: made the consumer %s of queue %r on its new stream %s: it delivers "
+                "the %d messages relayed so far (sequences %d to %d)",
+                self.worker, queue.consumer, queue.queue, queue.stream, state.messages,
+                state.first_seq, state.last_seq,
+            )  # fmt: skip
+        elif floor is not None:
             log_safely(
                 logger.warning,
                 "worker %s: made the consumer %s of queue %r again, delivering from stream "
@@ -204,6 +257,11 @@ class Consumers:
                 self.worker, queue.consumer, queue.queue, queue.stream, state.messages,
                 state.first_seq, state.last_seq,
             )  # fmt: skip
+
+    def _new(self, stream: Any) -> bool:
+        """Whether `stream` was made since this worker started (NEW_STREAM aside)."""
+        made = stream.created
+        return made is not None and made >= self._started - timedelta(seconds=NEW_STREAM)
 
     def _max_ack_pending(self, queue: NatsQueue) -> int:
         """The queue's max_running (a Queue row) when set: across every worker, as many

@@ -1,7 +1,8 @@
 """What the NATS tests share: a queue of their own on the NATS server, a relay, a worker in a
 thread, and reading a stream back. The server is PGJOBS_TEST_NATS (default the machine's,
-nats://127.0.0.1:4222); every stream, subject and consumer a test makes is named after a queue
-unique to that test, and deleted after it."""
+nats://127.0.0.1:4222), of the release PGJOBS_TEST_NATS_SERVER names for the servers tests start
+themselves (tests/chaos/nats_server.py); every stream, subject and consumer a test makes is named
+after a queue unique to that test, and deleted after it."""
 
 from __future__ import annotations
 

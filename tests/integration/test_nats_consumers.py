@@ -11,7 +11,7 @@ import pytest
 
 from django_pgjobs import transports
 from django_pgjobs.jetstream.source import ACK_WAIT_CHECK
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, Queue
 from tests import tasks
 from tests.conftest import wait_until
 from tests.integration.nats_helpers import (
@@ -92,29 +92,63 @@ def test_a_consumer_deleted_twice_with_no_acknowledgement_between_is_made_again_
 
 
 def test_a_stream_made_again_while_a_worker_runs_has_every_message_delivered(
-    queue: str,
+    queue: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The consumer (gone with its stream) was made again after the old stream's ack floor:
     # the new stream's first messages, their outbox rows deleted, never ran (attack 13).
     first, reader, stream = five_relayed(queue)
-    with WorkerThread(queue):
+    with caplog.at_level(logging.INFO, "django_pgjobs"), WorkerThread(queue) as worker:
         ran_and_acknowledged(reader, queue, 5)
-        time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer's floor meanwhile
+        Queue.objects.update_or_create(name=queue, defaults={"paused": True})
+        wait_until(lambda: queue not in worker.controls.open, timeout=30)
+        Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
+        relay().round()  # lost with the stream, unrun
+        wait_until(lambda: consumer_info(reader, queue).num_pending == 3, timeout=10)
+        time.sleep(ACK_WAIT_CHECK * 1.5)  # the worker reads its consumer meanwhile
         reader.call(reader.js.delete_stream(stream.stream))  # `nats stream rm`, say
+        Queue.objects.filter(name=queue).update(paused=False)
         second = Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(2)], queue=queue)
         relay().round()  # makes the stream again: its sequences start at 1
         wait_until(lambda: ChaosExecution.objects.count() >= 7, timeout=30)
     runs = sorted(ChaosExecution.objects.values_list("job_id", flat=True))
     assert runs == sorted(job.pk for job in [*first, *second])
+    # Said once, with what the stream took with it; its consumer made again is no warning.
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    lost = [said for said in warned if f"the stream {stream.stream} of queue" in said]
+    assert len(lost) == 1, warned
+    assert "every message it held is lost with it (3 were pending as its consumer was last " \
+        "read: 3 not yet delivered, which never run, and 0 delivered" in lost[0]  # fmt: skip
+    assert not [said for said in warned if "made the consumer" in said or "did not" in said]
 
 
-def test_a_worker_that_finds_no_consumer_on_a_stream_holding_messages_says_it_delivers_them(
+def test_a_first_start_on_jobs_relayed_before_it_says_so_plainly_not_as_a_warning(
     queue: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A first graduation (relayed before any worker started) and a consumer deleted while no
-    # worker ran look the same: every message is delivered, and that is said.
+    # Before: a queue's first NATS worker warned that jobs that ran might run again.
     Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
     relay().round()
+    with caplog.at_level(logging.INFO, "django_pgjobs"), WorkerThread(queue) as worker:
+        wait_until(lambda: ChaosExecution.objects.count() >= 3, timeout=30)
+    nats = [r for r in caplog.records if r.name.startswith("django_pgjobs.jetstream")]
+    assert not [r.getMessage() for r in nats if r.levelno >= logging.WARNING]
+    said = [r.getMessage() for r in nats if "made the consumer" in r.getMessage()]
+    assert said == [
+        f"worker {worker.id}: made the consumer pgjobs_{queue} of queue {queue!r} on its new "
+        f"stream PGJOBS_{queue}: it delivers the 3 messages relayed so far (sequences 1 to 3)"
+    ]
+
+
+def test_a_worker_that_finds_no_consumer_on_an_older_stream_warns_that_jobs_may_run_again(
+    queue: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A consumer deleted while no worker ran, or CONSUMER renamed: every message is delivered,
+    # those that ran too, and that is said.
+    from django_pgjobs.jetstream import streams
+
+    monkeypatch.setattr(streams, "NEW_STREAM", 0.0)  # older than the worker: not new
+    Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
+    relay().round()
+    time.sleep(0.1)  # the stream was made before the worker starts, by more than the clock's step
     with caplog.at_level(logging.WARNING, "django_pgjobs"), WorkerThread(queue):
         wait_until(lambda: ChaosExecution.objects.count() >= 3, timeout=30)
     said = [r.getMessage() for r in caplog.records if "did not exist" in r.getMessage()]
@@ -122,12 +156,16 @@ def test_a_worker_that_finds_no_consumer_on_a_stream_holding_messages_says_it_de
 
 
 def test_under_workqueue_retention_a_missing_consumer_is_not_said_to_run_jobs_again(
-    settings: Any, caplog: pytest.LogCaptureFixture
+    settings: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # There a message is gone once acknowledged: what a new consumer delivers never ran.
+    from django_pgjobs.jetstream import streams
+
+    monkeypatch.setattr(streams, "NEW_STREAM", 0.0)  # not new: the rule for workqueue, not age
     with nats_queue(settings, RETENTION="workqueue") as queue:
         Job.objects.bulk_enqueue(tasks.ledger, [{"n": n} for n in range(3)], queue=queue)
         relay().round()
+        time.sleep(0.1)
         with caplog.at_level(logging.WARNING, "django_pgjobs"), WorkerThread(queue):
             wait_until(lambda: ChaosExecution.objects.count() >= 3, timeout=30)
     assert not [r for r in caplog.records if "did not exist" in r.getMessage()]

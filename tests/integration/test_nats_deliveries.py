@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from django_pgjobs import PermanentError, task
 from django_pgjobs.jetstream.source import NatsSource
 from django_pgjobs.models import DeadLetter, Job, Queue
 from django_pgjobs.runtime.worker import Worker
@@ -68,30 +69,74 @@ def test_an_acknowledgement_sent_while_cut_off_from_nats_is_sent_again_after(
     assert consumer_info(reader, queue).num_redelivered == 0
 
 
-def test_an_acknowledgement_that_never_reaches_nats_is_said_naming_the_job(
+def said(caplog: pytest.LogCaptureFixture, level: int, text: str) -> bool:
+    return any(record.levelno == level and text in record.getMessage() for record in caplog.records)
+
+
+def test_an_acknowledgement_that_never_reaches_nats_is_said_and_its_job_not_run_again(
     nats_proxy: Proxy, queue: str, settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Before: delivered again after its ack wait, the job that had succeeded ran again.
     job = tasks.ledger.using(queue=queue).enqueue(n=1, seconds=0.5)
     relay().round()
     through(nats_proxy, settings)
-
-    def said() -> bool:
-        return any(
-            record.levelno == logging.WARNING
-            and f"job {job.pk} (tests.tasks.ledger) succeeded, but NATS did not confirm"
-            in record.getMessage()
-            for record in caplog.records
-        )
-
-    with caplog.at_level(logging.WARNING, "django_pgjobs"), WorkerThread(queue, lease=3.0):
+    reader = direct_bridge()
+    unconfirmed = f"job {job.pk} (tests.tasks.ledger) succeeded, but NATS did not confirm"
+    again = f"job {job.pk} (tests.tasks.ledger) was delivered again after this worker "
+    again += "acknowledged its message: acknowledged again, not run"
+    with caplog.at_level(logging.INFO, "django_pgjobs"), WorkerThread(queue, lease=3.0):
         wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
         nats_proxy.freeze()
-        wait_until(said, timeout=30)
+        wait_until(lambda: said(caplog, logging.WARNING, unconfirmed), timeout=30)
         nats_proxy.thaw()
-        # As it said: delivered and run again.
-        wait_until(lambda: ChaosExecution.objects.filter(attempt=2).exists(), timeout=30)
+        wait_until(lambda: said(caplog, logging.INFO, again), timeout=30)
+        wait_until(lambda: consumer_info(reader, queue).num_ack_pending == 0, timeout=15)
+    assert list(ChaosExecution.objects.values_list("job_id", "attempt")) == [(job.pk, 1)]
     assert not DeadLetter.objects.filter(pk=job.pk).exists()
     assert Job.objects.filter(pk=job.pk).count() == 0
+
+
+@task(max_attempts=1)
+def runs_then_fails(seconds: float) -> None:
+    """One ledger row (ChaosExecution), `seconds`, then a failure: on its one attempt, a dead
+    letter."""
+    import os
+    import time
+
+    from django_pgjobs import current_job
+
+    job = current_job()
+    assert job is not None
+    ChaosExecution.objects.create(
+        job_id=job.pk, attempt=job.attempts, worker=job.worker, pid=os.getpid(), ok=False
+    )
+    time.sleep(seconds)
+    raise PermanentError("failed on purpose")
+
+
+def test_a_termination_that_never_reaches_nats_is_said_and_its_job_not_run_again(
+    nats_proxy: Proxy, queue: str, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: its message delivered again (as nats-server 2.9.10 does even after a confirmed
+    # termination), the dead letter ran again.
+    job = runs_then_fails.using(queue=queue).enqueue(seconds=0.5)
+    relay().round()
+    through(nats_proxy, settings)
+    reader = direct_bridge()
+    name = f"job {job.pk} ({runs_then_fails.name})"
+    unconfirmed = f"{name} is ended (written back to PostgreSQL), but NATS did not confirm"
+    again = f"{name} was delivered again after this worker terminated its message: terminated "
+    again += "again, not run"
+    with caplog.at_level(logging.INFO, "django_pgjobs"), WorkerThread(queue, lease=3.0):
+        wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
+        nats_proxy.freeze()
+        wait_until(lambda: said(caplog, logging.WARNING, unconfirmed), timeout=30)
+        nats_proxy.thaw()
+        wait_until(lambda: said(caplog, logging.INFO, again), timeout=30)
+        wait_until(lambda: consumer_info(reader, queue).num_ack_pending == 0, timeout=15)
+    assert list(ChaosExecution.objects.values_list("job_id", "attempt")) == [(job.pk, 1)]
+    dead = DeadLetter.objects.get(pk=job.pk)
+    assert dead.errors[-1]["type"] == "django_pgjobs.errors.PermanentError"
 
 
 def warmed_up(queue: str) -> None:
