@@ -50,7 +50,7 @@ def test_runjobs_for_a_nats_queue_relays_runs_and_stops_on_sigterm(
         assert sorted(ChaosExecution.objects.values_list("job_id", flat=True)) == sorted(
             job.pk for job in jobs
         )
-        assert f"started: queues={queue} " in worker.log()
+        assert f"started: NATS queues={queue} " in worker.log()
         # A first start: no warning that jobs that ran may run again (its own relay may have
         # published the jobs before or after it made its consumer).
         assert "did not exist" not in worker.log()
