@@ -227,10 +227,10 @@ def run(job: Job) -> Handled:
     started(result)
     if job.cancel_requested:
         # Cancelled while task_started's receivers ran, or timed out (its time limit's hook
-        # tells FAILED, decided says so): the function must not begin after that.
+        # tells FAILED, keep_outcome says so): the function must not begin after that.
         cancelled = JobCancelled("cancelled before its function started")
         handled = execute.refused(cancelled)
-        if handlers.decided(job, handled):
+        if handlers.keep_outcome(job, handled):
             finished(result, error=cancelled)
         return handled
     with execute.running(job):
@@ -250,12 +250,12 @@ def run(job: Job) -> Handled:
             # A return value that JSON cannot hold fails for good: it would come back the same.
             permanent = (TypeError,) if error is unstorable else ()
             handled = execute.raised(job, error, None, permanent, began)
-            # decided: an attempt timed out meanwhile is its time limit's to tell (timed_out)
-            if handlers.decided(job, handled) and _the_last(job, handled):
+            # keep_outcome: an attempt timed out meanwhile is its time limit's to tell (timed_out)
+            if handlers.keep_outcome(job, handled) and _the_last(job, handled):
                 finished(result, error=error)
             return handled
     handled = Handled(Verdict.SUCCEEDED, duration=time.perf_counter() - began, result_json=kept)
-    if handlers.decided(job, handled):
+    if handlers.keep_outcome(job, handled):
         finished(result, json.loads(kept))
     return handled
 
@@ -265,10 +265,10 @@ def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
     task_finished says FAILED with the JobTimeout now, not when (or if) the function returns;
     what it returns or raises later is not sent (run). An attempt whose function returned
     within the limit is not timed out, even when its receivers outlast the limit
-    (handlers.decided): it is recorded as run told it.
+    (handlers.keep_outcome): it is recorded as run told it.
 
     Called on the worker's main thread, so the receivers run on a thread of their own
-    (handlers.tell: a slow one must not hold the worker up; one that never returns counts
+    (handlers.run_hook_aside: a slow one must not hold the worker up; one that never returns counts
     towards the worker's recycle, as an abandoned handler thread does)."""
     if not _the_last(job, handled):
         return
@@ -286,7 +286,7 @@ def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
             connections.close_all()  # this thread's, if a receiver used the database
 
     try:
-        handlers.tell(tell, "task_finished receivers")
+        handlers.run_hook_aside(tell, "task_finished receivers")
     except RuntimeError:  # no thread to be had: the worker goes on, the row says it all
         logger.exception("task_finished could not be sent for job %s", job.pk)
 

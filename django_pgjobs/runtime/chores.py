@@ -188,17 +188,6 @@ class Pruner(Chore):
         return min([self.interval, *(max(1.0, age / 4) for age in kept)])
 
 
-class Ticker(Chore):
-    """Enqueues the periodic schedules' due ticks (see Scheduler)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        super().__init__()
-        self.scheduler = scheduler
-
-    def run(self) -> float:
-        return self.scheduler.enqueue_due()
-
-
 class Reporter(Chore):
     """Writes what the worker did (QueueStat rows) every `interval` seconds: `report(seconds,
     stopping)`, which keeps what it could not write for the next report (then covering both
@@ -312,9 +301,9 @@ LOCKED_RETRY = 1.0
 FAILED_RETRY = 1.0
 
 
-class Scheduler:
-    """Enqueues the due ticks of the declared schedules on one database; a worker calls
-    `enqueue_due()` when the seconds it last returned have passed.
+class Scheduler(Chore):
+    """Enqueues the due ticks of the declared schedules on one database: a worker's chore, which
+    calls `enqueue_due()` when the seconds it last returned have passed.
 
     Each schedule has a row in pgjobs_schedule holding its last tick. A worker that finds a tick
     due reads the row and the database's clock, works out which ticks are due, and in one
@@ -335,6 +324,7 @@ class Scheduler:
     ) -> None:
         """`enqueued(jobs)`: sends job_enqueued for a tick's committed jobs (a worker's: on its
         signals thread, reporting.Announcer; by default, at once)."""
+        super().__init__()
         self.db = db
         self.enqueued = enqueued or _send_enqueued
         if schedules is None:
@@ -350,6 +340,9 @@ class Scheduler:
         # resume) changes nothing in when the schedules are looked at.
         self._offset = 0.0
         self._synced = False
+
+    def run(self) -> float:
+        return self.enqueue_due()
 
     def enqueue_due(self) -> float:
         """Enqueue the jobs of every tick now due; returns the seconds until one may be due."""
@@ -410,7 +403,7 @@ class Scheduler:
         """Enqueue the schedule's due ticks. If that fails for a reason of its own (a bug in its
         declaration, a statement of its that failed), log it naming the schedule and try it
         again after a pause, while the others go on: one schedule never starves the rest. A
-        lost connection is every schedule's: it is raised, for the Ticker to reconnect."""
+        lost connection is every schedule's: it is raised, for the worker to reconnect."""
         name = periodic.name
         try:
             self._enqueue(periodic)

@@ -168,23 +168,21 @@ def timed_out(job: Job, timeout: float) -> Handled:
     return handled
 
 
-def past_time_limit(
-    job: Job, timeout: float, decided: Handled | None, log: logging.Logger
-) -> Handled:
+def past_time_limit(job: Job, timeout: float, kept: Handled | None, log: logging.Logger) -> Handled:
     """How an attempt abandoned at its time limit (Handlers.time_out) is recorded, said on
-    `log`: as timed out (JobTimeout), unless its handler had returned and its runner decided
-    the outcome before (handlers.decided): then that outcome, which its runner may have told
+    `log`: as timed out (JobTimeout), unless its handler had returned and its runner kept
+    the outcome before (handlers.kept): then that outcome, which its runner may have told
     already (Django's task_finished; it was its receivers that passed the limit)."""
-    if decided is None:  # said once, by the outcome's line (JobTimeout, its time limit)
+    if kept is None:  # said once, by the outcome's line (JobTimeout, its time limit)
         return timed_out(job, timeout)
     log_safely(
         log.warning,
         "job %s (%s) returned within its time limit of %gs, and what ran after it (its "
         "task_finished signal's receivers, say) passed it: recorded as it ended (%s), its "
         "thread left to finish",
-        job.pk, job.task, timeout, decided.verdict.value,
+        job.pk, job.task, timeout, kept.verdict.value,
     )  # fmt: skip
-    return decided
+    return kept
 
 
 def settle(job: Job, handled: Handled) -> Outcome:

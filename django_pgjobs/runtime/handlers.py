@@ -83,7 +83,7 @@ class HandlerPool:
 
     def time_out(self) -> list[tuple[Job, Handled | None]]:
         """The attempts past their time limit: abandoned, each thread replaced by a new one;
-        each with the outcome its runner had decided before it passed the limit, or None."""
+        each with the outcome its runner kept before it passed the limit, or None."""
         late = self.deadlines.overdue()
         for job, _ in late:
             job.cancel_requested = True  # what cancel_requested() tells the handler
@@ -94,17 +94,17 @@ class HandlerPool:
         return late
 
     def _hand_in(self, job: Job, handled: Handled) -> None:
-        if decided_of(job) is None:  # most jobs: no runner decides before it tells
+        if kept_outcome(job) is None:  # most jobs: no runner decides before it tells
             self.finished(job, handled)
             return
         with self._closing:
             if not self._closed:
                 self.finished(job, handled)
 
-    def close_decided(self) -> None:
-        """From now on, the outcomes runners decided before telling them are the caller's to
-        record (a stopping worker, once its grace is over: decided_of); a thread still
-        telling (task_finished's receivers) hands in nothing more."""
+    def stop_hand_ins(self) -> None:
+        """From now on, the outcomes runners kept before their hooks ran are the caller's to
+        record (a stopping worker, once its grace is over: kept_outcome); a thread whose hook
+        still runs (task_finished's receivers) hands in nothing more."""
         with self._closing:
             self._closed = True
 
@@ -167,13 +167,13 @@ class HandlerPool:
 
 #: Seconds a thread left at a time limit must still run to count as left behind (towards a
 #: worker's recycle): a handler or receiver that ends a moment after the limit is not.
-LINGER = 1.0
+LEFT_AFTER = 1.0
 
 #: The attempt with a time limit begun last on this thread, and its pool's Deadlines.
 _thread = threading.local()
 
 
-def decided(job: Job, handled: Handled) -> bool:
+def keep_outcome(job: Job, handled: Handled) -> bool:
     """Whether the attempt of `job` running on this thread ended within its time limit, asked
     by a runner once the handler has returned and its outcome is `handled`, before it tells
     anyone how it ended (Django's task_finished, backend.py). False: it was timed out
@@ -185,53 +185,53 @@ def decided(job: Job, handled: Handled) -> bool:
     it."""
     begun: tuple[Deadlines, Job] | None = getattr(_thread, "begun", None)
     if begun is None or begun[1] is not job:
-        setattr(job, DECIDED, handled)
+        setattr(job, KEPT, handled)
         return True
-    return begun[0].decided(job, handled)
+    return begun[0].keep_outcome(job, handled)
 
 
-#: The attribute of a claimed Job that holds the outcome its runner decided (decided).
-DECIDED = "_pgjobs_decided"
+#: The attribute of a claimed Job that holds the outcome its runner kept (keep_outcome).
+KEPT = "_pgjobs_kept_outcome"
 
 
-def decided_of(job: Job) -> Handled | None:
-    """The outcome the runner of `job`'s attempt decided and told, if it did (decided): a
-    worker that stops while the telling still runs records it, rather than release a job
+def kept_outcome(job: Job) -> Handled | None:
+    """The outcome the runner of `job`'s attempt kept and told, if it did (keep_outcome): a
+    worker that stops while its hook still runs records it, rather than release a job
     whose outcome was told (it would run again)."""
-    handled: Handled | None = getattr(job, DECIDED, None)
+    handled: Handled | None = getattr(job, KEPT, None)
     return handled
 
 
-#: Threads telling of attempts timed out (an integration's: Django's task_finished receivers).
-_telling: list[tuple[threading.Thread, float]] = []
-_telling_lock = threading.Lock()
+#: Hooks run aside for attempts timed out (an integration's: Django's task_finished receivers).
+_hooks_aside: list[tuple[threading.Thread, float]] = []
+_hooks_aside_lock = threading.Lock()
 
 
-def tell(target: Callable[[], None], name: str) -> None:
+def run_hook_aside(target: Callable[[], None], name: str) -> None:
     """Run `target` on a thread of its own, for an integration's time-out hook (registry's
     TimedOut, called on the worker's main thread), so that slow receivers do not hold the
     worker up. Not a daemon: a worker that exits now (a recycle, a stop) waits for it, as long
-    as it waits for what handlers left (runtime/processes.py). Counted while it runs (telling):
+    as it waits for what handlers left (runtime/processes.py). Counted while it runs (hooks_aside):
     a worker recycles when these and its abandoned threads add up to its concurrency.
     RuntimeError when no thread can be started."""
     thread = threading.Thread(target=target, name=name)
     thread.start()
-    with _telling_lock:
-        _telling.append((thread, time.monotonic()))
+    with _hooks_aside_lock:
+        _hooks_aside.append((thread, time.monotonic()))
 
 
-def telling() -> int:
-    """Threads started by tell that still run LINGER seconds after they started."""
-    with _telling_lock:
-        return _left_behind(_telling)
+def hooks_aside() -> int:
+    """Threads started by run_hook_aside that still run LEFT_AFTER seconds after they started."""
+    with _hooks_aside_lock:
+        return _still_running(_hooks_aside)
 
 
-def _left_behind(threads: list[tuple[threading.Thread, float]]) -> int:
-    """How many of `threads` (each with when it was left) still run LINGER seconds after; those
+def _still_running(threads: list[tuple[threading.Thread, float]]) -> int:
+    """How many of `threads` (each with when it was left) still run LEFT_AFTER seconds after; those
     that ended are taken off the list."""
     now = time.monotonic()
     threads[:] = [(thread, at) for thread, at in threads if thread.is_alive()]
-    return sum(1 for _, at in threads if now - at >= LINGER)
+    return sum(1 for _, at in threads if now - at >= LEFT_AFTER)
 
 
 class Deadlines:
@@ -259,13 +259,13 @@ class Deadlines:
             self._running[id(job)] = (job, deadline, threading.current_thread())
         _thread.begun = (self, job)
 
-    def decided(self, job: Job, handled: Handled) -> bool:
-        """The handler of `job` returned with `handled` as its outcome (see decided): False
+    def keep_outcome(self, job: Job, handled: Handled) -> bool:
+        """The handler of `job` returned with `handled` as its outcome (see keep_outcome): False
         when it was timed out already."""
         with self._lock:
             if id(job) not in self._running:
                 return False
-            setattr(job, DECIDED, handled)  # under the lock: overdue reads it as it pops
+            setattr(job, KEPT, handled)  # under the lock: overdue reads it as it pops
             return True
 
     def end(self, job: Job) -> bool:
@@ -276,13 +276,13 @@ class Deadlines:
 
     def overdue(self) -> list[tuple[Job, Handled | None]]:
         """The attempts past their deadline, now abandoned with their threads; each with the
-        outcome its runner had decided before (decided), or None: timed out."""
+        outcome its runner kept before (keep_outcome), or None: timed out."""
         now = time.monotonic()
         with self._lock:
             late = [key for key, (_, deadline, _) in self._running.items() if deadline <= now]
             abandoned = [self._running.pop(key) for key in late]
             self._abandoned += [(thread, now) for _, _, thread in abandoned]
-            return [(job, decided_of(job)) for job, _, _ in abandoned]
+            return [(job, kept_outcome(job)) for job, _, _ in abandoned]
 
     def next_in(self) -> float:
         """Seconds until the next deadline (inf without one)."""
@@ -295,7 +295,7 @@ class Deadlines:
         return bool(self._abandoned)
 
     def abandoned_alive(self) -> int:
-        """Abandoned handler threads still running LINGER seconds after they were abandoned
+        """Abandoned handler threads still running LEFT_AFTER seconds after they were abandoned
         (those that returned are gone; one that returns a moment late is not counted)."""
         with self._lock:
-            return _left_behind(self._abandoned)
+            return _still_running(self._abandoned)

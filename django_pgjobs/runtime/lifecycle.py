@@ -169,9 +169,9 @@ class Stoppable:
     def _check_abandoned(self, deadlines: handlers.Deadlines) -> None:
         """Recycle once as many threads as the worker has are left behind at time limits: handler
         threads abandoned, companions running an async handler's tasks that ignore their
-        cancellation, and threads telling of a timed-out Django Task (task_finished's receivers,
-        handlers.tell). Each may hold memory and a connection for good."""
-        left = deadlines.abandoned_alive() + execute.lingering() + handlers.telling()
+        cancellation, and the hooks of a timed-out Django Task run aside (task_finished's
+        receivers, handlers.run_hook_aside). Each may hold memory and a connection for good."""
+        left = deadlines.abandoned_alive() + execute.lingering() + handlers.hooks_aside()
         if left >= self.options.concurrency:
             self._recycle(
                 f"{left} threads were abandoned past their time limit (handlers, async handlers' "

@@ -31,7 +31,7 @@ from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime import sessions as locks
-from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Scheduler, Ticker
+from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Scheduler
 from django_pgjobs.runtime.leases import LeaseKeeper
 from django_pgjobs.runtime.reporting import log_safely
 from django_pgjobs.runtime.sessions import LockWaits, application_name
@@ -68,8 +68,8 @@ class PostgresSource:
         self.reaper = Reaper(self.jobs, options.reap_interval, seat.poll_now, seat.claims.all)
         self.chores = [self.reaper, Promoter(self.jobs, options.promote_interval)]
         if not options.once:
-            scheduler = Scheduler(seat.db, enqueued=seat.announcer.enqueued)
-            self.chores += [Pruner(self.jobs, options.prune_interval), Ticker(scheduler)]
+            ticks = Scheduler(seat.db, enqueued=seat.announcer.enqueued)
+            self.chores += [Pruner(self.jobs, options.prune_interval), ticks]
 
     def lease_of(self, job: Job) -> float:
         return execute.limits_of(job, self.seat.lease)[0]

@@ -36,7 +36,7 @@ worker_logger = logging.getLogger("django_pgjobs.runtime.worker")
 
 #: The longest a process waits for what its handlers left running, after its worker stopped.
 #: Its --grace, when shorter: the time the operator gave the process to stop.
-LINGER = 10.0
+EXIT_PATIENCE = 10.0
 
 
 def exit_code(code: object) -> int:
@@ -47,15 +47,16 @@ def exit_code(code: object) -> int:
 
 
 def bound_exit(code: int, grace: float) -> None:
-    """End this process with `code` if it is still running min(grace, LINGER) seconds (at least
-    one) from now. A watch on a daemon thread: a process that exits as usual ends it unseen.
+    """End this process with `code` if it is still running min(grace, EXIT_PATIENCE) seconds
+    (at least one) from now. A watch on a daemon thread: a process that exits as usual ends it
+    unseen.
 
     Python's exit waits for every thread that is not a daemon and for the threads of every
     `concurrent.futures` pool (its own exit function joins them). A handler that started either
     and left it running would keep a stopped worker's process alive for good: a supervisor
     waiting to replace it never does, `runjobs --once` under cron never ends, a deploy waits for
     its SIGKILL."""
-    within = max(1.0, min(grace, LINGER))
+    within = max(1.0, min(grace, EXIT_PATIENCE))
 
     def watch() -> None:
         time.sleep(within)
@@ -97,9 +98,9 @@ CRASH_WINDOW = 60.0
 #: A child still running this long after its grace ended (or after a second stop signal) cannot
 #: act on its SIGTERM (stopped, frozen, stuck in a call that ignores signals): it is killed and
 #: its jobs taken back, so that the supervisor's stop ends. Longer than a child's own wait for
-#: what its handlers left running once its worker stopped (LINGER), so that a child that
+#: what its handlers left running once its worker stopped (EXIT_PATIENCE), so that a child that
 #: released everything is not killed on its way out.
-KILL_MARGIN = LINGER + 10.0
+KILL_MARGIN = EXIT_PATIENCE + 10.0
 
 
 @dataclass

@@ -157,9 +157,9 @@ class Worker(Stoppable):
         # Before claiming: never claim from a paused queue.
         if self.controls.read_if_due(self.db):
             self._poll_now = True  # a queue was resumed: look at once
-        for job, decided in self.handlers.time_out():
+        for job, kept in self.handlers.time_out():
             timeout = self.timeout_of(job) or 0.0
-            self.finished.hand_in(job, execute.past_time_limit(job, timeout, decided, logger))
+            self.finished.hand_in(job, execute.past_time_limit(job, timeout, kept, logger))
         # Before the claim: a worker to be recycled takes nothing more (a NATS fetch may wait).
         self._check_abandoned(self.handlers.deadlines)
         try:
@@ -316,7 +316,7 @@ class Worker(Stoppable):
         with contextlib.suppress(Exception):  # what cannot be given back is returned below
             self._give_back_unstarted()
         self.handlers.stop()
-        self.handlers.close_decided()
+        self.handlers.stop_hand_ins()
         recorded: list[Recorded] = []
         clean = True
         try:
@@ -324,8 +324,8 @@ class Worker(Stoppable):
             # Told already (a Task whose task_finished receivers outlast the grace): recorded
             # as told, not returned to run again.
             for job in self.claims.all():
-                if (decided := handlers.decided_of(job)) is not None:
-                    self.finished.hand_in(job, decided)
+                if (kept := handlers.kept_outcome(job)) is not None:
+                    self.finished.hand_in(job, kept)
             self.settle_and_claim()
         except Exception as error:  # the database, or a bug: what is left is returned below
             log_safely(logger.warning, "could not record every outcome at the stop: %s", error)
