@@ -13,7 +13,6 @@ from django.utils.translation import gettext_lazy as _
 
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.queues import QueueQuerySet
-from django_pgjobs.data.records import claimed
 from django_pgjobs.data.sql import CLAIM_ORDER
 from django_pgjobs.ids import uuid7
 from django_pgjobs.status import FINISHED, LIVE, Status
@@ -148,11 +147,16 @@ class Job(models.Model):
         A save of the whole row writes every column as this object last read it: the job
         enqueue returned, saved after a worker ran it, was `ready` again with its claim count
         (the fencing token of its claims) back at 0, and ran a second time, or twice at once.
-        And a claimed job's worker columns are its worker's alone: a handler's
+        And a running job's worker columns are its worker's alone: a handler's
         `current_job().save(update_fields=[...])` may not name them (the lease as it was at the
         claim, perhaps run out; after a lost lease, a claim another worker holds now)."""
         fields = kwargs.get("update_fields")
-        if claimed(self):
+        loaded = self.__dict__  # read without loading what a deferred query left out
+        if (
+            not self._state.adding
+            and loaded.get("status") == Status.RUNNING
+            and loaded.get("worker")
+        ):
             owned = sorted(WORKER_FIELDS & set(fields)) if fields is not None else None
             if owned is None or owned:
                 raise ValueError(

@@ -25,14 +25,13 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.data.records import (
+    Claim,
     FailedAttempt,
     Failure,
     Position,
     Settled,
     TakenBack,
-    claim_of,
-    hold,
-    holder_of,
+    claim,
 )
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.status import LIVE, Status
@@ -157,7 +156,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     def settle_and_claim(
         self,
-        succeeded: Sequence[Job],
+        succeeded: Sequence[Job | Claim],
         failed: Sequence[FailedAttempt],
         queues: Sequence[str],
         *,
@@ -171,7 +170,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         from `queues`, in one statement (sql.SETTLE_AND_CLAIM; sql.CLAIM without outcomes):
         one round trip and one commit per turn of a worker's loop.
 
-        `succeeded` are completed, keeping the return values in `results` (job id → JSON text)
+        Each outcome names a claim: a worker's Claim, or a Job standing for the claim its fields
+        say. `succeeded` are completed, keeping the return values in `results` (job id → JSON text)
         as their `result`; each of `failed` is recorded as by `fail`. A queue's claim starts
         after its Position in `after` (the last job this worker claimed there), passing over
         ready jobs behind it; without one, at the start (every due job). Returns the ids of
@@ -181,7 +181,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         claiming = bool(queues) and limit >= 1
         if not (claiming or succeeded or failed):
             return Settled(set(), {}, [], {})
-        _one_worker([worker, *map(holder_of, succeeded), *(holder_of(f.job) for f in failed)])
+        done, ended = [claim(x) for x in succeeded], [claim(f.job) for f in failed]
+        _one_worker([worker, *(c.worker for c in done), *(c.worker for c in ended)])
         params = turn_params(
             succeeded, failed, queues if claiming else [], worker=worker,
             limit=limit if claiming else 0, lease=lease, results=results or {},
@@ -210,16 +211,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             if not isinstance(error, Exception):
                 raise
             claimed, unread = [], error
-        for job in claimed:
-            hold(job)
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
         return Settled(
-            {claim_of(job)[0] for job in succeeded if claim_of(job) in recorded},
-            {
-                claim_of(f.job)[0]: recorded[claim_of(f.job)]
-                for f in failed
-                if claim_of(f.job) in recorded
-            },
+            {c.id for c in done if c.key in recorded},
+            {c.id: recorded[c.key] for c in ended if c.key in recorded},
             claimed,
             recorded,
             unread,
@@ -252,47 +247,49 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 return []
             return self.claim([queue], worker=worker, limit=limit, lease=lease)
 
-    def complete(self, job: Job, result_json: str | None = None) -> bool:
+    def complete(self, job: Job | Claim, result_json: str | None = None) -> bool:
         """Record success, keeping `result_json` (the return value as JSON text) when given.
         False means the lease ran out and another worker owns the job now."""
-        worker = holder_of(job)
-        assert worker is not None, "only a claimed job can complete"
-        results = {claim_of(job)[0]: result_json} if result_json is not None else None
-        done = self.settle_and_claim([job], [], [], worker=worker, limit=0, results=results)
-        return claim_of(job)[0] in done.succeeded
+        held = claim(job)
+        assert held.worker is not None, "only a claimed job can complete"
+        results = {held.id: result_json} if result_json is not None else None
+        done = self.settle_and_claim([held], [], [], worker=held.worker, limit=0, results=results)
+        return held.id in done.succeeded
 
-    def complete_many(self, jobs: Sequence[Job]) -> set[UUID]:
+    def complete_many(self, jobs: Sequence[Job | Claim]) -> set[UUID]:
         """Record success for many jobs of one worker in one statement; returns the ids it still
         owned (the others were reaped and possibly claimed again: their outcome is not ours)."""
         if not jobs:
             return set()
-        worker = _one_worker([holder_of(job) for job in jobs])
+        worker = _one_worker([claim(job).worker for job in jobs])
         return self.settle_and_claim(jobs, [], [], worker=worker, limit=0).succeeded
 
-    def fail(self, job: Job, failure: Failure, *, permanent: bool, delay: float) -> str | None:
+    def fail(
+        self, job: Job | Claim, failure: Failure, *, permanent: bool, delay: float
+    ) -> str | None:
         """Record a failed attempt: back to ready in `delay` seconds while attempts remain and the
         error is not permanent, else failed (the dead letter). Returns the new status, or None
         when this worker no longer owned the job."""
-        worker = holder_of(job)
-        if worker is None:
+        held = claim(job)
+        if held.worker is None:
             return None  # never claimed: no worker holds it, so none may record its outcome
-        attempt = FailedAttempt(job, failure, permanent, delay)
-        settled = self.settle_and_claim([], [attempt], [], worker=worker, limit=0)
-        return settled.failed.get(claim_of(job)[0])
+        attempt = FailedAttempt(held, failure, permanent, delay)
+        settled = self.settle_and_claim([], [attempt], [], worker=held.worker, limit=0)
+        return settled.failed.get(held.id)
 
-    def release(self, jobs: Sequence[Job]) -> set[UUID]:
+    def release(self, jobs: Sequence[Job | Claim]) -> set[UUID]:
         """Running → ready without spending an attempt, keeping its place (a worker shutting
         down); cancelled instead when a cancellation was requested. Each keeps the progress its
         handler last reported."""
         return set(self._own(sql.RELEASE, jobs, delay=None, progress=reports(jobs)))
 
-    def retry_later(self, job: Job, delay: float) -> bool:
+    def retry_later(self, job: Job | Claim, delay: float) -> bool:
         """The handler asked to run again in `delay` seconds: ready again, attempt not counted,
         keeping the progress it last reported."""
         released = self._own(sql.RELEASE, [job], delay=delay, progress=reports([job]))
-        return claim_of(job)[0] in released
+        return claim(job).id in released
 
-    def heartbeat(self, jobs: Sequence[Job], lease: float | None = None) -> set[UUID]:
+    def heartbeat(self, jobs: Sequence[Job | Claim], lease: float | None = None) -> set[UUID]:
         """Extend the lease of a worker's running jobs by `lease` seconds from now, and record
         the progress their handlers last reported (each Job's `progress`, as progress() left
         it); returns the ids renewed (a job locked elsewhere is skipped this time: see `held`
@@ -300,21 +297,21 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         at once."""
         lease = get_settings().LEASE if lease is None else lease
         owned = self._own(sql.HEARTBEAT, jobs, lease=lease, progress=reports(jobs))
-        for job in jobs:
-            if owned.get(claim_of(job)[0]):
-                job.cancel_requested = True
+        for held in map(claim, jobs):
+            if owned.get(held.id):
+                held.job.cancel_requested = True
         return set(owned)
 
-    def owned(self, jobs: Sequence[Job]) -> set[UUID]:
+    def owned(self, jobs: Sequence[Job | Claim]) -> set[UUID]:
         """The ids of those of `jobs` whose claims their worker still holds."""
         return set(self._own(sql.OWNED, jobs))
 
-    def locked_elsewhere(self, jobs: Sequence[Job]) -> set[UUID]:
+    def locked_elsewhere(self, jobs: Sequence[Job | Claim]) -> set[UUID]:
         """The ids of those of `jobs` whose rows another session holds locked (sql.
         LOCKED_ELSEWHERE): recording their outcomes would wait for it. Never waits itself."""
         if not jobs:
             return set()
-        params = {"ids": [claim_of(job)[0] for job in jobs]}
+        params = {"ids": [claim(job).id for job in jobs]}
         found = rows.execute(self._write_db(), sql.LOCKED_ELSEWHERE, params)
         return {job_id for (job_id,) in found}
 
@@ -343,15 +340,15 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         }
         return self._taken_back(rows.execute(self._write_db(), sql.ABANDON, params))
 
-    def reap(self, *, limit: int = 1000, sparing: Sequence[Job] = ()) -> TakenBack:
+    def reap(self, *, limit: int = 1000, sparing: Sequence[Job | Claim] = ()) -> TakenBack:
         """Take back running jobs whose lease expired: to ready (after the task's backoff, as
         for a failed attempt), or to failed when no attempts remain, recording "lease expired"
         as the attempt's error. Safe to run from every worker at once (SKIP LOCKED).
         `sparing`: the calling worker's claims whose handlers are running (never its to take)."""
         params = {
             "limit": limit,
-            "spared_ids": [claim_of(job)[0] for job in sparing],
-            "spared_claims": [claim_of(job)[1] for job in sparing],
+            "spared_ids": [claim(job).id for job in sparing],
+            "spared_claims": [claim(job).count for job in sparing],
             **_taking_back(LEASE_EXPIRED),
         }
         return self._taken_back(rows.execute(self._write_db(), sql.REAP, params))
@@ -484,17 +481,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _own(self, statement: str, jobs: Sequence[Job], **params: Any) -> dict[UUID, bool]:
+    def _own(self, statement: str, jobs: Sequence[Job | Claim], **params: Any) -> dict[UUID, bool]:
         """Run a guarded statement over those of `jobs` their worker still owns; returns their
         ids, each with whether a cancellation of it was requested."""
-        holders = [holder_of(job) for job in jobs]
-        if not jobs or all(holder is None for holder in holders):
+        claims = [claim(job) for job in jobs]
+        if not claims or all(held.worker is None for held in claims):
             return {}  # never claimed: no worker holds them
-        claims = [claim_of(job) for job in jobs]
         params |= {
-            "ids": [job_id for job_id, _ in claims],
-            "claims": [count for _, count in claims],
-            "worker": _one_worker(holders),
+            "ids": [held.id for held in claims],
+            "claims": [held.count for held in claims],
+            "worker": _one_worker([held.worker for held in claims]),
         }
         return dict(rows.execute(self._write_db(), statement, params))
 
@@ -503,7 +499,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
 
 def turn_params(
-    succeeded: Sequence[Job],
+    succeeded: Sequence[Job | Claim],
     failed: Sequence[FailedAttempt],
     queues: Sequence[str],
     *,
@@ -516,8 +512,8 @@ def turn_params(
     """The parameters of sql.SETTLE_AND_CLAIM, by name."""
     settings = get_settings()
     positions = [(after or {}).get(queue) for queue in queues]
-    succeeded_claims = [claim_of(job) for job in succeeded]
-    failed_claims = [claim_of(f.job) for f in failed]
+    succeeded_claims = [claim(job).key for job in succeeded]
+    failed_claims = [claim(f.job).key for f in failed]
     return {
         "worker": worker,
         "succeeded_ids": [job_id for job_id, _ in succeeded_claims],
@@ -541,10 +537,10 @@ def turn_params(
     }
 
 
-def reports(jobs: Sequence[Job]) -> list[str | None]:
+def reports(jobs: Sequence[Job | Claim]) -> list[str | None]:
     """Each job's progress report as the statements take it: JSON text without "at" (the
     database adds it), or None for a job without one."""
-    return [_report(job.progress) for job in jobs]
+    return [_report(claim(job).job.progress) for job in jobs]
 
 
 #: The most a progress report may weigh as JSON (progress() makes them of a few dozen bytes).

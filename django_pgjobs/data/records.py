@@ -53,43 +53,41 @@ class FailedAttempt(NamedTuple):
     """A failed attempt to record: back to ready after `delay` seconds while attempts remain
     and the error is not `permanent`, else failed (the dead letter)."""
 
-    job: Job
+    job: Job | Claim
     failure: Failure
     permanent: bool
     delay: float
 
 
-#: A claim: the job's id and its claim count (the fencing token).
-Claim = tuple[UUID, int]
+#: A claim's key: the job's id and its claim count (the fencing token).
+ClaimKey = tuple[UUID, int]
 
 
-#: Where `hold` keeps a claimed job's claim (an attribute no model field uses).
-_HELD = "_pgjobs_held"
+@dataclass(frozen=True, eq=False)
+class Claim:
+    """A worker's claim on one job, as it claimed it: the job's id, its claim count (the fencing
+    token) and the worker, beside the Job its handler gets. The worker keeps it, and its
+    guarded statements name it: what a handler does to its Job (a refresh_from_db() after its
+    lease was lost and another worker claimed the job, say) cannot change it."""
+
+    job: Job
+    id: UUID
+    count: int
+    worker: str | None
+
+    @classmethod
+    def of(cls, job: Job) -> Claim:
+        """The claim `job`'s fields say it has now (for a Job just claimed: its claim)."""
+        return cls(job, job.pk, job.claims, job.worker)
+
+    @property
+    def key(self) -> ClaimKey:
+        return (self.id, self.count)
 
 
-def hold(job: Job) -> None:
-    """Keep `job`'s claim as the worker claimed it: its id, its claim count and the worker.
-    The handler gets this same object (current_job()); what it does to its fields (a
-    refresh_from_db() after its lease was lost and another worker claimed the job, say) must
-    not change the claim the worker's guarded statements name."""
-    job.__dict__[_HELD] = (job.pk, job.claims, job.worker)
-
-
-def claimed(job: Job) -> bool:
-    """Whether a worker holds `job` as claimed (see `hold`): its handler's Job."""
-    return _HELD in job.__dict__
-
-
-def claim_of(job: Job) -> Claim:
-    """The claim the worker holds on `job` (see `hold`): its id and claim count."""
-    held = job.__dict__.get(_HELD)
-    return (held[0], held[1]) if held else (job.pk, job.claims)
-
-
-def holder_of(job: Job) -> str | None:
-    """The worker that claimed `job` (see `hold`)."""
-    held = job.__dict__.get(_HELD)
-    return held[2] if held else job.worker
+def claim(job_or_claim: Job | Claim) -> Claim:
+    """A worker's Claim as it is; a Job as the claim its fields say it has."""
+    return job_or_claim if isinstance(job_or_claim, Claim) else Claim.of(job_or_claim)
 
 
 class Settled(NamedTuple):
@@ -103,7 +101,7 @@ class Settled(NamedTuple):
     claimed: list[Job]
     #: The new status of every outcome recorded, by claim: precise even when a worker held a
     #: stale and a fresh claim of one job.
-    recorded: dict[Claim, str]
+    recorded: dict[ClaimKey, str]
     #: What made the claimed rows impossible to turn into Job objects (a model signal's
     #: receiver raised, say): they were given back, and `claimed` is empty.
     unread: Exception | None = None

@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError
 from nats.js.errors import NotFoundError
 
-from django_pgjobs.data.records import Failure
+from django_pgjobs.data.records import Claim, Failure
 from django_pgjobs.jetstream import messages
 from django_pgjobs.jetstream.bridge import Bridge, Sent
 from django_pgjobs.jetstream.deliveries import (
@@ -411,7 +411,7 @@ class NatsSource:
 
     # ---- shutdown ------------------------------------------------------------------------------
 
-    def shutdown(self, left: list[Job]) -> tuple[list[Recorded], bool]:
+    def shutdown(self, left: list[Claim]) -> tuple[list[Recorded], bool]:
         """Answers not confirmed yet are sent again within what the grace allows; messages
         still running are left to their ack wait."""
         while self.unanswered and time.monotonic() < self.seat.deadline():

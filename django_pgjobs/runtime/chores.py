@@ -17,7 +17,7 @@ from django_pgjobs import registry, retry, signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows
 from django_pgjobs.data.jobs import JobManager
-from django_pgjobs.data.records import TakenBack
+from django_pgjobs.data.records import Claim, TakenBack
 from django_pgjobs.errors import UnknownTask, text_of
 from django_pgjobs.models import Job, QueueStat, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic, declared
@@ -98,7 +98,7 @@ class Reaper(Chore):
         jobs: JobManager,
         interval: float,
         on_reaped: Callable[[], None],
-        running: Callable[[], list[Job]],
+        running: Callable[[], list[Claim]],
     ) -> None:
         super().__init__()
         self.jobs, self.interval, self.on_reaped, self.running = jobs, interval, on_reaped, running

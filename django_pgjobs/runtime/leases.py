@@ -10,14 +10,15 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from uuid import UUID
 
 from django.db import DatabaseError, connections
 
 from django_pgjobs.data import rows
 from django_pgjobs.data.jobs import JobManager
-from django_pgjobs.data.records import Claim, claim_of
+from django_pgjobs.data.records import Claim, ClaimKey
+from django_pgjobs.data.records import claim as as_claim
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.reporting import log_safely
@@ -57,7 +58,7 @@ class LeaseKeeper:
     def __init__(
         self,
         jobs: JobManager,
-        claims: Callable[[], list[Job]],
+        claims: Callable[[], Sequence[Claim | Job]],
         lease_of: Callable[[Job], float],
         default_lease: float,
         lock_waits: LockWaits,
@@ -68,10 +69,10 @@ class LeaseKeeper:
         # By claim, never by job id (a stale and a fresh claim of one job may both be here):
         # the report last written of each, the claims found lost, and those whose rows were
         # locked elsewhere at their last heartbeat (tried again every round until renewed).
-        self._written: dict[Claim, object] = {}
-        self._lost: set[Claim] = set()
-        self._locked: set[Claim] = set()
-        self._unheld: set[Claim] = set()  # found not held once: lost if so again next round
+        self._written: dict[ClaimKey, object] = {}
+        self._lost: set[ClaimKey] = set()
+        self._locked: set[ClaimKey] = set()
+        self._unheld: set[ClaimKey] = set()  # found not held once: lost if so again next round
         self._interval = default_lease / 3  # between heartbeats, as of the last round
         self._renewed_at = time.monotonic()  # the last heartbeat that went through
         self._standing_in = False  # whether the main thread renews the leases meanwhile
@@ -85,8 +86,8 @@ class LeaseKeeper:
     def stop(self) -> None:
         self._stopped.set()
 
-    def interval(self, claims: list[Job]) -> float:
-        return min([self.default_lease, *map(self.lease_of, claims)]) / 3
+    def interval(self, claims: list[Claim]) -> float:
+        return min([self.default_lease, *(self.lease_of(c.job) for c in claims)]) / 3
 
     def behind(self) -> bool:
         """Whether no heartbeat went through for half an interval past the one that was due:
@@ -110,7 +111,7 @@ class LeaseKeeper:
                     "renews them, and claims nothing more while it cannot",
                     time.monotonic() - self._renewed_at,
                 )  # fmt: skip
-            claims = self.claims()
+            claims = [as_claim(claim) for claim in self.claims()]
             if claims:
                 self.keep_up(claims, heartbeat=True)
             self._renewed_at = time.monotonic()
@@ -120,61 +121,61 @@ class LeaseKeeper:
         finally:
             self._rounds.release()
 
-    def renew(self, claims: list[Job]) -> set[UUID]:
+    def renew(self, claims: Sequence[Claim | Job]) -> set[UUID]:
         """Extend every lease in `claims` that is not locked elsewhere, writing each one's
         latest progress report; returns the ids renewed."""
-        by_lease: dict[float, list[Job]] = {}
-        for job in claims:
-            by_lease.setdefault(self.lease_of(job), []).append(job)
+        by_lease: dict[float, list[Claim]] = {}
+        for claim in map(as_claim, claims):
+            by_lease.setdefault(self.lease_of(claim.job), []).append(claim)
         renewed: set[UUID] = set()
-        for lease, jobs in by_lease.items():
-            renewed |= self.jobs.heartbeat(jobs, lease)
-            skipped = [job for job in jobs if claim_of(job)[0] not in renewed]
+        for lease, group in by_lease.items():
+            renewed |= self.jobs.heartbeat(group, lease)
+            skipped = [claim for claim in group if claim.id not in renewed]
             if skipped:  # locked elsewhere (renewed next round), settled meanwhile, or lost
                 owned = self.jobs.owned(skipped)
-                for job in skipped:
-                    claim = claim_of(job)
-                    if claim[0] in owned:
-                        self._locked.add(claim)
-                    elif claim not in self._unheld:
-                        self._unheld.add(claim)  # looked at again next round
+                for claim in skipped:
+                    if claim.id in owned:
+                        self._locked.add(claim.key)
+                    elif claim.key not in self._unheld:
+                        self._unheld.add(claim.key)  # looked at again next round
                     else:
-                        self._lost.add(claim)
+                        self._lost.add(claim.key)
                         log_safely(
                             logger.warning,
                             "lost the lease of job %s (%s); its outcome will not be recorded",
-                            job.pk, job.task,
+                            claim.id, claim.job.task,
                         )  # fmt: skip
         return renewed
 
-    def keep_up(self, claims: list[Job], heartbeat: bool) -> None:
+    def keep_up(self, claims: Sequence[Claim | Job], heartbeat: bool) -> None:
         """One round over `claims`: all of them when a heartbeat is due, else only those whose
         handlers reported progress since their last write (none: no statement at all)."""
-        live = [job for job in claims if claim_of(job) not in self._lost]
+        held = [as_claim(claim) for claim in claims]
+        live = [claim for claim in held if claim.key not in self._lost]
         # Read once: a handler may report again while its report is being written.
-        reports = {claim_of(job): job.progress for job in live}
+        reports = {claim.key: claim.job.progress for claim in live}
         # A row that was locked at the last heartbeat is tried every round, not only at the
         # next heartbeat: its lease must be renewed as soon as the lock is gone, before the
         # reaper (which skips locked rows too) can find the lease expired.
         due = [
-            job
-            for job in live
+            claim
+            for claim in live
             if heartbeat
-            or claim_of(job) in self._locked
-            or claim_of(job) in self._unheld
-            or reports[claim_of(job)] is not self._written.get(claim_of(job))
+            or claim.key in self._locked
+            or claim.key in self._unheld
+            or reports[claim.key] is not self._written.get(claim.key)
         ]
         if due:
             renewed = self.renew(due)
-            for job in due:
-                if claim_of(job)[0] in renewed:
-                    self._written[claim_of(job)] = reports[claim_of(job)]
-                    self._locked.discard(claim_of(job))
+            for claim in due:
+                if claim.id in renewed:
+                    self._written[claim.key] = reports[claim.key]
+                    self._locked.discard(claim.key)
         # Forget the claims that ended.
         self._written = {
             claim: report for claim, report in self._written.items() if claim in reports
         }
-        current = {claim_of(job) for job in claims}
+        current = {claim.key for claim in held}
         self._lost &= current
         self._locked &= current
         self._unheld &= current
@@ -243,7 +244,7 @@ class LeaseKeeper:
         """One round: a heartbeat if it is due (else only new progress reports); returns when
         the next heartbeat is due."""
         with self._rounds:
-            claims = self.claims()
+            claims = [as_claim(claim) for claim in self.claims()]
             self._interval = self.interval(claims)
             # A claim with a shorter lease may have come since the last heartbeat.
             heartbeat_at = min(heartbeat_at, time.monotonic() + self._interval)

@@ -21,11 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+from uuid import UUID
 
 from django.db import DatabaseError, connections
 
 from django_pgjobs.data import rows
-from django_pgjobs.data.records import FailedAttempt, Failure, Position, Settled, claim_of
+from django_pgjobs.data.records import Claim, FailedAttempt, Failure, Position, Settled
 from django_pgjobs.data.wakeups import CHANNEL
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
@@ -96,10 +97,14 @@ class PostgresSource:
         return not self.leases.behind()
 
     def renew(self, jobs: list[Job]) -> None:
-        self.leases.renew(jobs)
+        self.leases.renew([self._claim(job) for job in jobs])
 
     def give_back(self, jobs: list[Job]) -> None:
-        self.jobs.release(jobs)
+        self.jobs.release([self._claim(job) for job in jobs])
+
+    def _claim(self, job: Job) -> Claim:
+        """The claim the worker kept for `job` (the data layer names claims, not Jobs)."""
+        return self.seat.claims.of(job)
 
     def due_in(self) -> float:
         return self._blocked_until - time.monotonic() if self._blocked else float("inf")
@@ -107,7 +112,7 @@ class PostgresSource:
     def failed(self, error: Exception) -> None:
         self.reaper.trouble(error)
 
-    def shutdown(self, left: list[Job]) -> tuple[list[Recorded], bool]:
+    def shutdown(self, left: list[Claim]) -> tuple[list[Recorded], bool]:
         self.leases.stop()
         clean = True
         if left:
@@ -151,7 +156,7 @@ class PostgresSource:
         finished += self._unblocked()
         for item in [item for item in finished if item[1].verdict is Verdict.RETRY]:
             job, handled = item
-            owned = jobs.retry_later(job, handled.delay)
+            owned = jobs.retry_later(self._claim(job), handled.delay)
             finished.remove(item)
             turn.recorded.append(Recorded(job, handled, Outcome.RETRIED if owned else Outcome.LOST))
         succeeded = [item for item in finished if item[1].verdict is Verdict.SUCCEEDED]
@@ -176,7 +181,7 @@ class PostgresSource:
             settled = self._record(succeeded, failed, wanted - len(limited))
         finished.clear()  # every outcome is recorded now, or held
         for job, handled in [*succeeded, *failed]:
-            status = settled.recorded.get(claim_of(job))
+            status = settled.recorded.get(self._claim(job).key)
             turn.recorded.append(Recorded(job, handled, Outcome.of_status(status)))
         turn.claimed += settled.claimed
         if wanted:
@@ -208,9 +213,9 @@ class PostgresSource:
             time.monotonic() < self._blocked_until and not self.seat.stopping()
         ):
             return []
-        locked = self.jobs.locked_elsewhere([job for job, _ in self._blocked])
-        free = [item for item in self._blocked if claim_of(item[0])[0] not in locked]
-        self._blocked = [item for item in self._blocked if claim_of(item[0])[0] in locked]
+        locked = self.jobs.locked_elsewhere([self._claim(job) for job, _ in self._blocked])
+        free = [item for item in self._blocked if self._claim(item[0]).id not in locked]
+        self._blocked = [item for item in self._blocked if self._claim(item[0]).id in locked]
         self._blocked_until = time.monotonic() + BLOCKED_RETRY
         return free
 
@@ -223,8 +228,8 @@ class PostgresSource:
         `error` is not such a wait or no row is locked."""
         if not (outcomes and rows.timed_out(error)):
             return set()
-        locked = self.jobs.locked_elsewhere([job for job, _ in outcomes])
-        blocked = [item for item in outcomes if claim_of(item[0])[0] in locked]
+        locked = self.jobs.locked_elsewhere([self._claim(job) for job, _ in outcomes])
+        blocked = [item for item in outcomes if self._claim(item[0]).id in locked]
         if blocked:
             self._blocked += blocked
             self._blocked_until = time.monotonic() + BLOCKED_RETRY
@@ -245,14 +250,15 @@ class PostgresSource:
         """Record the outcomes and claim up to `limit` jobs from the open queues."""
         try:
             started = time.monotonic()
+            done = [(self._claim(job), handled) for job, handled in succeeded]
             settled: Settled = self.jobs.settle_and_claim(
-                [job for job, _ in succeeded],
-                [_attempt(job, handled) for job, handled in failed],
+                [claim for claim, _ in done],
+                [_attempt(self._claim(job), handled) for job, handled in failed],
                 self.seat.controls.open,
                 worker=self.id,
                 limit=limit,
                 lease=self.seat.lease,
-                results=_results(succeeded),
+                results=_results(done),
                 after=self.positions.for_turn() if limit > 0 else None,
             )
             if limit > 0:
@@ -280,11 +286,12 @@ class PostgresSource:
         jobs, worker = self.jobs, self.id
         result = Settled(set(), {}, [], {})
         for job, handled in [*succeeded, *failed]:
-            one = [job] if handled.verdict is Verdict.SUCCEEDED else []
-            attempt = [] if one else [_attempt(job, handled)]
+            claim = self._claim(job)
+            one = [claim] if handled.verdict is Verdict.SUCCEEDED else []
+            attempt = [] if one else [_attempt(claim, handled)]
             try:
                 settled = jobs.settle_and_claim(
-                    one, attempt, [], worker=worker, limit=0, results=_results([(job, handled)])
+                    one, attempt, [], worker=worker, limit=0, results=_results([(claim, handled)])
                 )
             except DatabaseError as error:
                 if rows.connection_lost(error):
@@ -295,23 +302,23 @@ class PostgresSource:
                     f"the database refused to record this attempt's outcome "
                     f"({handled.verdict.value}): {str(error).strip()}",
                 )
-                status = jobs.fail(job, refused, permanent=True, delay=0)
-                recorded = {claim_of(job): status} if status else {}
+                status = jobs.fail(claim, refused, permanent=True, delay=0)
+                recorded = {claim.key: status} if status else {}
                 settled = Settled(set(), {}, [], recorded)
                 log_safely(logger.error, "job %s (%s): %s", job.pk, job.task, refused.message)
             result.recorded.update(settled.recorded)
         return result
 
 
-def _attempt(job: Job, handled: Handled) -> FailedAttempt:
+def _attempt(claim: Claim, handled: Handled) -> FailedAttempt:
     assert handled.failure is not None
-    return FailedAttempt(job, handled.failure, handled.permanent, handled.delay)
+    return FailedAttempt(claim, handled.failure, handled.permanent, handled.delay)
 
 
-def _results(succeeded: list[tuple[Job, Handled]]) -> dict[object, str]:
+def _results(succeeded: list[tuple[Claim, Handled]]) -> dict[UUID, str]:
     return {
-        claim_of(job)[0]: handled.result_json
-        for job, handled in succeeded
+        claim.id: handled.result_json
+        for claim, handled in succeeded
         if handled.verdict is Verdict.SUCCEEDED and handled.result_json is not None
     }
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from django_pgjobs.data.records import Claim
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome
 from django_pgjobs.runtime import policy
@@ -41,33 +42,38 @@ class Exchange:
 
 
 class Claims:
-    """The claims a worker holds: taken and not yet recorded, keyed by the claim (the Job
-    object), never by job id: a stale claim's outcome must not forget a newer claim of the same
-    job. Shared with the threads that renew leases."""
+    """The claims a worker holds: taken and not yet recorded, each kept as it was claimed
+    (Claim), by the Job its handler gets (never by job id: a stale claim's outcome must not
+    forget a newer claim of the same job). Shared with the threads that renew leases."""
 
     def __init__(self) -> None:
-        self._blocked: dict[int, Job] = {}
+        self._held: dict[int, Claim] = {}
         self._lock = threading.Lock()
 
     def add(self, jobs: Sequence[Job]) -> None:
+        """Keep the claims of jobs just taken (their fields are the claims' now)."""
         with self._lock:
             for job in jobs:
-                self._blocked[id(job)] = job
+                self._held[id(job)] = Claim.of(job)
 
     def forget(self, jobs: Sequence[Job]) -> None:
         with self._lock:
             for job in jobs:
-                self._blocked.pop(id(job), None)
+                self._held.pop(id(job), None)
 
-    def all(self) -> list[Job]:
+    def of(self, job: Job) -> Claim:
+        """The claim kept for `job` (a Job it never took: the claim its fields say)."""
+        return self._held.get(id(job)) or Claim.of(job)
+
+    def all(self) -> list[Claim]:
         with self._lock:
-            return list(self._blocked.values())
+            return list(self._held.values())
 
     def __contains__(self, job: Job) -> bool:
-        return id(job) in self._blocked
+        return id(job) in self._held
 
     def __len__(self) -> int:
-        return len(self._blocked)
+        return len(self._held)
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,7 @@ class Source(Protocol):
         """A turn of the worker's failed with `error` (logged already)."""
         ...
 
-    def shutdown(self, left: list[Job]) -> tuple[list[Recorded], bool]:
+    def shutdown(self, left: list[Claim]) -> tuple[list[Recorded], bool]:
         """The worker stops: return `left` (claims neither finished nor recorded) as the source
         does, end its threads; what it recorded meanwhile, and whether every claim was
         returned or recorded."""

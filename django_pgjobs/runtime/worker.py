@@ -323,9 +323,9 @@ class Worker(Stoppable):
             self.settle_and_claim()
             # Told already (a Task whose task_finished receivers outlast the grace): recorded
             # as told, not returned to run again.
-            for job in self.claims.all():
-                if (kept := handlers.kept_outcome(job)) is not None:
-                    self.finished.hand_in(job, kept)
+            for claim in self.claims.all():
+                if (kept := handlers.kept_outcome(claim.job)) is not None:
+                    self.finished.hand_in(claim.job, kept)
             self.settle_and_claim()
         except Exception as error:  # the database, or a bug: what is left is returned below
             log_safely(logger.warning, "could not record every outcome at the stop: %s", error)

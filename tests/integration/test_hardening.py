@@ -442,7 +442,7 @@ def test_claimed_jobs_are_the_workers_before_anything_else_is_done_with_them(mon
     monkeypatch.setattr(worker.source.leases, "renew", fails)
     with pytest.raises(OperationalError):
         worker.take([job], 1)
-    assert worker.claims.all() == [job]
+    assert [claim.job for claim in worker.claims.all()] == [job]
 
 
 class _TimesOut(Chore):
@@ -940,7 +940,7 @@ def test_a_handler_changing_its_jobs_id_changes_nothing_its_worker_renews_or_rec
     worker, (job,) = running(1)
     job.id = str(job.id)
     for _ in range(3):
-        worker.source.leases.keep_up([job], heartbeat=True)
+        worker.source.leases.keep_up(worker.claims.all(), heartbeat=True)
     assert not worker.source.leases._lost
     worker.hand_in(job, Handled(Verdict.SUCCEEDED, result_json="1"))
     worker.settle_and_claim()

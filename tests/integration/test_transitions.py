@@ -12,7 +12,7 @@ import pytest
 from django.db import connection, connections
 
 from django_pgjobs.data import sql
-from django_pgjobs.data.records import FailedAttempt, Failure
+from django_pgjobs.data.records import Claim, FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Verdict
 from django_pgjobs.runtime import execute
@@ -260,11 +260,12 @@ def test_reap_is_bounded_and_safe_to_repeat():
 
 
 def test_a_handler_reloading_its_job_after_its_claim_was_lost_changes_no_claim_its_worker_holds():
-    """The handler's Job is the worker's claim record (current_job()): a refresh_from_db() made
-    after the lease was lost and another worker claimed the job must not make the worker's
-    heartbeats and outcomes name the other worker's claim."""
+    """The worker keeps each claim (a Claim) beside the Job its handler gets (current_job()): a
+    refresh_from_db() made after the lease was lost and another worker claimed the job must not
+    make the worker's heartbeats and outcomes name the other worker's claim."""
     JobFactory.create_batch(2)
     lost, kept = Job.objects.claim(["default"], worker="w1", limit=2)
+    claims = [Claim.of(lost), Claim.of(kept)]  # what the worker keeps (runtime/sources.Claims)
     with connection.cursor() as cursor:
         cursor.execute(
             "UPDATE pgjobs_job SET leased_until = now() - interval '1 second' WHERE id = %s",
@@ -276,8 +277,8 @@ def test_a_handler_reloading_its_job_after_its_claim_was_lost_changes_no_claim_i
     assert theirs.pk == lost.pk
     lost.refresh_from_db()  # what a handler may do
     assert (lost.worker, lost.claims) == ("w2", 2)
-    assert Job.objects.heartbeat([lost, kept]) == {kept.pk}
-    settled = Job.objects.settle_and_claim([lost, kept], [], [], worker="w1", limit=0)
+    assert Job.objects.heartbeat(claims) == {kept.pk}
+    settled = Job.objects.settle_and_claim(claims, [], [], worker="w1", limit=0)
     assert settled.succeeded == {kept.pk}
     row = Job.objects.get(pk=lost.pk)
     assert (row.status, row.worker, row.claims) == (Status.RUNNING, "w2", 2)
