@@ -3,7 +3,9 @@ TASKS backend uses it, the report's stream figures, and imports every app's task
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import sys
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -35,7 +37,22 @@ class PgJobsConfig(AppConfig):
         from django_pgjobs.observability import figures
 
         figures.stream_stats = stream_stats
-        autodiscover_modules("tasks")
+        if reloading():
+            from django.utils import autoreload
+
+            # As Django does for runserver: an error in a tasks module is kept for the worker's
+            # start to raise (runtime/processes.py) and its file is watched, so that the
+            # reloader keeps watching and starts the worker once the file is fixed.
+            with contextlib.suppress(Exception):
+                autoreload.check_errors(autodiscover_modules)("tasks")
+        else:
+            autodiscover_modules("tasks")
+
+
+def reloading() -> bool:
+    """Whether this process is ``runjobs --reload`` (the parent or its child), read from the
+    command line as Django reads it for runserver: the command is not known yet at setup."""
+    return sys.argv[1:2] == ["runjobs"] and "--reload" in sys.argv[2:]
 
 
 def stream_stats(now: datetime) -> list[StreamStats]:

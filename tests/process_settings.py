@@ -1,5 +1,5 @@
-"""Settings of the --reload crash test's worker: the tests' own, with Django's autoreloader
-logging what it watches (the test waits for it to have seen the module it then rewrites)."""
+"""Settings of the --reload crash tests' workers: the tests' own, with Django's autoreloader
+logging what it watches (a test waits for it to have seen a module it then rewrites)."""
 
 from __future__ import annotations
 

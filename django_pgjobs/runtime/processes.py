@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
+from django.core.management.base import CommandError
 from django.db import DatabaseError, connections, router
 from django.utils import autoreload
 
@@ -313,50 +314,82 @@ class Stops(Protocol):
     def signalled(self, signum: int) -> None: ...
 
 
-def run_reloading(run: Callable[[], int], stoppers: list[Stops]) -> int:
+def run_reloading(
+    run: Callable[[], int], stoppers: list[Stops], check: Callable[[], object]
+) -> int:
     """Run `run` under Django's autoreloader: a parent process starts a child that runs it and
     watches the Python files, and starts it again when the child exits because one changed.
 
     Django's own parent (run_with_reloader) SIGKILLs its child on SIGTERM, which would leave the
     worker's jobs to their leases; this parent passes stop signals on instead, so the worker
     stops as it always does, and says so. The child stops its worker at once when a file
-    changed, releasing the jobs, before it exits to be restarted. `stoppers`: what `run` runs."""
+    changed, releasing the jobs, before it exits to be restarted. `stoppers`: what `run` runs.
+
+    As runserver's, the child does not end when the code cannot start: an error kept as Django
+    set up (apps.py), one from `check` (the system checks) or one raised by `run` is said once,
+    and the child waits for a file to change (that one's included) to start again, or for a
+    stop signal to exit 0. The parent ends once stopped, with the child's status."""
     if os.environ.get(autoreload.DJANGO_AUTORELOAD_ENV) != "true":
-        return _reloading_parent()
+        sys.exit(_reloading_parent())
     reloader = autoreload.get_reloader()
     codes: list[int] = []
+    ended = threading.Event()  # what `run` ran has stopped, or it could not start
 
     def inner() -> None:
         try:
-            codes.append(run())
-        finally:
+            autoreload.check_errors(lambda: codes.append(run()))()
+        except Exception as error:
+            _could_not_start(error)
+        else:
             reloader.stop()  # stopped by a signal: the process ends with it
+        finally:
+            ended.set()
 
     def stop_at_exit() -> None:  # a file changed: the reloader exits the process
         for stopper in list(stoppers):
             stopper.stop(True)
-        for _ in range(100):
-            if codes:
-                break
-            time.sleep(0.1)
+        ended.wait(10)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         for stopper in list(stoppers):
             stopper.signalled(signum)
+        if ended.is_set():  # nothing runs: it could not start
+            reloader.stop()
 
+    main = inner
+    try:
+        # What runserver's inner_run does first; check_errors has the reloader watch the file
+        # an error came from, a module that failed to import being in no sys.modules.
+        autoreload.check_errors(autoreload.raise_last_exception)()
+        autoreload.check_errors(check)()
+    except Exception as error:
+        _could_not_start(error)
+        ended.set()
+        main = ended.set  # nothing to run: the reloader only watches
     # The worker runs on the reloader's thread; signals arrive on this one.
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)
     atexit.register(stop_at_exit)
-    autoreload.start_django(reloader, inner)
+    autoreload.start_django(reloader, main)
     return codes[0] if codes else 0
 
 
+def _could_not_start(error: Exception) -> None:
+    """Say once why the reloading child runs nothing until a file changes."""
+    waiting = "it starts again when a Python file changes (Ctrl-C or SIGTERM stops it)"
+    if isinstance(error, CommandError):  # its message says it all (a check, a bad setting)
+        log_safely(worker_logger.error, "runjobs could not start: %s\n%s", error, waiting)
+    else:
+        log_safely(worker_logger.exception, "runjobs could not start; %s", waiting)
+
+
 def _reloading_parent() -> int:
-    """Start the reloading child again whenever it exits because a file changed (status 3),
-    passing stop signals on to it; return its exit status otherwise. Once a stop signal came,
+    """Start the reloading child again whenever it exits because a file changed (status 3) or
+    to be replaced (Exit.RECYCLE), passing stop signals on to it. A child that failed before
+    its own reloader could watch (an error Django met as it set up: a models module, say) is
+    started again once a Python file this process imported changes. Once a stop signal came,
     the child is not started again (a file changed as it stopped would have), and the status is
-    0: the worker was stopped, as asked."""
+    0: the worker was stopped, as asked; or the child's, which said why it failed."""
     env = {**os.environ, autoreload.DJANGO_AUTORELOAD_ENV: "true"}
     stopped: list[int] = []
     while True:
@@ -376,5 +409,33 @@ def _reloading_parent() -> int:
         if stopped:
             # Ended by the signal passed on before it could handle it (still starting): a stop.
             return 0 if code in (3, -stopped[0]) else code
-        if code != 3:
-            return code
+        if code == 0:  # --once: drained
+            return 0
+        if code not in (3, Exit.RECYCLE) and not _changed_after_failing(code, stopped):
+            return 0
+
+
+def _changed_after_failing(code: int, stopped: list[int]) -> bool:
+    """Say that the child failed with `code`, then wait until a Python file this process
+    imported changes (True), or a stop signal comes (False, the signal added to `stopped`)."""
+    reloader = autoreload.StatReloader()
+    seen = dict(reloader.snapshot_files())  # before the line: a change after it is seen
+    log_safely(
+        logger.error,
+        "runjobs exited with status %d (the error above); it starts again when a Python file "
+        "changes (Ctrl-C or SIGTERM stops it)", code,
+    )  # fmt: skip
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopped.append(signum)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    try:
+        while not stopped:
+            time.sleep(reloader.SLEEP_TIME)
+            if dict(reloader.snapshot_files()) != seen:
+                return True
+        return False
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

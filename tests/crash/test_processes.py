@@ -474,6 +474,128 @@ def test_sigterm_to_runjobs_reload_lets_the_running_job_finish(runjobs):
     assert Job.objects.get(pk=job.pk).status == Status.SUCCEEDED
 
 
+SCRATCH_SETTINGS = """\
+from tests.process_settings import *  # noqa: F403
+
+INSTALLED_APPS = [*INSTALLED_APPS, "pgjobs_scratch"]  # noqa: F405
+"""
+SCRATCH_TASKS = """\
+from django_pgjobs import task
+
+
+@task
+def noop() -> None:
+    pass
+"""
+BROKEN_TASKS = SCRATCH_TASKS.replace("noop()", "noop(")  # a SyntaxError
+
+
+def scratch_app(folder: Path, **modules: str) -> dict[str, str]:
+    """An app, pgjobs_scratch, with these modules (tasks="...", models="...") in `folder`, and
+    settings of its own there that install it: the environment of a runjobs that runs it.
+    Django's autoreloader watches its modules, and logs what it watches."""
+    app = folder / "pgjobs_scratch"
+    app.mkdir()
+    (app / "__init__.py").write_text("")
+    for name, text in modules.items():
+        (app / f"{name}.py").write_text(text)
+    (folder / "pgjobs_scratch_settings.py").write_text(SCRATCH_SETTINGS)
+    return {
+        "PYTHONPATH": str(folder),
+        "PYTHONDONTWRITEBYTECODE": "1",  # no .pyc whose timestamp could hide a change
+        "DJANGO_SETTINGS_MODULE": "pgjobs_scratch_settings",
+    }
+
+
+def rewrite(module: Path, text: str) -> None:
+    """Write `module` anew, dated after what the reloader saw of it, whatever the clock."""
+    later = max(time.time(), module.stat().st_mtime) + 2
+    module.write_text(text)
+    os.utime(module, (later, later))
+
+
+def waits_saying_it_once(worker: WorkerProcess, job: Job, error: str, line: str) -> None:
+    """The reloading runjobs whose code cannot start said `error` (with `line`) once and waits,
+    running no worker: its reloader looks every second, so a loop of restarts would show
+    within these few seconds."""
+    time.sleep(3)
+    assert worker.alive()
+    log = worker.log()
+    assert log.count(error) == 1, log[-3000:]
+    assert log.count(line) == 1, log[-3000:]
+    assert Job.objects.get(pk=job.pk).status == Status.READY
+
+
+def stops_cleanly(worker: WorkerProcess) -> None:
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    assert "without recording or releasing" not in worker.log()
+
+
+def test_reload_waits_through_a_syntax_error_in_a_tasks_module_and_starts_once_fixed(
+    runjobs, tmp_path
+):
+    env = scratch_app(tmp_path, tasks=BROKEN_TASKS)
+    tasks = tmp_path / "pgjobs_scratch" / "tasks.py"
+    job = Job.objects.enqueue(RECORD, {"n": 1})
+    worker = runjobs("--reload", env=env)
+    # The reloader watches the file the error came from: a fix is a change against its first look.
+    wait_until(lambda: f"File {tasks} first seen" in worker.log(), timeout=60)
+    waits_saying_it_once(worker, job, "SyntaxError", "runjobs could not start")
+
+    rewrite(tasks, SCRATCH_TASKS)
+    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=60)
+    stops_cleanly(worker)
+
+
+def test_sigterm_to_runjobs_reload_waiting_through_an_error_exits_0(runjobs, tmp_path):
+    worker = runjobs("--reload", env=scratch_app(tmp_path, tasks=BROKEN_TASKS))
+    wait_until(lambda: "runjobs could not start" in worker.log(), timeout=60)
+    stops_cleanly(worker)
+
+
+def test_without_reload_a_syntax_error_in_a_tasks_module_fails_at_once(runjobs, tmp_path):
+    worker = runjobs(env=scratch_app(tmp_path, tasks=BROKEN_TASKS))
+    assert worker.wait(60) != 0
+    assert "SyntaxError" in worker.log()
+
+
+def test_reload_waits_through_a_syntax_error_saved_while_it_runs(runjobs, tmp_path):
+    env = scratch_app(tmp_path, tasks=SCRATCH_TASKS)
+    tasks = tmp_path / "pgjobs_scratch" / "tasks.py"
+    worker = runjobs("--reload", env=env)
+    wait_until(worker.started, timeout=60)
+    wait_until(lambda: f"File {tasks} first seen" in worker.log(), timeout=30)
+
+    rewrite(tasks, BROKEN_TASKS)
+    # The worker restarted, could not start, and its reloader took its first look at the file.
+    wait_until(lambda: worker.log().count(f"File {tasks} first seen") == 2, timeout=30)
+    job = Job.objects.enqueue(RECORD, {"n": 1})
+    waits_saying_it_once(worker, job, "SyntaxError", "runjobs could not start")
+
+    rewrite(tasks, SCRATCH_TASKS)
+    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=60)
+    stops_cleanly(worker)
+
+
+def test_reload_waits_through_an_error_django_meets_as_it_sets_up(runjobs, tmp_path):
+    # An app's models module is imported by Django's setup, before runjobs runs at all.
+    env = scratch_app(tmp_path, models="")
+    models = tmp_path / "pgjobs_scratch" / "models.py"
+    worker = runjobs("--reload", env=env)
+    wait_until(worker.started, timeout=60)
+    wait_until(lambda: f"File {models} first seen" in worker.log(), timeout=30)
+
+    rewrite(models, "import pgjobs_scratch.missing\n")
+    wait_until(lambda: "runjobs exited with status 1" in worker.log(), timeout=30)
+    job = Job.objects.enqueue(RECORD, {"n": 1})
+    waits_saying_it_once(worker, job, "ModuleNotFoundError", "runjobs exited with status 1")
+
+    rewrite(models, "")
+    wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=60)
+    stops_cleanly(worker)
+
+
 # ---- 5. SIGTERM to a supervisor -----------------------------------------------------------------
 
 

@@ -212,6 +212,13 @@ class Command(BaseCommand):
                     signal.signal(signum, signal.SIG_IGN)
             processes.bound_exit(code, self._grace)
 
+    def execute(self, *args: Any, **options: Any) -> str | None:
+        if options.get("reload"):
+            # As runserver's: the checks run as the reloading child starts the worker, where
+            # an error keeps it watching (runtime/processes.py), and not in the parent.
+            self.requires_system_checks = []
+        return super().execute(*args, **options)
+
     #: --grace, once handle() has read it.
     _grace = Options().grace
 
@@ -244,7 +251,11 @@ class Command(BaseCommand):
         def run() -> int:
             return self.run(options)
 
-        code = processes.run_reloading(run, _stoppers) if options["reload"] else run()
+        def check() -> None:
+            if not options["skip_checks"]:
+                self.check()
+
+        code = processes.run_reloading(run, _stoppers, check) if options["reload"] else run()
         if code and options["processes"] > 1:
             raise CommandError(
                 "worker processes failed (kept dying, or stopped without releasing their "
