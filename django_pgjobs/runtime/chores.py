@@ -108,7 +108,7 @@ class Reaper(Chore):
 
     def trouble(self, error: Exception) -> None:
         """A statement of the worker's (a turn's, this chore's) failed with `error`: trouble
-        when it may have held up every worker's heartbeats too (held_up)."""
+        when it may have held up every worker's heartbeats too (blocks_heartbeats)."""
         if blocks_heartbeats(error):
             self._troubled = True
 
