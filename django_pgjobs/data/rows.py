@@ -61,10 +61,9 @@ def replan(db: str, backlog: bool) -> None:
     A plan is made for the table as it is then. PostgreSQL makes a cached one again when
     autovacuum analyzes the table, which keeps up with a table that grows by the hour, not with
     a backlog that arrives within a second: a plan made while the table was nearly empty reads
-    it whole once it holds thousands of jobs (a worker started on an empty table fell to a
-    third of benchmark W8's rate until the next ANALYZE). A backlog that is not due yet (jobs
-    scheduled for tomorrow) fills no turn: the idle turns, promotions and reaps read the table
-    whole for at most REPLAN_IDLE. Idle plans are not made again sooner because each new
+    it whole once it holds thousands of jobs, until the next ANALYZE. A backlog that is not due
+    yet (jobs scheduled for tomorrow) fills no turn: the idle turns, promotions and reaps read
+    the table whole for at most REPLAN_IDLE. Idle plans are not made again sooner because each new
     generation is planned on the way, and an idle worker's wake-ups would pay for it.
     """
     connection = connections[db].connection

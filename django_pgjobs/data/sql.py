@@ -16,8 +16,8 @@ Those that find a worker's jobs by id spell the status guard ``(j.status = 'runn
 the same condition, which the planner cannot match to the running jobs' partial index, so the
 rows are looked up by primary key. Otherwise it may read the worker's entries in that index
 instead, and every running row version that died since the oldest snapshot in the cluster
-stays there: under a snapshot held for minutes, each turn read all of them (4 ms a turn and
-rising in benchmark W6, against 0.3 ms by primary key; a test checks the plan).
+stays there: under a snapshot held for minutes, each turn would read all of them (a test checks
+the plan).
 
 A worker's main loop plans each statement once for any parameters (runtime/sessions.py,
 data/rows.py), so every plan here must be good without their values: rows that a subquery
@@ -298,9 +298,7 @@ SETTLE_AND_CLAIM = f"""
 """
 
 # A turn with no outcome to record: the claim alone. Its plan has none of the settling
-# statements' parts to start, which an idle worker's wake-up pays for on a cold backend:
-# 1.7–1.9 ms against 2.2 ms for SETTLE_AND_CLAIM after 20 ms idle, 0.7–0.8 against
-# 1.2–1.6 ms back to back (a realistic table, planned once, on the development server).
+# statements' parts to start, which an idle worker's wake-up would pay for on a cold backend.
 CLAIM = f"""
     WITH {_CLAIM.strip()}
     SELECT 'claimed' AS kind, * FROM claimed

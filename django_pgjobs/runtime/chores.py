@@ -169,8 +169,7 @@ class Pruner(Chore):
     """Deletes finished jobs past their retention, and workers' statistics past theirs: one
     bounded batch a turn while there is a backlog, then again after `interval` seconds, or a
     quarter of the shortest retention when that is sooner (at least a second): a job is kept
-    little longer than its retention, so a short one keeps the table small (benchmark W6: with
-    5 s and a prune every minute, a minute of finished jobs piled up between prunes)."""
+    little longer than its retention, so a short one keeps the table small."""
 
     def __init__(self, jobs: JobManager, interval: float) -> None:
         super().__init__()

@@ -52,8 +52,7 @@ class LeaseKeeper:
     A claim is found lost when two rounds in a row (about a second apart) find it no longer
     held and still among `claims()`: one round is not enough, because the worker's main thread
     may have recorded the job's outcome between this thread's reading of `claims()` and its
-    heartbeat, and forgets the claim only once that statement has returned (benchmark drains
-    logged hundreds of such jobs as lost, every one of them recorded)."""
+    heartbeat, and forgets the claim only once that statement has returned."""
 
     def __init__(
         self,

@@ -42,9 +42,8 @@ IDLE_SESSION = "0"
 #: After this many executions psycopg prepares a statement on a worker's main loop connection
 #: (its own default), and PostgreSQL plans it once for any parameters (plan_cache_mode
 #: force_generic_plan): the turn's statement is no longer parsed, analysed and planned every
-#: turn. An idle worker's turn that claims one job took 1.56 ms unprepared, 1.21 ms prepared
-#: (planned each time, PostgreSQL's own choice for it) and 0.54 ms planned once (plans are
-#: made again when a backlog arrives, and every 30 s: data/rows.py, replan). Every statement
+#: turn (docs/performance.md has the figures). Plans are made again when a backlog arrives,
+#: and every 30 s (data/rows.py, replan). Every statement
 #: that connection runs with parameters is one of data/sql.py's, written so that such a plan
 #: reads the job table by its indexes (a test checks each). JIT is off there too: a plan made
 #: without the parameters may cost enough to start it, and it is never worth it for
