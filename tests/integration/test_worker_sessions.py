@@ -508,3 +508,23 @@ def test_what_a_report_could_not_write_is_written_by_the_next(other_connection):
     connection.close()  # as the worker does after its connection's fault
     worker._report(2.0)
     assert list(QueueStat.objects.values_list("seconds", "succeeded")) == [(2.0, 1)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_workers_connections_commit_each_statement_whatever_the_settings_became():
+    # A handler set DATABASES["default"]["AUTOCOMMIT"] = False "for its job": the dict is every
+    # thread's, and after a reconnect the worker's own statements ran in one transaction never
+    # committed, claims and outcomes rolled back at its stop.
+    from django_pgjobs.runtime.sessions import LockWaits
+
+    sessions = LockWaits("default")
+    connection.close()
+    connection.settings_dict["AUTOCOMMIT"] = False
+    try:
+        sessions.limit_this_thread()
+        connection.ensure_connection()
+        assert connection.get_autocommit()
+    finally:
+        connection.settings_dict["AUTOCOMMIT"] = True
+        sessions.stop()
+        connection.close()
