@@ -1,42 +1,15 @@
-"""What a NATS worker answers a delivered message (jetstream/deliveries.py), and what the report
-reads of one (jetstream/messages.py)."""
+"""What the report reads of a message in a stream (jetstream/messages.py): the due time of a
+body of ours, and none of any other."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 pytest.importorskip("nats")
 
-from django_pgjobs.jetstream.deliveries import MAX_NAK_DELAY, Reply, answer
 from django_pgjobs.jetstream.messages import due_at
-from django_pgjobs.outcomes import Handled, Outcome, Verdict
-
-
-def test_a_retry_later_than_jetstream_can_delay_is_delayed_as_long_as_it_can_not_at_once():
-    # A Retry of 500 years (pgjobs takes up to 1000) overflowed the NAK's 64-bit nanoseconds:
-    # the message came back at once, again and again, until its attempts ran out.
-    job = SimpleNamespace(attempts=1, max_attempts=3)  # attempts left: a NAK
-    late = answer(None, job, Handled(Verdict.RETRY, delay=500 * 365 * 86400.0), float("inf"))  # type: ignore[arg-type]
-    assert (late.reply, late.delay, late.outcome) == (Reply.NAK, MAX_NAK_DELAY, Outcome.RETRIED)
-    assert MAX_NAK_DELAY * 1e9 < 2**63
-
-
-def test_a_nak_delay_is_at_most_a_few_ack_waits_and_ends_before_the_message_expires():
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    from django_pgjobs.jetstream.deliveries import NAK_ACK_WAITS, nak_limit
-
-    just_published = timezone.now()
-    assert nak_limit(just_published, 30.0, 0) == NAK_ACK_WAITS * 30.0
-    # Stored 20 s ago in a stream keeping messages 120 s: 100 s left, less an ack wait.
-    assert 69.0 < nak_limit(just_published - timedelta(seconds=20), 30.0, 120) <= 70.0
-    assert nak_limit(just_published - timedelta(seconds=3590), 30.0, 3600) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -52,37 +25,3 @@ def test_a_body_not_ours_has_no_due_time(body):
 def test_a_body_of_ours_gives_its_jobs_run_at():
     found = due_at(b'{"v": 1, "run_at": "2026-12-02T10:00:00.5+01:00"}')
     assert found == datetime(2026, 12, 2, 9, 0, 0, 500000, tzinfo=UTC)
-
-
-def delivered(sequence: int, count: int, stream: str = "PGJOBS_q", job: str = "a:0") -> Any:
-    """A delivered message as nats-py reads it: its metadata come from its reply subject."""
-    from nats.aio.msg import Msg
-
-    reply = f"$JS.ACK.{stream}.pgjobs_q.{count}.{sequence}.{count}.1764756000000000000.0"
-    headers = {"Nats-Msg-Id": job}
-    return Msg(None, subject="pgjobs.q", reply=reply, data=b"{}", headers=headers)  # type: ignore[arg-type]
-
-
-def test_a_delivery_count_that_goes_back_is_taken_as_one_more_than_seen():
-    # nats-server before 2.10.14 may deliver a message it is redelivering once more with a
-    # count of 1 (nats-server#5305): the job's attempts went 1, 2, 1, then past max_attempts
-    # at the server's next count, dead-lettered as a lost worker's instead of its last attempt.
-    from django_pgjobs.jetstream.deliveries import DeliveryCounts
-
-    counts = DeliveryCounts()
-    seen = [counts.of(delivered(7, n)) for n in (1, 2, 1, 4)]
-    assert seen == [1, 2, 3, 4]
-    assert counts.of(delivered(8, 1)) == 1  # another message: its own count
-    assert counts.of(delivered(7, 1, stream="PGJOBS_other")) == 1  # another stream's
-    # The stream made again (deleted, its storage lost): its sequences start again at 1
-    assert counts.of(delivered(7, 1, job="b:0")) == 1
-
-
-def test_the_delivery_counts_kept_are_bounded():
-    from django_pgjobs.jetstream.deliveries import DeliveryCounts
-
-    counts = DeliveryCounts()
-    for sequence in range(DeliveryCounts.LIMIT + 1):
-        counts.of(delivered(sequence, 2))
-    assert counts.of(delivered(0, 1)) == 1  # the oldest was forgotten
-    assert counts.of(delivered(DeliveryCounts.LIMIT, 1)) == 3  # the newest kept
