@@ -28,7 +28,7 @@ def test_a_stop_during_a_long_outage_ends_within_the_grace_not_after_the_next_pa
     def outage() -> None:
         raise OperationalError("connection refused")
 
-    monkeypatch.setattr(worker, "_turn", outage)
+    monkeypatch.setattr(worker, "settle_and_claim", outage)
     monkeypatch.setattr(policy, "outage_pause", lambda failures: 30.0)  # deep in an outage
     ended = []
     thread = threading.Thread(target=lambda: ended.append(worker.run()))
@@ -56,7 +56,7 @@ def test_a_failed_turn_waits_out_its_pause_whatever_wakes_the_loop(monkeypatch):
         worker.poll_now()  # as settling does before recording outcomes one by one
         raise InternalError("cannot execute UPDATE in a read-only transaction")
 
-    monkeypatch.setattr(worker, "_turn", refused)
+    monkeypatch.setattr(worker, "settle_and_claim", refused)
     monkeypatch.setattr(policy, "outage_pause", lambda failures: 0.5)
     thread = threading.Thread(target=worker.run)
     thread.start()
@@ -93,10 +93,9 @@ def test_an_orphaned_worker_stops_while_it_pauses_after_a_failed_turn(monkeypatc
     worker = Worker(Options(queues=["default"], listen=False, parent_pid=parent))
 
     def unreachable() -> None:
-        worker._check_limits()
         raise OperationalError("connection refused")
 
-    monkeypatch.setattr(worker, "_turn", unreachable)
+    monkeypatch.setattr(worker, "settle_and_claim", unreachable)
     monkeypatch.setattr(policy, "outage_pause", lambda failures: 30.0)
     thread = threading.Thread(target=worker.run)
     thread.start()

@@ -296,13 +296,13 @@ def test_a_worker_keeps_working_when_a_migration_changes_a_column_its_prepared_t
     treats it like a lost connection: it reconnects (which prepares afresh) and goes on."""
     worker = Worker(Options(queues=["default"], concurrency=4, listen=False, poll_interval=0.05))
     turns: list[float] = []
-    turn = worker._turn
+    turn = worker.settle_and_claim
 
     def counted() -> None:
         turns.append(time.monotonic())
         turn()
 
-    worker._turn = counted  # type: ignore[method-assign]
+    worker.settle_and_claim = counted  # type: ignore[method-assign]
     thread = threading.Thread(target=worker.run)
     thread.start()
     try:
