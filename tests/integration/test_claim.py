@@ -4,6 +4,7 @@ import re
 import threading
 from collections import Counter
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, connections
@@ -255,3 +256,26 @@ def test_a_run_at_set_by_hand_before_what_python_holds_is_claimed_with_the_other
     claimed = Job.objects.settle_and_claim([], [], ["default"], worker="w1", limit=10).claimed
     assert {job.pk for job in claimed} == {odd.pk, *(job.pk for job in others)}
     assert claimed[0].pk == odd.pk  # first, as asked
+
+
+@pytest.mark.django_db
+def test_claims_the_caller_never_sees_are_given_back_at_once():
+    """A Job model signal's receiver that raises while claimed rows become Job objects: the
+    claims were committed; they go back to ready at once, the attempt not spent."""
+    from django.db.models.signals import post_init
+
+    from tests.factories import JobFactory
+
+    def broken(sender: Any, instance: Job, **kwargs: Any) -> None:
+        if instance.payload == {"poison": 1}:
+            raise RuntimeError("post_init receiver bug")
+
+    job = JobFactory(payload={"poison": 1})
+    post_init.connect(broken, sender=Job)
+    try:
+        with pytest.raises(RuntimeError, match="post_init receiver bug"):
+            Job.objects.claim(["default"], worker="w1", limit=5)
+    finally:
+        post_init.disconnect(broken, sender=Job)
+    row = Job.objects.get(pk=job.pk)
+    assert (row.status, row.attempts, row.claims) == (Status.READY, 0, 1)

@@ -3,6 +3,7 @@ lifecycle signals — in process, against the real database."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,9 @@ from django_pgjobs import signals
 from django_pgjobs.data.records import Failure
 from django_pgjobs.models import LATENCY_BUCKETS, Job, Queue, QueueStat
 from django_pgjobs.runtime import execute
+from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
+from tests.conftest import wait_until
 from tests.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
@@ -107,6 +110,31 @@ def test_replay_of_a_cancelled_job_clears_the_request():
     assert Job.objects.filter(pk=job.pk).replay() == [job.pk]
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.cancel_requested) == (Status.READY, False)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_cancelled_while_it_waits_for_a_thread_is_not_started():
+    # Claimed and waiting behind a slow job (prefetch, a turn's batch), it showed as running: the
+    # operator's cancel was told "running ones stop if their handler checks", and the handler,
+    # started after the cancel had committed, ran in full.
+    from tests.models import Execution
+
+    slow = Job.objects.enqueue("tests.tasks.record", {"n": 1, "seconds": 0.8}, priority=10)
+    waiting = Job.objects.enqueue("tests.tasks.record", {"n": 2})
+    worker = Worker(Options(queues=["default"], concurrency=1, listen=False, poll_interval=0.1))
+    worker.learn_durations([0.001] * 10)  # fast handlers so far: it claims beyond its thread
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: Execution.objects.filter(n=1).exists(), timeout=10)
+        assert Job.objects.get(pk=waiting.pk).status == Status.RUNNING  # claimed, not started
+        assert Job.objects.filter(pk=waiting.pk).cancel() == [waiting.pk]
+        wait_until(lambda: Job.objects.get(pk=waiting.pk).status == Status.CANCELLED, timeout=10)
+    finally:
+        worker.stop()
+        thread.join(15)
+    assert not Execution.objects.filter(n=2).exists()
+    assert Job.objects.get(pk=slow.pk).status == Status.SUCCEEDED
 
 
 # ---- queue controls -------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from django_pgjobs.testing import run_jobs
 from tests import framework_tasks as tasks
 from tests.conftest import wait_until
 from tests.factories import JobFactory
-from tests.integration.test_hardening import ReadReplicaRouter, replica  # noqa: F401
+from tests.integration.test_read_replicas import ReadReplicaRouter, replica  # noqa: F401
 
 try:
     from django.tasks import TaskResultStatus, default_task_backend, task_backends

@@ -259,6 +259,25 @@ def test_reap_is_bounded_and_safe_to_repeat():
     assert reap() == (0, 0)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_taking_back_a_dead_workers_jobs_passes_over_a_row_locked_elsewhere(other_connection):
+    # A supervisor takes back a dead child's jobs on its own loop: a row lock held elsewhere
+    # (an application's select_for_update in an open transaction) stopped it restarting
+    # children and honouring SIGTERM for as long as the lock was held.
+    from tests.factories import JobFactory
+
+    JobFactory.create_batch(3)
+    locked, *others = Job.objects.claim(["default"], worker="dead", limit=3)
+    with connection.cursor() as cursor:  # this session's wait, should there be one, fails
+        cursor.execute("SET lock_timeout = '2s'")
+    with other_connection.transaction():
+        other_connection.execute("SELECT FROM pgjobs_job WHERE id = %s FOR UPDATE", [locked.pk])
+        assert Job.objects.abandon("dead", "its process died")[:2] == (2, 0)
+    statuses = dict(Job.objects.values_list("pk", "status"))
+    assert statuses[locked.pk] == Status.RUNNING  # left to the reaper, at its lease's end
+    assert {statuses[job.pk] for job in others} == {Status.READY}
+
+
 def test_a_handler_reloading_its_job_after_its_claim_was_lost_changes_no_claim_its_worker_holds():
     """The worker keeps each claim (a Claim) beside the Job its handler gets (current_job()): a
     refresh_from_db() made after the lease was lost and another worker claimed the job must not
@@ -449,6 +468,23 @@ def test_replay_skips_a_dead_letter_whose_unique_key_a_live_job_holds():
     dead = JobFactory(dead=True, unique_key="k")
     JobFactory(unique_key="k")
     assert Job.objects.filter(pk=dead.pk).replay() == []
+
+
+@pytest.mark.django_db
+def test_replaying_dead_letters_that_share_a_key_replays_the_oldest_and_skips_the_rest():
+    first = Job.objects.enqueue("tests.tasks.noop", unique_key="order-7")
+    Job.objects.filter(pk=first.pk).cancel()
+    second = Job.objects.enqueue("tests.tasks.noop", unique_key="order-7")
+    Job.objects.filter(pk=second.pk).cancel()
+    other = Job.objects.enqueue("tests.tasks.noop")
+    Job.objects.filter(pk=other.pk).cancel()
+
+    replayed = Job.objects.all().replay()
+
+    assert sorted(replayed) == sorted([first.pk, other.pk])
+    assert Job.objects.get(pk=second.pk).status == Status.CANCELLED
+    # Again: the key is held by the replayed job now, so nothing more is replayed.
+    assert Job.objects.all().replay() == []
 
 
 def test_run_now_makes_a_scheduled_job_due():

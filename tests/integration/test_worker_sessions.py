@@ -296,13 +296,13 @@ def test_a_worker_keeps_working_when_a_migration_changes_a_column_its_prepared_t
     treats it like a lost connection: it reconnects (which prepares afresh) and goes on."""
     worker = Worker(Options(queues=["default"], concurrency=4, listen=False, poll_interval=0.05))
     turns: list[float] = []
-    turn = worker._turn
+    turn = worker.settle_and_claim
 
     def counted() -> None:
         turns.append(time.monotonic())
         turn()
 
-    worker._turn = counted  # type: ignore[method-assign]
+    worker.settle_and_claim = counted  # type: ignore[method-assign]
     thread = threading.Thread(target=worker.run)
     thread.start()
     try:
@@ -508,3 +508,23 @@ def test_what_a_report_could_not_write_is_written_by_the_next(other_connection):
     connection.close()  # as the worker does after its connection's fault
     worker._report(2.0)
     assert list(QueueStat.objects.values_list("seconds", "succeeded")) == [(2.0, 1)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_workers_connections_commit_each_statement_whatever_the_settings_became():
+    # A handler set DATABASES["default"]["AUTOCOMMIT"] = False "for its job": the dict is every
+    # thread's, and after a reconnect the worker's own statements ran in one transaction never
+    # committed, claims and outcomes rolled back at its stop.
+    from django_pgjobs.runtime.sessions import LockWaits
+
+    sessions = LockWaits("default")
+    connection.close()
+    connection.settings_dict["AUTOCOMMIT"] = False
+    try:
+        sessions.limit_this_thread()
+        connection.ensure_connection()
+        assert connection.get_autocommit()
+    finally:
+        connection.settings_dict["AUTOCOMMIT"] = True
+        sessions.stop()
+        connection.close()

@@ -1,4 +1,5 @@
-"""When a worker's reaper holds back: after what may have held up every worker's heartbeats."""
+"""A worker's chores (runtime/chores.py): when its reaper holds back, after what may have held
+up every worker's heartbeats."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The loops' wake-up, given by signal handlers (runtime/lifecycle.py, Wake)."""
+"""A worker's life (runtime/lifecycle.py): the loops' wake-up, given by signal handlers (Wake)."""
 
 from __future__ import annotations
 
