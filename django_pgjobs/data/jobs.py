@@ -3,10 +3,6 @@
 Each transition is one short statement guarded so it changes only what it should, and returns
 what it changed; the statements themselves are in data/sql.py. The runtime decides *when*, this
 module decides *how*.
-
-Nearly 400 lines: it is the one seam for a worker's transitions (enqueue, claim, settle,
-heartbeat, release, reap, abandon, and for NATS queues relay and write back), each binding its
-statement's named parameters.
 """
 
 from __future__ import annotations
@@ -143,11 +139,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     ) -> list[Job]:
         """Take up to `limit` due jobs from `queues`, highest priority first, then oldest run_at.
 
-        One statement: an UPDATE over a ``SELECT … FOR UPDATE SKIP LOCKED`` per queue, so
-        concurrent workers never claim the same job and never wait for each other. Each job
-        comes back running, leased to `worker` for `lease` seconds, with `attempts` counting
-        this one. Run the jobs after this returns (the claim has committed, unless the caller
-        wrapped it in its own transaction).
+        SKIP LOCKED: concurrent workers never claim the same job nor wait for each other. Each
+        job comes back running, leased to `worker` for `lease` seconds, `attempts` counting this
+        one. Run the jobs after this returns, once the claim has committed.
         """
         settled = self.settle_and_claim([], [], queues, worker=worker, limit=limit, lease=lease)
         if settled.unread is not None:
@@ -167,16 +161,11 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         after: Mapping[str, Position] | None = None,
     ) -> Settled:
         """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs
-        from `queues`, in one statement (sql.SETTLE_AND_CLAIM; sql.CLAIM without outcomes):
-        one round trip and one commit per turn of a worker's loop.
+        from `queues` in one statement: one round trip and one commit per turn.
 
-        Each outcome names a claim: a worker's Claim, or a Job standing for the claim its fields
-        say. `succeeded` are completed, keeping the return values in `results` (job id → JSON text)
-        as their `result`; each of `failed` is recorded as by `fail`. A queue's claim starts
-        after its Position in `after` (the last job this worker claimed there), passing over
-        ready jobs behind it; without one, at the start (every due job). Returns the ids of
-        `succeeded` this worker still owned, the new status of each of `failed` it still
-        owned, and the claimed jobs (as `claim`).
+        `succeeded` keep their return values in `results` (job id → JSON text); each of `failed`
+        is recorded as by `fail`. A queue's claim starts after its Position in `after`, else at
+        the start. Returns what this worker still owned of the outcomes, and the claimed jobs.
         """
         claiming = bool(queues) and limit >= 1
         if not (claiming or succeeded or failed):
@@ -323,21 +312,11 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             return int(cursor.rowcount)
 
     def abandon(self, worker: str, reason: str) -> TakenBack:
-        """Take back every running job of `worker`, a worker known to be dead (e.g. its
-        supervisor saw its process exit), at once: to ready after the task's backoff (as for a
-        reaped job: a job that kills its worker must not be taken at once by the next one, its
-        deaths counting towards the supervisor's crash limit faster than its attempts run out),
-        or failed when no attempts remain, recording the attempt as lost with `reason`; rows
-        another session holds locked are passed over (their leases bring them back)."""
-        settings = get_settings()
-        params = {
-            "worker": worker,
-            "reason": reason,
-            "cap": settings.BACKOFF_MAX,
-            "base": settings.BACKOFF_BASE,
-            "error": Failure("WorkerLost", reason).as_json(),
-            "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
-        }
+        """Take back every running job of `worker`, known to be dead, at once, as `reap` does
+        (after the task's backoff, so a job that kills its worker is not taken at once by the
+        next); the attempt is recorded as lost with `reason`. Rows locked elsewhere are passed
+        over: their leases bring them back."""
+        params = {"worker": worker, "reason": reason, **_taking_back(Failure("WorkerLost", reason))}
         return self._taken_back(rows.execute(self._write_db(), sql.ABANDON, params))
 
     def reap(self, *, limit: int = 1000, sparing: Sequence[Job | Claim] = ()) -> TakenBack:
@@ -414,17 +393,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         self, job: Job, failure: Failure, *, permanent: bool, delay: float, hand_back: bool = False
     ) -> str:
         """Record a failed attempt of `job`, run from NATS by `job.worker` (an unsaved Job
-        with its attempts and claims), by the worker's own rule (`fail`), and say what to do
-        with its message:
+        with its attempts and claims), as `fail` would, and say what to do with its message:
 
-        - ``failed`` (or ``cancelled``): written here as a dead letter, for the admin's
-          inspection and replay; the message is done with;
-        - ``ready``: attempts remain. Nothing is written, the message is delivered again after
-          `delay`; with `hand_back`, the job is written as an outbox row due after `delay`,
-          with its attempts and error history, relayed then under a message id of its own
-          (it counts one claim more than the message): the message is done with;
-        - WRITTEN: a row of this job with at least its claims exists already (written by an
-          earlier delivery of the message, or replayed since): nothing to do;
+        - ``failed`` (or ``cancelled``): written here as a dead letter; the message is done with;
+        - ``ready``: nothing written, the message is delivered again after `delay`; with
+          `hand_back`, written as an outbox row due after `delay` (one claim more, so a message
+          id of its own): the message is done with;
+        - WRITTEN: a row of this job with at least its claims exists already: nothing to do;
         - IN_OUTBOX: the job's outbox row is still there (its relay has not committed): try
           again shortly.
         """
@@ -454,11 +429,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             return Status.READY
 
     def drop_superseded(self, job: Job, below: int) -> bool:
-        """Delete the outbox row of NATS job `job` that an older delivery of it wrote (its
-        claims under `below`: sql.SUPERSEDED), unless a relay is publishing it; whether there
-        was one. Before an attempt's outcome is written back: else that row stood in the way
-        (IN_OUTBOX), and this delivery was delivered again every second, its backoff and errors
-        lost, until it was dead-lettered as a lost worker's."""
+        """Delete the outbox row an older delivery of NATS job `job` wrote (its claims under
+        `below`), unless a relay is publishing it; whether there was one. Called before writing
+        back an outcome, which that row would otherwise block for good (IN_OUTBOX)."""
         return bool(rows.execute(self._write_db(), sql.SUPERSEDED, {"id": job.pk, "below": below}))
 
     def _written_back(self, job: Job, attempts: int) -> str | None:

@@ -30,12 +30,9 @@ ID_CLOCK_MARGIN = timedelta(minutes=10)
 #: How often replay looks again when a job took one of its keys while it ran.
 REPLAY_TRIES = 3
 
-#: A transition takes the rows it may change without waiting for one another session holds:
-#: a worker's turn holds the ready rows it is claiming while it waits to record the outcomes of
-#: its running ones, which a transition over both (a Cancel of a task's jobs) may have written
-#: already: waiting, each would wait for the other until PostgreSQL rolled one back. The rows
-#: passed over are taken in further statements, after a pause doubling from CHANGE_PAUSE (a
-#: worker holds them for a statement), at last waiting for them (a lock held longer).
+#: A transition skips rows another session holds, since a worker's turn may hold rows the
+#: transition needs while waiting on rows it already wrote (a deadlock). Skipped rows are
+#: retried after a pause doubling from CHANGE_PAUSE, and at the last try waited for.
 CHANGE_PAUSE = 0.02
 CHANGE_TRIES = 8
 
@@ -64,11 +61,9 @@ class JobQuerySet(models.QuerySet["Job"]):
     def replay(self, *, queue: str | None = None, by: str | None = None) -> list[UUID]:
         """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
         another queue). Skips other statuses, jobs whose unique_key a live job holds, and of
-        several selected jobs sharing a unique_key all but the oldest. Never fails as a whole:
-        the jobs it skipped are the selected ones it does not return.
-
-        The replay joins the job's error history (when, `by` whom, into which queue), and
-        last_error is cleared: the history keeps the errors, the job has none since."""
+        several selected jobs sharing a unique_key all but the oldest; never fails as a whole.
+        The replay joins the error history (when, `by` whom, into which queue); last_error is
+        cleared."""
         into = None if queue is None else validation.check_queue(queue)
         kept = sql.errors_kept(get_settings().ERRORS_KEPT)
         self._for_write = True
@@ -133,13 +128,9 @@ class JobQuerySet(models.QuerySet["Job"]):
 
     def replace_payload(self, payload: Any) -> list[UUID]:
         """Give the selected failed or cancelled jobs `payload`, checked as enqueue checks one
-        (EnqueueError before anything is written): the one change of a payload after enqueue.
-        Returns the ids changed: a job that is no longer failed or cancelled (replayed, or
-        deleted, meanwhile) is left alone.
-
-        Only the payload changes; replay the jobs to run them (replay)."""
+        (EnqueueError before anything is written); returns the ids changed. Only the payload
+        changes: replay the jobs to run them."""
         text = validation.payload_json(payload, get_settings().MAX_PAYLOAD_BYTES)
-        # The guarded UPDATE: the status is checked again on each row as it is written.
         return self._change(
             "payload = %s::jsonb", [text], guard="j.status IN ('failed', 'cancelled')"
         )
@@ -223,11 +214,9 @@ class JobQuerySet(models.QuerySet["Job"]):
         old = self.prunable(retention)
         total, batches = 0, 0
         while max_batches is None or batches < max_batches:
-            # Bounded batches keep each transaction short and the locks few; SKIP LOCKED lets
-            # every worker prune at once without queueing behind each other.
-            # The batch is read first, then deleted by primary key: deleted through a subquery
-            # (`id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`), a nested-loop plan ran
-            # the subquery again for each row and deleted every prunable row in one statement.
+            # Bounded batches keep transactions short; SKIP LOCKED lets every worker prune at
+            # once. Read, then delete by primary key: a nested loop may run a LIMIT subquery
+            # again for each row, deleting every prunable row in one statement.
             batch = old.select_for_update(skip_locked=True).values_list("pk", flat=True)
             with transaction.atomic(using=self.db):
                 ids = list(batch[: settings.PRUNE_BATCH])

@@ -11,8 +11,8 @@ from uuid import UUID
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
 
-# Text written on the failure path must never make that write fail (a NUL byte in an error
-# message once left jobs stuck in other queues), so it is cleaned and bounded first.
+# Text written on the failure path must never make that write fail, so it is cleaned and
+# bounded first.
 MESSAGE_LIMIT = 2000
 TRACEBACK_LIMIT = 4000
 
@@ -65,10 +65,9 @@ ClaimKey = tuple[UUID, int]
 
 @dataclass(frozen=True, eq=False)
 class Claim:
-    """A worker's claim on one job, as it claimed it: the job's id, its claim count (the fencing
-    token) and the worker, beside the Job its handler gets. The worker keeps it, and its
-    guarded statements name it: what a handler does to its Job (a refresh_from_db() after its
-    lease was lost and another worker claimed the job, say) cannot change it."""
+    """A worker's claim on one job: the job's id, its claim count (the fencing token) and the
+    worker, beside the Job its handler gets. Guarded statements name the claim, so nothing a
+    handler does to its Job (a refresh_from_db(), say) can change what they guard on."""
 
     job: Job
     id: UUID

@@ -26,10 +26,8 @@ def to_send(db: str, queues: Iterable[str]) -> list[str]:
     """The queues an enqueue about to run on `db` should announce: those this process has not
     announced in the last COALESCE_SECONDS (none when PGJOBS["NOTIFY"] is off).
 
-    The enqueue's own statement sends them (pg_notify), so PostgreSQL delivers them when the
-    caller's transaction commits and drops them if it rolls back: no extra round trip, and the
-    wake-up arrives the moment the job is visible. A rolled-back transaction still counts as
-    having announced its queues, so a wake-up it suppressed costs at most one poll interval.
+    The enqueue's own statement sends them, so they are delivered at commit and dropped on
+    rollback; a wake-up a rollback suppressed costs at most one poll interval.
     """
     if not get_settings().NOTIFY:
         return []
