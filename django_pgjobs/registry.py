@@ -132,13 +132,11 @@ _CELERY_ATTRIBUTES = {
     "s": _NO_SIGNATURES,
     "si": _NO_SIGNATURES,
     "signature": _NO_SIGNATURES,
-    "map": "there is no map(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload",
-    "starmap": (
-        "there is no starmap(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload"
-    ),
-    "chunks": (
-        "there is no chunks(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload"
-    ),
+    **{
+        name: f"there is no {name}(): Job.objects.bulk_enqueue(task, payloads) enqueues a job "
+        "per payload"
+        for name in ("map", "starmap", "chunks")
+    },
 }
 
 _TIMEOUT = (
@@ -237,15 +235,16 @@ def task(
                 validation.check_max_attempts(max_attempts)
             except EnqueueError as error:
                 raise ValueError(f"@task(max_attempts=...): {error}") from None
+        named = name or f"{func.__module__}.{func.__qualname__}"
         try:
-            validation.check_task_name(name or f"{func.__module__}.{func.__qualname__}")
+            validation.check_task_name(named)
         except EnqueueError as error:
             raise ValueError(f"@task: {error}") from None
         if cron is not None:
             check_cron(cron, "@task(cron=...)")
         registered = Task(
             func=func,
-            name=name or f"{func.__module__}.{func.__qualname__}",
+            name=named,
             queue=queue,
             priority=priority,
             max_attempts=max_attempts,

@@ -36,12 +36,16 @@ def _queue(value: str) -> str:
         raise ArgumentTypeError(str(error)) from None
 
 
+def _number(kind: type[int] | type[float], value: str) -> int | float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+
+
 def _positive(kind: type[int] | type[float]) -> Any:
     def parse(value: str) -> int | float:
-        try:
-            number = kind(value)
-        except ValueError:
-            raise ArgumentTypeError(f"{value!r} is not a number") from None
+        number = _number(kind, value)
         if number <= 0:
             raise ArgumentTypeError(f"must be greater than 0, got {value}")
         return number
@@ -49,17 +53,13 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
-#: The shortest --lease: heartbeats renew leases every lease/3 seconds, so below a second the
-#: lease keeper would renew more than three times a second and lose leases to any statement
-#: that takes a moment. Leases under checks.MIN_LEASE (10 s) are accepted with a warning.
+#: The shortest --lease: heartbeats renew leases every lease/3 seconds, so a shorter lease is
+#: lost to any statement that takes a moment. Under checks.MIN_LEASE it only warns.
 MIN_LEASE = 1.0
 
 
 def _lease(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    seconds = _number(float, value)
     if seconds >= MAX_SECONDS:
         raise ArgumentTypeError(f"must be below {MAX_SECONDS:g} seconds, got {value}")
     if not seconds >= MIN_LEASE:  # NaN too
@@ -72,10 +72,7 @@ def _lease(value: str) -> float:
 
 
 def _grace(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    seconds = _number(float, value)
     if not 0 <= seconds < 1e9:
         raise ArgumentTypeError(
             f"must be 0 or more seconds, got {value}: the time running jobs get to finish "
