@@ -4,10 +4,6 @@
 ``django.tasks`` (Django 6) and with the ``django-tasks`` backport (Django 5.2). A Task's job has
 ``task = "django.tasks:<module path>"`` and ``payload = {"args": [...], "kwargs": {...},
 "backend": <alias>}``; its return value is kept in ``Job.result``.
-
-One module (longer than most) because it is the path TASKS names, and the backend, the runner
-of its jobs and the conversions between jobs and TaskResults change together with the
-framework's API; split, each part would import the framework's names on its own.
 """
 
 from __future__ import annotations
@@ -208,11 +204,9 @@ class PgJobsBackend(BaseTaskBackend):
 
 
 def run(job: Job) -> Handled:
-    """Run a job of Django's Tasks framework (the runner registered for DJANGO_TASK_PREFIX):
-    its Task with the payload's args and kwargs (and a TaskContext first when the Task takes
-    one), sending the framework's task signals. The return value is kept as the job's result;
-    one that does not survive JSON fails the job for good (a TypeError for a type JSON does not
-    have, as the framework's own backends record it)."""
+    """Run a job of Django's Tasks framework: its Task with the payload's args and kwargs (a
+    TaskContext first when the Task takes one), sending the framework's task signals. The
+    return value is kept as the job's result; one JSON cannot hold fails the job for good."""
     try:
         task = get_django_task(job.task)
         result = running(job, task)
@@ -261,15 +255,10 @@ def run(job: Job) -> Handled:
 
 
 def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
-    """A Task's attempt passed its time limit (runtime/handlers.py): when it was the last one,
-    task_finished says FAILED with the JobTimeout now, not when (or if) the function returns;
-    what it returns or raises later is not sent (run). An attempt whose function returned
-    within the limit is not timed out, even when its receivers outlast the limit
-    (handlers.keep_outcome): it is recorded as run told it.
-
-    Called on the worker's main thread, so the receivers run on a thread of their own
-    (handlers.run_hook_aside: a slow one must not hold the worker up; one that never returns counts
-    towards the worker's recycle, as an abandoned handler thread does)."""
+    """A Task's attempt passed its time limit: when it was the last one, task_finished says
+    FAILED with the JobTimeout now, not when (or if) the function returns; what it does later
+    is not sent. Called on the worker's main thread, so the receivers run on a thread of their
+    own: a slow one must not hold the worker up."""
     if not _the_last(job, handled):
         return
 
@@ -301,10 +290,9 @@ def _the_last(job: Job, handled: Handled) -> bool:
 def get_django_task(name: str) -> Task[Any, Any]:
     """The Django Task object a job's `task` names; UnknownTask unless it is one we run.
 
-    A job row must not be able to make a worker call an arbitrary importable function, so the
-    module is imported only when it belongs to an installed app (or is imported already), and
-    the attribute is accepted only when it is a Task of Django's Tasks framework whose backend
-    alias is configured with django-pgjobs' backend.
+    A job row must not make a worker call an arbitrary importable function: only a module of
+    an installed app (or one imported already) is imported, and only a Task whose backend is
+    django-pgjobs' is accepted.
     """
     path = name.removeprefix(registry.DJANGO_TASK_PREFIX)
     module_name, _, attribute = path.rpartition(".")

@@ -49,10 +49,8 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 
 @register(Tags.compatibility)
 def check_time_zone_support(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    # The job table's times are timestamptz, compared with the database's clock and with the
-    # aware datetimes of schedules and retries: with USE_TZ off the ORM hands them back naive,
-    # and the admin's pages failed (500), every periodic tick failed, and run_at=now() + ...
-    # was refused.
+    # The job table's times are timestamptz, compared with aware datetimes: with USE_TZ off
+    # the ORM hands them back naive.
     if django_settings.USE_TZ:
         return []
     return [

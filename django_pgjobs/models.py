@@ -49,18 +49,14 @@ class Job(models.Model):
     cancel_requested = models.BooleanField(default=False, db_default=False)
     #: The handler's return value, for tasks that keep it (e.g. Django Tasks' results).
     result = models.JSONField(null=True, blank=True)
-    #: How many times the job was claimed, never reset (replay resets `attempts`, not this):
-    #: the fencing token of the current claim. Every write of a worker's outcome is guarded on
-    #: it, so a stale claim can never overwrite a newer one.
+    #: How many times the job was claimed, never reset (not even by replay): the fencing token
+    #: every write of a worker's outcome is guarded on, so a stale claim cannot overwrite it.
     claims = models.IntegerField(default=0, db_default=0)
-    #: A ready job that was not yet due when it was last written (a delay, a retry's backoff):
-    #: it waits in pgjobs_job_scheduled_idx, so that claims walking the claim index never read
-    #: past it, whatever its priority. Claims take it from there once due, and workers move
-    #: due ones into the claim index (see data/sql.py).
+    #: A ready job not yet due when last written: it waits in pgjobs_job_scheduled_idx, out of
+    #: the claim index's way whatever its priority, until workers move it there (data/sql.py).
     scheduled = models.BooleanField(default=False, db_default=False)
     #: What the running handler last reported of its progress ({"done", "total", "note", "at"}),
-    #: written by the worker's lease keeper at most about once a second. Unindexed, so the
-    #: write stays a HOT update.
+    #: written by the lease keeper; unindexed, so the write stays a HOT update.
     progress = models.JSONField(null=True, blank=True)
     #: Context carried with the job from its enqueue, as message headers are (e.g. the W3C
     #: `traceparent` of the request that enqueued it). Unindexed; empty for most jobs.
@@ -98,8 +94,7 @@ class Job(models.Model):
                 condition=Q(status=Status.RUNNING),
             ),
             # The admin's search and filter by task: a rare task's jobs without reading the
-            # table. One entry per task name and page, deduplicated, so it stays small; like
-            # every index on all jobs, it is written at enqueue and at each change of status.
+            # table (deduplicated, so it stays small).
             models.Index(fields=["task"], name="pgjobs_job_task_idx"),
             # Dead letters, newest first, without scanning the finished history.
             models.Index(
@@ -144,12 +139,9 @@ class Job(models.Model):
     def save(self, *args: Any, **kwargs: Any) -> None:
         """As Django's, but a stored job is saved by the fields that changed (`update_fields`).
 
-        A save of the whole row writes every column as this object last read it: the job
-        enqueue returned, saved after a worker ran it, was `ready` again with its claim count
-        (the fencing token of its claims) back at 0, and ran a second time, or twice at once.
-        And a running job's worker columns are its worker's alone: a handler's
-        `current_job().save(update_fields=[...])` may not name them (the lease as it was at the
-        claim, perhaps run out; after a lost lease, a claim another worker holds now)."""
+        A whole-row save would write back the status, claims and lease as this object last read
+        them, over what workers wrote since (a finished job would run again); and a running
+        job's worker columns (WORKER_FIELDS) are its worker's alone."""
         fields = kwargs.get("update_fields")
         loaded = self.__dict__  # read without loading what a deferred query left out
         if (
@@ -231,9 +223,8 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5
 class QueueStat(models.Model):
     """What one worker did for one queue over one stats interval, written by the worker.
 
-    Reports read these few rows instead of scanning the job table: throughput, retry rate and
-    claim latency (started_at - run_at, as a histogram over LATENCY_BUCKETS so that windows and
-    workers can be added up). Workers write a row per queue they serve even when idle, so the
+    Reports read these few rows instead of scanning the job table. Claim latency is a histogram
+    over LATENCY_BUCKETS so windows and workers add up; a row is written even when idle, so the
     rows also say which workers are alive and which queues they serve.
     """
 

@@ -8,14 +8,11 @@ application configures the SDK and its exporters, as for any instrumented librar
   context*: the configured propagator (W3C ``traceparent``/``tracestate`` by default) writes it
   into the jobs' ``headers``. A bulk enqueue is one span per statement, its context in every job.
 - A run is a ``process {queue}`` span (kind CONSUMER) around the handler, linked to the creation
-  context, and its child when no span is current (a worker's handler thread); inside another
-  span (a test's, say) it is that span's child, and only linked, as the conventions recommend.
-  A failed attempt records its exception and sets the status to ERROR; a Retry is no error.
+  context, and its child unless another span is current. A failed attempt records its
+  exception and sets the status to ERROR; a Retry is no error.
 
-Tracing never changes what happens to jobs: headers that are not a trace context (the column is
-JSON anyone with access to the table could have written) start a trace of their own, and an
-exception from the SDK's side (a span processor's on_start or on_end, a propagator) is logged,
-never raised, so it cannot fail an enqueue nor turn an attempt that ran into a failed one.
+Tracing never changes what happens to jobs: unreadable headers start a trace of their own, and
+an exception from the SDK (a span processor, a propagator) is logged, never raised.
 """
 
 from __future__ import annotations
@@ -122,10 +119,9 @@ def _span(
 ) -> Iterator[trace.Span]:
     """A span current around the block, recording an exception that leaves it when `errors`.
 
-    The API never raises, but the SDK lets a span processor's exception out of a span's start
-    and end: logged here instead, so that the block runs (without a span if none could start)
-    and what it did stands. Else an enqueue would raise after its INSERT (a caller trying again
-    writes the job twice), and a job that ran would be recorded as failed (and run again).
+    A span processor's exception at start or end is logged, not raised: else an enqueue would
+    raise after its INSERT (a retry writes the job twice), or a job that ran would be recorded
+    as failed.
     """
     try:
         span = tracer().start_span(
@@ -172,9 +168,8 @@ def _creation_context(job: Job) -> Context:
 
 
 def _carrier(headers: Any) -> Mapping[str, str]:
-    # The column is JSON that anyone with access to the table could have written: only its text
-    # values can be headers (the default propagators raise on a number, or a list of them), and
-    # none longer than any header can be (OpenTelemetry logs a baggage header that is, whole).
+    # The column is JSON anyone with access to the table could have written: only text values
+    # no longer than a header can be (the default propagators raise on anything else).
     if not isinstance(headers, dict):
         return {}
     return {

@@ -1,11 +1,9 @@
 """The admin's bulk actions on jobs: each defined once, all run by one confirm → apply → report.
 
 An action is one row of ACTIONS: its label, its permission, the JobQuerySet transition it calls,
-and its messages for what it did and what it skipped. `perform` shows the confirmation page,
-then `apply` runs the transition over the selection ACTION_BATCH rows per statement (keyset
-batches, so that "select all" over a million jobs stays cheap) and writes an admin log entry for
-each row the transition says it changed; `report` tells the user the counts. The admin decides
-*when*; the transition decides *how*.
+and its messages. `perform` confirms, `apply` runs the transition over the selection in keyset
+batches (so "select all" over a million jobs stays cheap) and logs each row it changed, and
+`report` tells the user the counts.
 """
 
 from __future__ import annotations
@@ -255,11 +253,9 @@ def _batch(
     message: str | Callable[[Any], str],
     only: Sequence[str],
 ) -> Sequence[Any]:
-    """One batch of `apply`, in a transaction of its own, so that its change and its log
-    entries commit together (when the admin log and the rows share a database, as they
-    usually do). It waits at most ACTION_LOCK_WAIT for a row another session holds (a worker
-    holds one for moments; a transaction left open, for good): past that, nothing of the batch
-    is changed (the caller catches the error)."""
+    """One batch of `apply`, in a transaction of its own so that its change and its log entries
+    commit together. It waits at most ACTION_LOCK_WAIT for a row another session holds: past
+    that, nothing of the batch is changed (the caller catches the error)."""
     with transaction.atomic(using=db):
         with connections[db].cursor() as cursor:
             cursor.execute(BOUND_LOCK_WAIT, [ACTION_LOCK_WAIT, ACTION_LOCK_WAIT])

@@ -5,11 +5,9 @@ A term is read every way it can be, and the jobs matching any reading are listed
 - a full job id: the primary key;
 - the start of an id (hex digits, dashes optional): ids are UUIDv7s, so a prefix is a range of
   the primary key;
-- a short id (the last 12 hex digits, as the lists show): they are random bits, so no range
-  holds them. Rather than keep an index of them on every job (measured: about a fifth more WAL
-  per job over its life), they are found by one index-only scan of the primary key, which reads
-  the key's index (about 30 MB per million jobs) instead of the table: 0.1 to 0.5 s per million
-  jobs; on Dead letters, of their own small index;
+- a short id (the last 12 hex digits, as the lists show): random bits, so no range holds them;
+  found by an index-only scan of the primary key (on Dead letters, of their own small index),
+  cheaper than an index of them that every job would pay for;
 - a task name, or part of one: the registered tasks whose name contains the term (and the term
   itself, for a task no longer registered), through pgjobs_job_task_idx;
 - the unique key of a live (ready or running) job, through pgjobs_job_unique_key_live.

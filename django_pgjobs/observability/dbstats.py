@@ -51,13 +51,11 @@ class DatabaseStats:
     #: Replication slots holding a horizon: (slot, active, xids behind).
     slots: list[tuple[str, bool, int]] = field(default_factory=list)
     notify_queue_usage: float = 0.0  # pg_notification_queue_usage(): 0 to 1
-    #: Whether pg_stat_activity shows every session (a superuser, or pg_read_all_stats, which
-    #: pg_monitor includes); else other users' sessions hide their state, transaction and
-    #: snapshot, and connections, idle transactions and the oldest snapshot count this user's.
+    #: Whether pg_stat_activity shows every session (pg_read_all_stats); else the session
+    #: figures count only this user's.
     sees_all_sessions: bool = True
     #: Why the database refuses writes ("in recovery": a standby; "read-only":
-    #: default_transaction_read_only set for the database or the server, as failover tools
-    #: fence an old primary); "" when it takes them.
+    #: default_transaction_read_only set); "" when it takes them.
     refuses_writes: str = ""
 
     @property

@@ -1,12 +1,9 @@
 """The queue's share of the database's active time: how much of PostgreSQL's work is the queue's.
 
-From pg_stat_statements (1.9 or later) when it is loaded and installed in the job database:
-the execution time of statements on the queue's tables against all statements', since the
-view's last reset. Otherwise by sampling pg_stat_activity for a moment: the active backends
-that are the queue's against all active ones. A statement is the queue's when it names one of
-its tables, and a backend when it runs such a statement or its application_name is a worker's
-("pgjobs worker …", set by the worker on its own connections), so enqueues on the
-application's connections count too.
+From pg_stat_statements (1.9 or later) when it is installed in the job database: execution time
+of statements naming the queue's tables against all statements'. Otherwise by sampling
+pg_stat_activity for a moment: active backends running such a statement, or named as a worker
+(application_name), against all active ones.
 """
 
 from __future__ import annotations

@@ -14,10 +14,8 @@ from typing import Any
 
 from django.db import connections, router
 
-# The models are imported inside the three functions that need them, not here, for a reason that
-# is not a cycle: this module, and the figures, health, report and metrics modules built on it,
-# import before Django's app registry is ready (from a project's settings or AppConfig module),
-# as they always have; importing django_pgjobs.models at that point raises AppRegistryNotReady.
+# The models are imported inside the functions that need them: this module and those built on
+# it may be imported before the app registry is ready (AppRegistryNotReady).
 
 #: The windows (seconds) over which worker activity is summed: 1, 5 and 15 minutes.
 WINDOWS = (60, 300, 900)
@@ -219,9 +217,8 @@ def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueD
 
 
 # Rows of the longest window only (the index on `at`), each counted in every window it is in.
-# Rows stamped later than the statement's start (the database's clock stepped back since they
-# were written) are left out until it passes them, here and in WORKERS_SQL: they would count a
-# worker that has since died as alive, and a rate over a span that has not happened yet.
+# Rows stamped after the statement's start (the clock stepped back) are left out, here and in
+# WORKERS_SQL: they would count a dead worker as alive.
 ACTIVITY_SQL = """
     SELECT s.queue, w.seconds, sum(s.claimed), sum(s.succeeded), sum(s.retried), sum(s.failed),
            least(w.seconds,
