@@ -1,9 +1,8 @@
 """The health report's charts: throughput, claim latency (p50, p95), retries and failures per
 queue over the last hour and the last day, from the QueueStat rows workers write.
 
-Drawn on the server as inline SVG (no script, nothing fetched from elsewhere), coloured with the
-admin's CSS variables for axes and text so that they read in its light and dark themes. Every
-point carries its numbers in a <title> (shown on hover), and each chart has a table of them.
+Drawn on the server as inline SVG (no script), coloured with the admin's CSS variables so that
+they read in its light and dark themes; each chart has a table of its numbers.
 """
 
 from __future__ import annotations
@@ -124,9 +123,8 @@ def show(value: float | None) -> str:
 
 
 def windows(db: str | None = None) -> list[dict[str, Any]]:
-    """The charts of each window, for the report page; within the report's time limits (the
-    day's window reads every worker's rows of the day: a big deployment's may take seconds),
-    raising DatabaseError past them."""
+    """The charts of each window, for the report page, within the report's time limits
+    (DatabaseError past them)."""
     db = job_database(db)
     with limited(db), connections[db].cursor() as cursor:
         cursor.execute("SELECT statement_timestamp()")  # rows written earlier in this transaction

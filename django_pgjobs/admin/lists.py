@@ -33,7 +33,7 @@ ERROR_TYPE = Func(
 
 
 #: The dead letters' summary and their error-type filter read the newest this many (of the
-#: list's filter): every dead letter, read twice a page, took a second and more at a million.
+#: list's filter), not every dead letter twice a page.
 NEWEST = 10_000
 
 

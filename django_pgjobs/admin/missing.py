@@ -62,8 +62,7 @@ class MigrateFirst:
 
     def bounded(self, view: View, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         """A page that only reads, rendered in a transaction whose statements wait at most
-        ACTION_LOCK_WAIT (admin/actions.py) for a lock (a LOCK TABLE, a migration held up): else it
-        waited as long as the lock was held, a request and a connection per reload."""
+        ACTION_LOCK_WAIT for a lock, not as long as a LOCK TABLE or a stuck migration holds it."""
         db = router.db_for_read(Job)
         with transaction.atomic(using=db):
             with connections[db].cursor() as cursor:
@@ -108,9 +107,8 @@ class MigrateFirst:
         return TemplateResponse(request, "admin/pgjobs/not_migrated.html", context, status=503)
 
     def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
-        """Django's; a filter value holding a NUL (no text column holds one, and PostgreSQL
-        refuses it in a query: a server error) is an incorrect lookup, as the list says of
-        others (the ?e=1 page)."""
+        """Django's; a filter value holding a NUL, which PostgreSQL refuses in a query, is an
+        incorrect lookup (the ?e=1 page)."""
         if any("\x00" in value for key, values in request.GET.lists() if key != SEARCH_VAR
                for value in values):  # fmt: skip
             raise IncorrectLookupParameters("a NUL character in a filter")

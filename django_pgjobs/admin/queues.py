@@ -1,9 +1,7 @@
 """The admin's Queues (pause, resume, per-queue limits) and the health report page.
 
 Pausing needs the pgjobs.pause_queue permission, in the list's editable column as in the
-actions; the actions change queues through Queue.objects (data/queues.py) and record every
-queue they changed in Django's admin log. The report page shows what `jobstats` shows, to staff
-who may view queues.
+actions, which change queues through Queue.objects and log every queue they changed.
 """
 
 from __future__ import annotations
@@ -86,10 +84,8 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
             cursor.execute(actions.BOUND_LOCK_WAIT, [actions.ACTION_LOCK_WAIT] * 2)
         if not isinstance(form, Guarded):
             return super().save_model(request, obj, form, change)
-        # The list's Save writes only what this user changed, and only where the row still
-        # holds what the page showed (or already what they chose): another operator's pause
-        # or limit since the page loaded is neither undone nor logged as this user's.
-        # (form.clean() refused the conflicts it saw; this guard closes the moment since.)
+        # Written only where the row still holds what the page showed (see Guarded): clean()
+        # refused the conflicts it saw, this guard closes the moment since.
         changes = {name: form.cleaned_data[name] for name in form.changed_data}
         if changes and not Queue.objects.change(obj.pk, changes, shown=form.initial):
             obj._conflicted = True  # type: ignore[attr-defined]

@@ -34,10 +34,8 @@ def collect(db: str | None = None, previous: Report | None = None) -> Report:
 
 
 def locked_out(db: str | None = None) -> health.Reason | None:
-    """After the report ran out of time (a lock_timeout, a statement_timeout): the job table is
-    locked, by whom and for how long; None when it is not (the wait was for something else, or
-    the lock is gone by now), or when that cannot be told either (the database stopped
-    answering meanwhile: the caller says what failed first)."""
+    """After the report ran out of time: the job table is locked, by whom and for how long;
+    None when it is not, or when that cannot be told either (the caller says what failed)."""
     try:
         with limited(job_database(db)):
             return health.locked(dbstats.table_locks(db), waited=True)
@@ -110,10 +108,8 @@ class NoReport:
 
 
 def no_report(error: DatabaseError, db: str | None = None) -> NoReport:
-    """Why the report could not be taken, and how bad that is: the queue cannot work without
-    its database or its tables, or while its job table is locked against the workers
-    (critical); a probe without the right to read the figures, or whose statement ran out of
-    time or was cancelled while the database answers, knows nothing (unknown)."""
+    """Why the report could not be taken, and how bad that is: critical without the database
+    or its tables, or while the job table is locked against the workers; else unknown."""
     first = first_line(error)
     alias = job_database(db)
     if schema.is_not_migrated(error):

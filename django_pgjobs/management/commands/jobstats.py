@@ -1,8 +1,5 @@
 """manage.py jobstats: the health report (queues, workers, the table, the database) and its
-verdict. The exit status is a monitoring plugin's: 0 healthy, 1 warning, 2 critical (the
-database cannot be used, or the pgjobs tables are missing, or the job table has been locked
-against the workers), 3 unknown (the report could not be taken: no permission to read it, it ran
-out of time, a bad command line)."""
+verdict, with a monitoring plugin's exit status (see `help`)."""
 
 from __future__ import annotations
 
@@ -100,13 +97,11 @@ class Command(BaseCommand):
         """The report, or why it could not be taken (the --traceback option raises instead)."""
         try:
             return reports.collect(previous=previous)
-        except DatabaseError as error:
-            if traceback:
-                raise
-            return no_report(error)
         except Exception as error:
             if traceback:
                 raise
+            if isinstance(error, DatabaseError):
+                return no_report(error)
             # A bug of ours or a broken setting: a probe must read "unknown", not exit 1
             # ("warning"); the traceback goes to stderr for whoever fixes it.
             self.stderr.write("".join(format_exception(error)))
