@@ -159,9 +159,8 @@ class PgJobsBackend(BaseTaskBackend):
         return result
 
     def get_result(self, result_id: str) -> TaskResult[Any, Any]:
-        """The result of a Task enqueued through this backend alias, read in one query, from
-        the database jobs are written to (a read replica behind a router may not have it yet:
-        not even right after the enqueue, in its own transaction)."""
+        """The result of a Task enqueued through this backend alias, read from the database
+        jobs are written to (a replica may not have it yet, even right after the enqueue)."""
         try:
             pk = UUID(str(result_id))
         except ValueError:
@@ -210,7 +209,9 @@ def run(job: Job) -> Handled:
     try:
         task = get_django_task(job.task)
         result = running(job, task)
-        args = [context(result), *result.args] if task.takes_context else result.args
+        args = (
+            [TaskContext(task_result=result), *result.args] if task.takes_context else result.args
+        )
         check_arguments(task.func, task.module_path, args, result.kwargs)
     except UnknownTask as error:
         return execute.refused(error, explained=registry.unknown_task_help(job.task))
@@ -218,7 +219,7 @@ def run(job: Job) -> Handled:
         return execute.refused(error)
     except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed
         return execute.raised(job, error, None, (), time.perf_counter())
-    started(result)
+    send(task_started, result)
     if job.cancel_requested:
         # Cancelled while task_started's receivers ran, or timed out (its time limit's hook
         # tells FAILED, keep_outcome says so): the function must not begin after that.
@@ -410,16 +411,6 @@ def finished(
     send(task_finished, result)
 
 
-def started(result: TaskResult[Any, Any]) -> None:
-    """Send task_started for a claimed job about to run."""
-    send(task_started, result)
-
-
-def context(result: TaskResult[Any, Any]) -> TaskContext[Any, Any]:
-    """The first argument of a Task declared with takes_context=True."""
-    return TaskContext(task_result=result)
-
-
 def send(signal: Signal, result: TaskResult[Any, Any]) -> None:
     """Send a task signal: a receiver that raises is logged, never propagated."""
     sender = type(task_backends[result.backend])
@@ -457,9 +448,8 @@ def _unstorable(message: str, value: Any) -> Exception:
 
 
 def _of_json_types(value: Any) -> bool:
-    """Whether `value` is made of JSON's types only (dicts with str keys, lists, str, int,
-    float, bool, None) and bytes: what does not survive JSON then is a value (NaN, a NUL, its
-    size, bytes that are not UTF-8), not a type, and the framework raises no TypeError for it."""
+    """Whether `value` is made of JSON's types (and bytes) only: what does not survive JSON
+    then is a value (NaN, a NUL, its size), for which the framework raises no TypeError."""
     if isinstance(value, dict):
         return all(isinstance(key, str) and _of_json_types(item) for key, item in value.items())
     if isinstance(value, list):

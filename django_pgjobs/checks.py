@@ -1,8 +1,6 @@
 """System checks: PostgreSQL, sane PGJOBS values, connection settings that break LISTEN or
 prepared statements, tracing without OpenTelemetry, the job table's indexes, and queues that no
-running worker serves.
-
-Imported by the app's ready() (apps.py), once the models can be."""
+running worker serves. Imported by the app's ready(), once the models can be."""
 
 from __future__ import annotations
 
@@ -225,8 +223,7 @@ def check_indexes(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
     """Every index the models declare exists and is valid (a failed CREATE INDEX CONCURRENTLY
-    leaves an invalid one behind, which the planner never uses). Needs the database:
-    `manage.py check --database default`, and migrate."""
+    leaves an invalid one, which the planner never uses). Needs `check --database`."""
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):
         return []  # another backend is pgjobs.E001's to report, without a crash here
@@ -299,8 +296,7 @@ def check_database_checks_ran(
 def check_migrations(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
-    """This app's migrations are all applied: without them enqueue, runjobs, jobstats and the
-    admin stop at a missing table or column. A warning, not an error: a deploy that runs this
+    """This app's migrations are all applied. A warning, not an error: a deploy that runs this
     check before `migrate` must still get to migrate."""
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):

@@ -105,8 +105,7 @@ class PayloadMismatch(TypeError):
 
 class NotMigrated(ProgrammingError):
     """A pgjobs table or column does not exist: run ``manage.py migrate``. Raised by enqueue,
-    a database error all the same (Django's ProgrammingError); the admin, ``jobstats`` and
-    ``runjobs`` say the same in their own way."""
+    a ProgrammingError all the same."""
 
 
 class JobCancelled(PermanentError):

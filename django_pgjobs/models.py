@@ -174,9 +174,8 @@ class Job(models.Model):
 
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        """Django's checks of the model, less its warnings that a database other than
-        PostgreSQL lacks a feature of these indexes or constraints: pgjobs.E001 says once
-        that such a database cannot hold the queue at all."""
+        """Django's checks of the model, less its warnings that another database lacks a
+        feature of these indexes: pgjobs.E001 says once that it cannot hold the queue."""
         messages: list[CheckMessage] = super().check(**kwargs)
         databases = kwargs.get("databases") or ()
         if all(connections[db].vendor == "postgresql" for db in databases):
@@ -250,10 +249,8 @@ class QueueStat(models.Model):
 
 class Schedule(models.Model):
     """A periodic schedule's shared state: the last tick handled, so that every worker can
-    enqueue due ticks and each tick is enqueued once (see django_pgjobs.periodic).
-
-    The declaration lives in settings or on the task; task, cron and timezone are copied here by
-    the workers for the admin, and a change of cron or timezone restarts the count from then.
+    enqueue due ticks and each tick is enqueued once. Declared in settings or on the task;
+    task, cron and timezone are copied here for the admin, and a change restarts the count.
     """
 
     name = models.CharField(max_length=200, primary_key=True)

@@ -46,8 +46,7 @@ class Task:
     redact: frozenset[str] = field(default_factory=frozenset)
     #: A cron expression: run periodically, in TIME_ZONE, with an empty payload (periodic.py).
     cron: str | None = None
-    #: Registered after start-up (django.setup() and the URLconf's import: _starting_up): from
-    #: a module a view, a shell or a test imported later, which a worker may never import.
+    #: Registered after start-up (see _starting_up), from a module a worker may never import.
     late: bool = field(default=False, compare=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -275,8 +274,7 @@ def task(
 
 def _starting_up() -> bool:
     """Whether what registers a task now is imported by every process's start-up: django.setup()
-    (each app's tasks module, models, AppConfig.ready) or the URLconf's first import, which
-    runjobs makes too (its system checks load the URLconf) and a web process makes later."""
+    or the URLconf's first import (runjobs' system checks load it too)."""
     if not apps.ready:
         return True
     urlconf = sys.modules.get(getattr(settings, "ROOT_URLCONF", None) or "")
@@ -393,9 +391,8 @@ _timed_out: dict[str, TimedOut] = {}
 
 
 def add_runner(prefix: str, runner: Runner, timed_out: TimedOut | None = None) -> None:
-    """Let `runner` run the jobs whose task name starts with `prefix` (an integration calls
-    this when it is imported: see backend.py), and `timed_out` hear of their attempts that pass
-    their time limit."""
+    """Let `runner` run the jobs whose task name starts with `prefix` (an integration's, e.g.
+    backend.py), and `timed_out` hear of their attempts that pass their time limit."""
     _runners[prefix] = runner
     if timed_out is not None:
         _timed_out[prefix] = timed_out

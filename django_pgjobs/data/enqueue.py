@@ -230,9 +230,8 @@ def _columns(
 
 @contextmanager
 def _sending(first: NewJob, count: int) -> Iterator[dict[str, str] | None]:
-    """Around the insert of `count` jobs like `first`, the headers to write with each: with
-    PGJOBS["TRACING"] on, the send span's trace context (tracing.py, imported only then: it
-    imports opentelemetry); else None."""
+    """Around the insert of `count` jobs like `first`, the headers to write with each: the send
+    span's trace context with PGJOBS["TRACING"] on (only then is opentelemetry imported)."""
     if not get_settings().TRACING:
         yield None
         return

@@ -114,9 +114,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         batch_size: int = 5000,
     ) -> list[Job]:
         """Write many jobs of one task, `batch_size` per COPY, all in one transaction (the
-        caller's, else its own). Every payload is checked before anything is written. For
-        1,000 jobs or more, Python's cyclic garbage collector is paused meanwhile (see
-        data.enqueue.collector_paused)."""
+        caller's, else its own). Every payload is checked before anything is written."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise EnqueueError(f"batch_size={batch_size!r} must be an integer of 1 or more.")
         # The options are the same for every job: check them once, then each payload.
@@ -213,9 +211,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         self, queue: str, *, worker: str, limit: int, lease: float | None = None
     ) -> list[Job]:
         """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
-        paused, and never more than its `max_running` jobs running at once across all workers
-        (see sql.LOCK_QUEUE); nothing either while another session holds its row (another
-        worker's claim), which is never waited for."""
+        paused or another session holds its row (never waited for), and never more than its
+        `max_running` jobs running at once across all workers."""
         db = self._write_db()
         with transaction.atomic(using=db), connections[db].cursor() as cursor:
             cursor.execute(sql.BRIEF_LOCK_TIMEOUT)
@@ -279,11 +276,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         return claim(job).id in released
 
     def heartbeat(self, jobs: Sequence[Job | Claim], lease: float | None = None) -> set[UUID]:
-        """Extend the lease of a worker's running jobs by `lease` seconds from now, and record
-        the progress their handlers last reported (each Job's `progress`, as progress() left
-        it); returns the ids renewed (a job locked elsewhere is skipped this time: see `held`
-        for whether the others are lost). A cancellation requested meanwhile shows on the Job
-        at once."""
+        """Extend the lease of a worker's running jobs by `lease` seconds from now and record
+        the progress their handlers last reported; returns the ids renewed (a job locked
+        elsewhere is skipped this time). A cancellation requested meanwhile shows on the Job."""
         lease = get_settings().LEASE if lease is None else lease
         owned = self._own(sql.HEARTBEAT, jobs, lease=lease, progress=reports(jobs))
         for held in map(claim, jobs):
@@ -359,12 +354,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         limit: int,
         publish: Callable[[list[Job]], Collection[UUID] | None],
     ) -> list[Job]:
-        """Take up to `limit` due rows of each of `queues` (outbox entries of NATS queues), in
-        claim order, locked, and hand them to `publish`, which returns the ids of those done
-        with (their messages acknowledged by the stream, or refused: see refuse_relayed), or
-        None for every one. Those rows are deleted in the same transaction (sql.RELAYED); the
-        others stay, due again at the next round. It commits when `publish` returns and rolls
-        back when it raises, leaving every row. Returns the jobs done with."""
+        """Take up to `limit` due outbox rows of each of `queues` (NATS queues), locked, and hand
+        them to `publish`, which returns the ids of those done with (None: all). Those rows are
+        deleted in the same transaction, which commits when `publish` returns and rolls back
+        when it raises; the others stay for the next round. Returns the jobs done with."""
         db = self._write_db()
         params = {"queues": list(queues), "limit": limit}
         with transaction.atomic(using=db):
@@ -380,9 +373,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         return jobs
 
     def refuse_relayed(self, job: Job, failure: Failure) -> None:
-        """The outbox row of `job`, locked by a relay's round (`relay`), becomes a dead letter
-        recording `failure` as an attempt, held by `job.worker`: its message cannot be
-        published."""
+        """The outbox row of `job`, locked by a relay's round, becomes a dead letter recording
+        `failure` as an attempt: its message cannot be published."""
         db = self._write_db()
         with transaction.atomic(using=db):
             rows.execute(db, sql.RELAYED, {"ids": [job.pk]})

@@ -139,10 +139,9 @@ class JobQuerySet(models.QuerySet["Job"]):
         self, assignments: str | None, params: Sequence[Any] = (), *, guard: str
     ) -> list[UUID]:
         """An UPDATE (or, without assignments, a DELETE) of the selected jobs that pass `guard`,
-        returning their ids. The selection is this queryset's, compiled by the ORM and read
-        once (a slice, [:10], would take other rows if run again); the guard is re-checked on
-        each row as it is written, so a job whose status changed since it was selected is left
-        alone. Rows locked elsewhere are taken once free (CHANGE_PAUSE)."""
+        returning their ids. The selection is read once (a slice would take other rows if run
+        again); the guard is re-checked on each row as it is written. Rows locked elsewhere are
+        taken once free (CHANGE_PAUSE)."""
         self._for_write = True  # as QuerySet.update() does: route to the database for writes
         db = self.db
         try:

@@ -117,9 +117,8 @@ class TakenBack(NamedTuple):
 
 
 class Position(NamedTuple):
-    """Where a worker's claims in one queue got to: the claim order's key (priority, run_at,
-    id) of the last job it claimed there. Its next claim there starts after it (see
-    sql.SETTLE_AND_CLAIM's `due`)."""
+    """Where a worker's claims in one queue got to: the claim order's key of the last job it
+    claimed there, after which its next claim there starts."""
 
     priority: int
     run_at: datetime

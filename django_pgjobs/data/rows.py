@@ -149,16 +149,14 @@ def connection_lost(error: DatabaseError) -> bool:
 
 
 def refuses_writes(error: DatabaseError) -> bool:
-    """Whether `error` is the database refusing a write (read_only_sql_transaction: a standby,
-    or transaction_read_only on). After a failover that is the connection's node, the old
-    primary or a replica, and a new connection to the same address may reach the new one."""
+    """Whether `error` is the database refusing a write (a standby, or transaction_read_only
+    on): after a failover, a new connection to the same address may reach the new primary."""
     return isinstance(error.__cause__, psycopg.errors.ReadOnlySqlTransaction)
 
 
 def check_writable(db: str) -> None:
-    """Raise the DatabaseError of refuses_writes when `db` refuses writes: a worker back from
-    an outage whose turn wrote nothing (every handler busy) would otherwise say the database
-    is back while it is on a standby."""
+    """Raise the DatabaseError of refuses_writes when `db` refuses writes (a turn that wrote
+    nothing cannot tell a standby from the primary)."""
     with connections[db].cursor() as cursor:
         cursor.execute(
             "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
@@ -274,10 +272,8 @@ class _JsonbLoader(JsonbBinaryLoader):
 
 @lru_cache(maxsize=8)
 def _loading(model: type[Job]) -> tuple[list[str], list[tuple[int, Any]]]:
-    """The model's attribute names, and the fields whose database values need converting.
-
-    Rows come in binary, where psycopg has already loaded jsonb into Python objects, so JSON
-    fields need no converting (Django's converter parses only the text format)."""
+    """The model's attribute names, and the fields whose database values need converting
+    (not JSON fields: binary rows come with jsonb already loaded)."""
     fields = model._meta.concrete_fields
     converters = [
         (n, field)

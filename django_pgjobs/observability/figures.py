@@ -69,9 +69,7 @@ REPORT_STATEMENT_SECONDS = 5.0
 
 def measure(db: str | None = None) -> Figures:
     """Take the figures: a dozen cheap queries, none of which scans the finished history, in
-    one transaction whose statements wait at most REPORT_LOCK_SECONDS for a lock and run at most
-    REPORT_STATEMENT_SECONDS (limited; the DatabaseError of one that ran out of time
-    propagates)."""
+    one `limited` transaction (the DatabaseError of one that ran out of time propagates)."""
     db = stats.job_database(db)
     with limited(db):
         # Before the job table is read: this answers even while the table is locked.

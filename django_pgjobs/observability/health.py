@@ -150,9 +150,8 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
 
 def locked(locks: list[TableLock], waited: bool = False) -> Reason | None:
     """The job table locked against the workers (critical), else the queue controls' table
-    (a warning), or None: once a lock has been held or queued for LOCKED_SECONDS. A younger
-    one is said only when the report itself gave up waiting for it (`waited`), as a warning:
-    without it there is no verdict at all."""
+    (a warning), once a lock has been held or queued for LOCKED_SECONDS; a younger one, as a
+    warning, only when the report itself gave up waiting for it (`waited`). Else None."""
     on_jobs = [lock for lock in locks if lock.table == "pgjobs_job"]
     on_controls = [lock for lock in locks if lock.table == "pgjobs_queue"]
     if reason := _locked(on_jobs, waited, "job_table_locked", "the job table is locked",

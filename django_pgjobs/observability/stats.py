@@ -1,9 +1,7 @@
 """The queues' figures: their depth now, what workers did recently, and which workers are alive.
 
 Depth and age come from the job table's partial indexes; throughput, retries, claim latency and
-who is alive from the workers' QueueStat rows. Every query here reads only live rows (ready,
-running, failed) or the last few minutes of QueueStat rows; none reads the finished history.
-Costs are listed in docs/howto/monitoring.md.
+who is alive from the workers' QueueStat rows. No query reads the finished history.
 """
 
 from __future__ import annotations
