@@ -34,8 +34,7 @@ def check_arguments(
         raise PayloadMismatch(
             f"payload must be a JSON object of keyword arguments, got {type(kwargs).__name__}"
         )
-    # Whether a call fits depends on the names of its arguments, never on their values: a
-    # fit once found is looked up (binding costs more than running a small handler).
+    # A fit depends on the arguments' names, never their values: one found once is remembered.
     try:
         fit = (func, len(args), *kwargs)
         if fit in _FITS:

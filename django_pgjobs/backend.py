@@ -153,8 +153,7 @@ class PgJobsBackend(BaseTaskBackend):
             kind = EnqueueError if _of_json_types(payload) else NotJSONSerializable
             raise kind(f"{task.module_path}: {error}") from None
         result = to_task_result(job, task)
-        # Robust: the row is written (committed already, outside atomic()); a receiver's error
-        # raised here would tell the caller it was not, and a retry would enqueue it twice.
+        # Robust: the row is written; a receiver's error raised here would get it enqueued twice.
         send(task_enqueued, result)
         return result
 

@@ -38,8 +38,7 @@ class Settings:
     WORKER_SYNCHRONOUS_COMMIT: bool = False
     #: Wake idle workers with a NOTIFY that an enqueue's INSERT sends (delivered at commit).
     NOTIFY: bool = True
-    #: How long finished jobs stay before they are pruned: one timedelta for succeeded and
-    #: cancelled jobs, or a dict by final status (see retention()).
+    #: How long finished jobs stay before they are pruned (see retention()).
     RETENTION: timedelta | Mapping[str, timedelta | None] = DEFAULT_RETENTION
     #: Rows deleted per prune statement.
     PRUNE_BATCH: int = 1000

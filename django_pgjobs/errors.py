@@ -36,8 +36,7 @@ class Retry(Exception):
     ``delay`` is seconds or a ``timedelta``.
     """
 
-    # **celery: Celery's self.retry() options, refused saying what to write instead (typed
-    # Never, so that a type checker refuses them too).
+    # **celery: Celery's self.retry() options, refused saying what to write instead.
     def __init__(self, delay: float | timedelta = 0, **celery: Never) -> None:
         if celery:
             raise celery_spelling("Retry", celery, _RETRY_OPTIONS)

@@ -58,8 +58,7 @@ class Job(models.Model):
     #: What the running handler last reported of its progress ({"done", "total", "note", "at"}),
     #: written by the lease keeper; unindexed, so the write stays a HOT update.
     progress = models.JSONField(null=True, blank=True)
-    #: Context carried with the job from its enqueue, as message headers are (e.g. the W3C
-    #: `traceparent` of the request that enqueued it). Unindexed; empty for most jobs.
+    #: Context carried from the enqueue, as message headers are (e.g. a W3C `traceparent`).
     headers = models.JSONField(null=True, blank=True)
 
     objects: ClassVar[JobManager] = JobManager()
@@ -86,8 +85,7 @@ class Job(models.Model):
                 name="pgjobs_job_scheduled_idx",
                 condition=Q(status=Status.READY, scheduled=True),
             ),
-            # The reaper's index. Keyed on `worker`, not `leased_until`: a heartbeat then
-            # touches no indexed column and can be a HOT update.
+            # The reaper's index, keyed on `worker` so that a heartbeat can be a HOT update.
             models.Index(
                 fields=["worker"],
                 name="pgjobs_job_running_idx",
@@ -124,8 +122,7 @@ class Job(models.Model):
                 | Q(status__in=LIVE, finished_at__isnull=True),
                 name="pgjobs_job_finished_iff_finished_at",
             ),
-            # Only rows that have a key: every index entry is paid on every insert and claim,
-            # and most jobs have no unique_key.
+            # Only rows that have a key: most have none, and each entry costs at insert and claim.
             models.UniqueConstraint(
                 fields=["unique_key"],
                 condition=Q(status__in=LIVE, unique_key__isnull=False),

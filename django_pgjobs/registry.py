@@ -38,8 +38,7 @@ class Task:
     max_attempts: int | None = None
     backoff: Backoff | None = None
     lease: float | None = None
-    #: Seconds one attempt may run before it is recorded as failed (JobTimeout); None: PGJOBS
-    #: ["TIMEOUT"] (by default no limit). See runtime/handlers.py for how it is enforced.
+    #: Seconds one attempt may run before it fails with JobTimeout; None: PGJOBS["TIMEOUT"].
     timeout: float | None = None
     permanent_errors: tuple[type[BaseException], ...] = ()
     #: Payload keys shown as "[redacted]" in the admin and in logs.

@@ -108,8 +108,7 @@ def run_jobs(
         queue_names = sorted(set(due_queues))
         if not queue_names:
             return run
-        # Claim everything due in those queues, so that jobs of other tasks or queues cannot
-        # crowd out the selected ones; those go straight back to ready.
+        # Claim every due job of those queues, so others cannot crowd out the selected ones.
         due = jobs.due().filter(queue__in=queue_names).count()
         claimed = jobs.claim(queue_names, worker=worker, limit=max(due, 1))
         mine = [job for job in claimed if names is None or job.task in names]

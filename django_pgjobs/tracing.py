@@ -80,8 +80,7 @@ def processed(job: Job, run: Callable[[Job], Handled]) -> Handled:
     creation = _creation_context(job)
     created = trace.get_current_span(creation).get_span_context()
     links = [Link(created)] if created.is_valid else []
-    # Parent: the span current here if there is one, else the creation context (an empty
-    # context, a new trace, for a job enqueued without one).
+    # Parent: the span current here if there is one, else the creation context.
     ambient = trace.get_current_span().get_span_context().is_valid
     attributes: dict[str, str | int] = {
         "messaging.system": SYSTEM,
@@ -144,8 +143,7 @@ def _record(span: trace.Span, handled: Handled) -> None:
     if handled.verdict is not Verdict.ERROR or handled.failure is None:
         return  # success, or a Retry: not an error
     failure = handled.failure
-    # What Span.record_exception writes, from the error history's entry: the exception object
-    # is gone by now, and an integration's runner (backend.py) returns only this.
+    # What Span.record_exception writes, from the error history's entry (the exception is gone).
     span.add_event(
         "exception",
         {

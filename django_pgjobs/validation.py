@@ -124,8 +124,7 @@ def json_text(value: Any, what: str, max_bytes: int, too_big: str) -> str:
     """`value` as compact JSON text, once it is known to survive a round trip through jsonb
     and to be at most `max_bytes`; EnqueueError naming `what` (and, when too big, saying
     `too_big`) otherwise."""
-    # The common case costs one walk over the value's types and one encoding; the walk that
-    # names the path of a problem runs only when something looks wrong.
+    # One quick walk and one encoding; the walk that names a problem's path only when needed.
     if not _plain(value, 0):
         _check_value(value, what)  # raises, unless only a subclass (of str, dict, ...) was seen
     try:

@@ -114,8 +114,7 @@ RUN_NOW = Action(
     done=ngettext_lazy("%d job made due now.", "%d jobs made due now."),
     skipped=gettext_lazy("only ready jobs scheduled for later are moved"),
     button=gettext_lazy("Run now…"),
-    # The app's clock is good enough to decide whether to offer the button; the transition
-    # itself compares with the database's.
+    # The app's clock decides only whether to offer the button; the transition uses the database's.
     applies=lambda job: job.status == Status.READY and job.run_at > timezone.now(),
 )
 CANCEL = Action(

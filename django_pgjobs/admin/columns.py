@@ -87,8 +87,7 @@ class JobColumns:
         line = head.split("\n", 1)[0]
         if not line:
             return ""
-        # "myapp.errors.Declined: ..." as "Declined: ...": the list has little room. Only the
-        # line's start is looked at: a line can be as long as an error message.
+        # "myapp.errors.Declined: ..." as "Declined: ...", looking only at the line's start.
         short = _ERROR_MODULE.sub("", line[: 4 * ERROR_WIDTH], count=1)
         short = Truncator(short).chars(ERROR_WIDTH)
         return format_html('<span class="pgjobs-error" title="{}">{}</span>', line, short)

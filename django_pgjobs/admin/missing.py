@@ -53,8 +53,7 @@ class MigrateFirst:
                     raise
                 if request.method in ("GET", "HEAD"):
                     return self.locked(request, error)
-                # A change that waited its time for a row held elsewhere: rolled back, said,
-                # and the page again
+                # A change that gave up on a row held elsewhere: rolled back, said, the page again.
                 messages.error(request, self.locked_out(error))
                 return HttpResponseRedirect(request.get_full_path())
 
@@ -95,8 +94,7 @@ class MigrateFirst:
     def not_migrated(self, request: HttpRequest, error: DatabaseError) -> HttpResponse:
         db = router.db_for_write(Job)
         if connections[db].in_atomic_block:
-            # ATOMIC_REQUESTS: the failed statement aborted the request's transaction; roll it
-            # back at the end rather than commit. Nothing below queries the database.
+            # ATOMIC_REQUESTS: the failed statement aborted the transaction: roll it back.
             connections[db].set_rollback(True)
         context = {
             **self.admin_site.each_context(request),

@@ -66,8 +66,7 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         return not stopped or self.has_pause_permission(request)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        # The name is the row's key: changed, Django would save a copy under the new name and
-        # leave the old row, paused or limited, in place.
+        # The name is the row's key: changed, Django would save a copy and leave the old row.
         fields = [] if obj is None else ["name"]
         return fields if self.has_pause_permission(request) else [*fields, "paused"]
 
@@ -77,8 +76,7 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         return guarded(form)
 
     def save_model(self, request: HttpRequest, obj: Queue, form: Any, change: bool) -> None:
-        # In the page's transaction: a queue row another session holds is waited for at most
-        # ACTION_LOCK_WAIT (MigrateFirst then says so), not for as long as it is held.
+        # A queue row another session holds is waited for at most ACTION_LOCK_WAIT (MigrateFirst).
         db = router.db_for_write(Queue)
         with connections[db].cursor() as cursor:
             cursor.execute(actions.BOUND_LOCK_WAIT, [actions.ACTION_LOCK_WAIT] * 2)

@@ -105,8 +105,7 @@ def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list
     """Each payload as JSON text, once it survives jsonb and fits the task's handler; the
     EnqueueError names the payload's position when there are several."""
     limit = get_settings().MAX_PAYLOAD_BYTES
-    # An integration's job (a Django Task's) has a payload of its own shape: its backend
-    # checks the arguments in it (backend.PgJobsBackend.enqueue).
+    # An integration's job (a Django Task's) has a payload of its own shape, which it checks.
     handler = None if registry.runner_for(task.name) else task.func
     texts = []
     for index, payload in enumerate(payloads):

@@ -55,8 +55,7 @@ class JobQuerySet(models.QuerySet["Job"]):
     def dead(self) -> JobQuerySet:
         return self.filter(status=Status.FAILED)
 
-    # Transitions over a selection of jobs; each returns the ids of the jobs it changed, so
-    # callers can report how many and the admin can log exactly which.
+    # Transitions over a selection of jobs; each returns the ids of the jobs it changed.
 
     def replay(self, *, queue: str | None = None, by: str | None = None) -> list[UUID]:
         """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
@@ -82,8 +81,7 @@ class JobQuerySet(models.QuerySet["Job"]):
                         guard="j.status IN ('failed', 'cancelled')",
                     )
             except IntegrityError:
-                # A job with one of the keys was enqueued or replayed meanwhile: look again,
-                # and this time that key is held.
+                # A job took one of the keys meanwhile: look again, and this time that key is held.
                 continue
         return []
 

@@ -20,8 +20,7 @@ class QueueQuerySet(models.QuerySet["Queue"]):
     def paused(self) -> QueueQuerySet:
         return self.filter(paused=True)
 
-    # Transitions over a selection of queues; each returns the names of the queues it changed,
-    # so callers can report how many and the admin can log exactly which.
+    # Transitions over a selection of queues; each returns the names of the queues it changed.
 
     def pause(self) -> list[str]:
         """Pause the selected queues that are not paused yet: workers stop claiming their jobs

@@ -11,8 +11,7 @@ from uuid import UUID
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
 
-# Text written on the failure path must never make that write fail, so it is cleaned and
-# bounded first.
+# Text written on the failure path must never make that write fail: cleaned and bounded first.
 MESSAGE_LIMIT = 2000
 TRACEBACK_LIMIT = 4000
 

@@ -11,8 +11,7 @@ from collections.abc import Iterable
 
 from django_pgjobs.conf import get_settings
 
-#: The one channel every queue is announced on; the queue name travels as the payload, bound
-#: as a parameter (never formatted into SQL).
+#: The one channel every queue is announced on; the queue name is its payload, a bound parameter.
 CHANNEL = "pgjobs"
 
 #: A queue notified this recently by this process is not notified again: busy workers need no

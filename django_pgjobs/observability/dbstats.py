@@ -86,8 +86,7 @@ class TableLock:
     pid: int | None  # None: a prepared transaction holds it
     mode: str  # as PostgreSQL's LOCK command names it: "ACCESS EXCLUSIVE"
     granted: bool
-    #: Held: the age of the holder's transaction (the lock is at most that old); queued: how
-    #: long its statement has been waiting.
+    #: Held: the age of the holder's transaction; queued: how long its statement has waited.
     seconds: float
     query: str  # the session's current or last statement (hidden without pg_read_all_stats)
     blocked_by: tuple[int, ...] = ()  # queued: the sessions it waits for

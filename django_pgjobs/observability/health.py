@@ -190,8 +190,7 @@ def _behind(report: Figures, previous: Figures | None, limits: Thresholds) -> li
     carried = {stream.queue for stream in report.streams}  # their due jobs are the relay's
     reasons = []
     for q in report.queues:
-        # Running jobs whose lease ran out wait too: their worker is gone, and no live worker
-        # serves the queue to take them back (its reaper would have, within moments).
+        # Running jobs whose lease ran out wait too: no live worker serves the queue to reap them.
         waited = max(q.oldest_due_seconds if q.due else 0.0, q.oldest_expired_seconds)
         if q.paused or not (q.due or q.expired) or q.queue in carried:
             continue

@@ -79,8 +79,7 @@ def queue_load(db: str | None = None) -> QueueLoad:
             return QueueLoad(share, "pg_stat_statements", since=since)
         queue_seen = active_seen = samples = 0
         for n in range(SAMPLES):
-            # The pause on the server; a new snapshot of the statistics for each sample, even
-            # inside a transaction.
+            # The pause on the server; a new snapshot of the statistics for each sample.
             cursor.execute(
                 "SELECT pg_sleep(%s), pg_stat_clear_snapshot()", [SAMPLE_INTERVAL * bool(n)]
             )

@@ -118,8 +118,7 @@ def no_report(error: DatabaseError, db: str | None = None) -> NoReport:
             f"{schema.explained(error)} on the database {alias!r}",
             code="tables_not_migrated",
         )
-    # A statement_timeout, a cancel request, a lock_timeout, a transaction rolled back: the
-    # report's failure, not the database's.
+    # A timeout, a cancel request, a rollback: the report's failure, not the database's.
     if rows.timed_out(error) or rows.rolled_back(error):
         return out_of_time(first, db)
     if getattr(error.__cause__, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
@@ -129,8 +128,7 @@ def no_report(error: DatabaseError, db: str | None = None) -> NoReport:
             "pgjobs tables, and the pg_monitor role to read PostgreSQL's statistics",
             code="report_not_allowed",
         )
-    # Connections refused or lost (class 08, none when refused) and servers shutting down
-    # (57P01-57P03) are OperationalErrors.
+    # Connections refused or lost, and servers shutting down, are OperationalErrors.
     if isinstance(error, OperationalError | InterfaceError):
         return NoReport(
             health.Level.CRITICAL,

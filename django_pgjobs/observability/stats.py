@@ -35,8 +35,7 @@ class QueueDepth:
     oldest_due_seconds: float  # how long the oldest due job has waited: the latency to watch
     paused: bool = False
     max_running: int | None = None
-    # Running jobs whose lease has run out (their worker gone, until a live worker's reaper
-    # takes them back), and how long ago the first ran out.
+    # Running jobs whose lease has run out (their worker gone), and since when.
     expired: int = 0
     oldest_expired_seconds: float = 0.0
 

@@ -305,8 +305,7 @@ class Command(BaseCommand):
         def on_signal(signum: int, frame: FrameType | None) -> None:
             worker.signalled(signum)
 
-        # Signal handlers belong to the main thread (under --reload the worker runs on another:
-        # the reloader passes signals on, see runtime/processes.py).
+        # Signal handlers belong to the main thread (under --reload the reloader passes signals on).
         main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS} if main else {}
         _stoppers.append(worker)
