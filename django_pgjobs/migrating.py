@@ -170,14 +170,20 @@ def _holder(connection: BaseDatabaseWrapper, table: str) -> str:
     return f"pid {pid} holds one ({state}{opened}; its last statement: {query})"
 
 
-class CreateIndexConcurrently(Operation):
-    """Build the index `name` with `sql` (a CREATE INDEX CONCURRENTLY statement), unless a
-    valid index of that name exists; an invalid one (a build that was interrupted) is dropped
-    and built again. The database change only: pair it with the state's AddIndex in a
-    SeparateDatabaseAndState, in a migration with atomic = False."""
+class _ConcurrentIndex(Operation):
+    """A database change only, run outside a transaction (a migration with atomic = False)."""
 
     atomic = False
     reduces_to_sql = True
+
+    def state_forwards(self, app_label: str, state: ProjectState) -> None:
+        pass
+
+
+class CreateIndexConcurrently(_ConcurrentIndex):
+    """Build the index `name` with `sql` (a CREATE INDEX CONCURRENTLY statement), unless a
+    valid index of that name exists; an invalid one (a build that was interrupted) is dropped
+    and built again. Pair it with the state's AddIndex in a SeparateDatabaseAndState."""
 
     def __init__(self, name: str, sql: str) -> None:
         if "CONCURRENTLY" not in sql.upper() or f'"{name}"' not in sql:
@@ -187,9 +193,6 @@ class CreateIndexConcurrently(Operation):
             )
         self.name = name
         self.sql = sql
-
-    def state_forwards(self, app_label: str, state: ProjectState) -> None:
-        pass
 
     def database_forwards(
         self, app_label: str, schema_editor: BaseDatabaseSchemaEditor,
@@ -214,16 +217,12 @@ class CreateIndexConcurrently(Operation):
         return f"Build the index {self.name} concurrently"
 
 
-class ReplaceIndexConcurrently(Operation):
+class ReplaceIndexConcurrently(_ConcurrentIndex):
     """Give the index `name` a new definition without locking writers out: `sql` (with
     ``{name}`` where the index's name goes) builds it under the name `building`, beside the old
     one; the old one is dropped and the new one renamed. An index `name` whose definition
-    (pg_get_indexdef) contains `marker` is the new one already, and is kept. Backwards,
-    `reverse_sql` builds the old definition the same way. The database change only, in a
-    migration with atomic = False."""
-
-    atomic = False
-    reduces_to_sql = True
+    contains `marker` is the new one already, and is kept. Backwards, `reverse_sql` builds the
+    old definition the same way."""
 
     def __init__(self, name: str, building: str, sql: str, reverse_sql: str, marker: str) -> None:
         for which, template in (("sql", sql), ("reverse_sql", reverse_sql)):
@@ -237,9 +236,6 @@ class ReplaceIndexConcurrently(Operation):
         self.sql = sql
         self.reverse_sql = reverse_sql
         self.marker = marker
-
-    def state_forwards(self, app_label: str, state: ProjectState) -> None:
-        pass
 
     def database_forwards(
         self, app_label: str, schema_editor: BaseDatabaseSchemaEditor,

@@ -1,13 +1,12 @@
 """The health verdict: the report's figures judged against thresholds (PGJOBS["HEALTH"]).
 
 Each reason names the threshold it used and the documentation section that explains what to
-do. Levels follow the monitoring-plugin convention, so the exit code of `jobstats` is a probe:
-0 healthy, 1 warning, 2 critical, and 3 unknown when there is no verdict.
+do. Levels follow the monitoring-plugin convention (0 healthy to 3 unknown): `jobstats` is a probe.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from enum import IntEnum
 
 from django_pgjobs.conf import get_settings
@@ -85,14 +84,7 @@ class Reason:
     doc: str  # where the documentation explains it and what to do
 
     def as_dict(self) -> dict[str, str]:
-        return {
-            "code": self.code,
-            "level": self.level.name.lower(),
-            "summary": self.summary,
-            "detail": self.detail,
-            "threshold": self.threshold,
-            "doc": self.doc,
-        }
+        return {**asdict(self), "level": self.level.name.lower()}
 
 
 @dataclass(frozen=True)
