@@ -354,9 +354,8 @@ def _is_our_alias(alias: object) -> bool:
 
 
 def to_task_result(job: Job, task: Task[Any, Any] | None = None) -> TaskResult[Any, Any]:
-    """The job as the framework's TaskResult, for `task` (by default the Task the job names, with
-    the job's priority, queue and run_at). PayloadMismatch for a job that is not a Django Task's,
-    UnknownTask when the Task it names is not one of ours."""
+    """The job as the framework's TaskResult, for `task` (by default the Task the job names, as
+    enqueued). PayloadMismatch for a job not a Django Task's, UnknownTask for a Task not ours."""
     args, kwargs, alias = _arguments(job)
     if task is None:
         task = _as_enqueued(get_django_task(job.task), job, alias)

@@ -59,9 +59,8 @@ class Settings:
         """How long jobs of each final status are kept; None keeps them until deleted by hand.
 
         RETENTION as a timedelta applies to succeeded and cancelled jobs; as a dict it names
-        statuses, and a status it leaves out keeps its default (one hour for succeeded and
-        cancelled, forever for failed: dead letters wait for a person).
-        """
+        statuses, the others keeping their default (failed: forever, dead letters wait for a
+        person)."""
         default = DEFAULT_RETENTION
         if isinstance(self.RETENTION, timedelta):
             return {"succeeded": self.RETENTION, "cancelled": self.RETENTION, "failed": None}

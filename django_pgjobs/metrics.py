@@ -190,9 +190,7 @@ def families(report: reports.Report) -> list[Metric]:
 
 
 def unreported(sample: reports.NoReport) -> list[Metric]:
-    """The verdict on a report that could not be taken: its level (2 critical, 3 unknown) and
-    its reason's code (job_table_locked, database_unusable, tables_not_migrated,
-    report_not_allowed, report_out_of_time, report_failed)."""
+    """The verdict on a report that could not be taken: its level and its reason's code."""
     return list(_verdict(int(sample.level), {sample.code}))
 
 

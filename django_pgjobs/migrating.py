@@ -274,8 +274,7 @@ def _unbounded(
     operation: Operation, schema_editor: BaseDatabaseSchemaEditor
 ) -> Iterator[Callable[[str], None]]:
     """Runs the statements of a concurrent index operation with no lock or statement timeout
-    (a build waits for older transactions, however long, and takes as long as the table
-    needs), and restores the session's settings afterwards."""
+    (a build waits for older transactions, however long), then restores the session's."""
 
     def run(sql: str) -> None:
         schema_editor.execute(sql, params=None)

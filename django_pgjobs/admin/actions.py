@@ -203,11 +203,9 @@ def apply(
     only: Sequence[str] = (),
 ) -> tuple[int, int]:
     """Run `transition` over the selection, ACTION_BATCH rows per statement, and log each row it
-    changed (the transition returns their primary keys) with `message`, or `message(row)` as the
-    row is after the change (a deleted row: as it was before). Returns (changed, selected).
-
-    `only` names the fields str(row) needs, read before the change so that the log names the
-    rows even after a delete. Rows are logged as their concrete model (a dead letter as a job)."""
+    changed (the primary keys it returns) with `message`, or `message(row)` as the row is after
+    the change. Returns (changed, selected). `only` names the fields str(row) needs, read before
+    the change so that the log names deleted rows too."""
     user_id = request.user.pk
     assert user_id is not None  # the admin lets no anonymous user this far
     model = queryset.model._meta.concrete_model

@@ -1,8 +1,5 @@
-"""What the job lists and the job page show of a job: its status as an operator reads it, times
-(admin/times.py), progress (admin/progress.py), the last error on one line, the payload, result
-and history.
-
-Everything shown from job data goes through format_html or the template engine: escaped.
+"""What the job lists and the job page show of a job: status, times, progress, the last error on
+one line, payload, result and history. Everything shown from job data is escaped.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The job lists' parts that keep them cheap over millions of rows: count, columns, filters.
 
 The paginator counts exactly only up to EXACT_COUNT_LIMIT rows, the changelist leaves out the
-payload and the error history, and the task and queue filters offer what the registry knows
-instead of reading the distinct values from the table.
+payload and history, and the filters offer what the registry knows, not the table's values.
 """
 
 from __future__ import annotations

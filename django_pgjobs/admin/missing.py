@@ -1,6 +1,5 @@
-"""The admin's answer to a database without the pgjobs tables: a page that says to run
-``manage.py migrate``, instead of a server error about a relation that does not exist; and to a
-page that waits on a lock held elsewhere: one that says so, after ACTION_LOCK_WAIT."""
+"""The admin's answer to a database without the pgjobs tables (a page that says to run
+``manage.py migrate``), and to a page held up by a lock (one that says so)."""
 
 from __future__ import annotations
 

@@ -175,10 +175,9 @@ SHOWN = "{}-shown"
 
 
 class Guarded(ModelForm):
-    """A row of the Queues list. Its changes are what the user changed on the page: each value
-    is compared with the one the page showed (posted beside it), not with the row as it is now,
-    which another operator may have changed since. A changed value whose row holds neither
-    what the page showed nor the new value is a conflict: the form is invalid and says so."""
+    """A row of the Queues list whose changes are judged against the values the page showed
+    (posted beside them), not the row as another operator may have changed it since. A row that
+    holds neither what the page showed nor the new value is a conflict: the form says so."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

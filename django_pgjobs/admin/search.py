@@ -69,7 +69,6 @@ def task_names(term: str) -> list[str]:
 
 def short_id_matches(queryset: QuerySet[Job], digits: str) -> list[UUID]:
     """The ids of `queryset` ending in these 12 hex digits, in one query that names no column
-    but the id, so that PostgreSQL answers it from an index alone: the primary key for all jobs,
-    pgjobs_job_dead_idx for dead letters. Run once, rather than in each query of the page."""
+    but the id, so that an index alone answers it; run once, not in each query of the page."""
     found = queryset.order_by().alias(short=SHORT_ID).filter(short=bytes.fromhex(digits))
     return [pk for (pk,) in found.values_list("pk")[:SHORT_ID_MATCHES]]

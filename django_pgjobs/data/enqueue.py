@@ -55,9 +55,8 @@ def options_of(
     max_attempts: int | None,
     unique_key: str | None,
 ) -> tuple[Task, NewJob]:
-    """The registered task, and a job of it with an empty payload, every option checked
-    (EnqueueError before anything is written): each option given, else the task's default, else
-    the PGJOBS default."""
+    """The registered task, and a job of it with an empty payload, every option checked: each
+    option given, else the task's default, else the PGJOBS default."""
     settings = get_settings()
     task = registry.resolve(task_or_name)
     if task.late:
@@ -148,9 +147,8 @@ def insert_many(
     texts: Sequence[str],
     batch_size: int,
 ) -> list[Job]:
-    """Insert one job of `options` (never with a unique_key) per payload, by COPY, `batch_size`
-    rows per COPY, in one transaction: the caller's, else its own. `texts` are the payloads'
-    checked JSON; the returned Jobs hold the payloads."""
+    """Insert one job of `options` (never with a unique_key) per payload, `batch_size` rows per
+    COPY, in one transaction (the caller's, else its own); `texts` are the payloads' JSON."""
     if not payloads:
         return []
     ids = uuid7_batch(len(payloads))

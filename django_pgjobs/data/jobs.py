@@ -77,8 +77,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """Write one job in the caller's transaction (one INSERT on the caller's connection).
 
         With a `unique_key` that a ready or running job already holds, nothing is written and
-        that job is returned instead. `announce=False`: no job_enqueued signal (a worker's
-        periodic ticks: it sends their signal after its commit, off its main thread).
+        that job is returned instead. `announce=False`: no job_enqueued signal.
         """
         job = enqueue.new_job(
             task, payload, queue=queue, priority=priority, run_at=run_at, delay=delay,
@@ -308,17 +307,15 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     def abandon(self, worker: str, reason: str) -> TakenBack:
         """Take back every running job of `worker`, known to be dead, at once, as `reap` does
-        (after the task's backoff, so a job that kills its worker is not taken at once by the
-        next); the attempt is recorded as lost with `reason`. Rows locked elsewhere are passed
-        over: their leases bring them back."""
+        (so a job that kills its worker is not taken at once by the next), recording `reason`.
+        Rows locked elsewhere are passed over: their leases bring them back."""
         params = {"worker": worker, "reason": reason, **_taking_back(Failure("WorkerLost", reason))}
         return self._taken_back(rows.execute(self._write_db(), sql.ABANDON, params))
 
     def reap(self, *, limit: int = 1000, sparing: Sequence[Job | Claim] = ()) -> TakenBack:
-        """Take back running jobs whose lease expired: to ready (after the task's backoff, as
-        for a failed attempt), or to failed when no attempts remain, recording "lease expired"
-        as the attempt's error. Safe to run from every worker at once (SKIP LOCKED).
-        `sparing`: the calling worker's claims whose handlers are running (never its to take)."""
+        """Take back running jobs whose lease expired: to ready after the default backoff, or
+        failed when no attempts remain, recording "lease expired". Safe from every worker at
+        once (SKIP LOCKED). `sparing`: the caller's claims whose handlers are running."""
         params = {
             "limit": limit,
             "spared_ids": [claim(job).id for job in sparing],

@@ -1,6 +1,5 @@
 """JobQuerySet: filters over jobs, and the transitions an operator applies to a selection of
-them (replay, cancel, run now, discard, prune, a payload corrected before replay). Each is one
-statement that re-checks its guard on every row it writes, and returns the ids it changed."""
+them, each re-checking its guard on every row it writes and returning the ids it changed."""
 
 from __future__ import annotations
 

@@ -103,9 +103,8 @@ class TableLock:
 
 
 def table_locks(db: str | None = None) -> list[TableLock]:
-    """The sessions (or prepared transactions) holding or queued for a lock on the job table
-    in one of BLOCKING_MODES, or on the queue controls' table in CONTROLS_BLOCKING_MODES, held
-    ones first, the oldest first (pg_locks: reading it waits for no table lock)."""
+    """The sessions (or prepared transactions) holding or queued for a lock that stops the
+    workers (BLOCKING_MODES, CONTROLS_BLOCKING_MODES), held ones first, the oldest first."""
     with connections[job_database(db)].cursor() as cursor:
         cursor.execute(LOCKS_SQL, [list(BLOCKING_MODES), list(CONTROLS_BLOCKING_MODES)])
         found = cursor.fetchall()

@@ -284,8 +284,7 @@ WORKERS_SQL = """
 
 def worker_stats(db: str | None = None) -> list[WorkerStats]:
     """Workers that wrote a QueueStat row in the last 15 minutes: the queues they serve, whether
-    they are alive (wrote a row within the last two of their intervals, and did not stop), and
-    whether they stopped."""
+    they are alive (a row within their last two intervals, and not stopped), and stopped."""
     params = {"intervals": ALIVE_INTERVALS, "slack": ALIVE_SLACK, "longest": max(WINDOWS)}
     with connections[job_database(db)].cursor() as cursor:
         cursor.execute(WORKERS_SQL, params)
