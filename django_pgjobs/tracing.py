@@ -1,12 +1,10 @@
 """OpenTelemetry tracing of enqueues and job runs, after the messaging semantic conventions.
 
-Imported only when ``PGJOBS["TRACING"]`` is on (data/enqueue.py, runtime/execute.py), so that
-without it opentelemetry is never imported. Needs the ``otel`` extra (opentelemetry-api); the
-application configures the SDK and its exporters, as for any instrumented library.
+Imported only when ``PGJOBS["TRACING"]`` is on, so that without it opentelemetry is never
+imported (the ``otel`` extra); the application configures the SDK and its exporters.
 
-- An enqueue is a ``send {queue}`` span (kind PRODUCER). Its context is the jobs' *creation
-  context*: the configured propagator (W3C ``traceparent``/``tracestate`` by default) writes it
-  into the jobs' ``headers``. A bulk enqueue is one span per statement, its context in every job.
+- An enqueue is a ``send {queue}`` span (kind PRODUCER), one per statement, whose context the
+  configured propagator writes into the jobs' ``headers``: their *creation context*.
 - A run is a ``process {queue}`` span (kind CONSUMER) around the handler, linked to the creation
   context, and its child unless another span is current. A failed attempt records its
   exception and sets the status to ERROR; a Retry is no error.

@@ -155,20 +155,17 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
         colour = COLOURS[number % len(COLOURS)]
         at = [by_slot.get(slot) for slot in slots]
         line = {"name": queue, "colour": colour, "dashed": False}
-        made["throughput"].series.append(
-            {**line, "values": [None if f is None else (f[0] + f[2]) * 60 / step for f in at]}
-        )
+        for name, values in (
+            ("throughput", [None if f is None else (f[0] + f[2]) * 60 / step for f in at]),
+            ("retries", [None if f is None else float(f[1]) for f in at]),
+            ("failures", [None if f is None else float(f[2]) for f in at]),
+        ):
+            made[name].series.append({**line, "values": values})
         for quantile, dashed in ((0.5, False), (0.95, True)):
             made["latency"].series.append({
                 **line, "name": f"{queue} p{round(quantile * 100)}", "dashed": dashed,
                 "values": [None if f is None else latency(f, quantile) for f in at],
             })  # fmt: skip
-        made["retries"].series.append(
-            {**line, "values": [None if f is None else float(f[1]) for f in at]}
-        )
-        made["failures"].series.append(
-            {**line, "values": [None if f is None else float(f[2]) for f in at]}
-        )
     return [chart.drawing() for chart in made.values()]
 
 

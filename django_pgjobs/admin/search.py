@@ -2,9 +2,7 @@
 
 A term is read every way it can be, and the jobs matching any reading are listed:
 
-- a full job id: the primary key;
-- the start of an id (hex digits, dashes optional): ids are UUIDv7s, so a prefix is a range of
-  the primary key;
+- a full job id, or its start (hex digits, dashes optional): a range of the primary key;
 - a short id (the last 12 hex digits, as the lists show): random bits, so no range holds them;
   found by an index-only scan of the primary key (on Dead letters, of their own small index),
   cheaper than an index of them that every job would pay for;

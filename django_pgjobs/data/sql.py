@@ -103,20 +103,17 @@ COPY_JOBS_TYPES = (
 # ---- one turn of a worker: settle, then claim -------------------------------------------
 
 # A worker's turn in one statement (one round trip, one commit): record the outcomes of its
-# finished jobs and claim due jobs into the slots they free. An array left empty (or a
-# %(limit)s of 0) makes its part a no-op, so one text serves every turn that records outcomes;
-# CLAIM, below, is the same claim for a turn that has none (_SETTLE and _CLAIM are its parts).
+# finished jobs and claim due jobs into the slots they free. An empty array (or a %(limit)s of
+# 0) makes its part a no-op; CLAIM, below, is the claim alone, for a turn with no outcome.
 #
 # - succeeded: completions, guarded on the claim, keeping each handler's return value (JSON
-#   text, or NULL to keep nothing).
-# - succeeded and failed both keep the handler's last progress report (JSON text without "at",
-#   or NULL: none), which the lease keeper may not have written yet: as HEARTBEAT does.
+#   text, or NULL to keep nothing) and, as failed does, its last progress report (as HEARTBEAT).
 # - failed: each failed attempt is cancelled (if a cancellation was requested), back to ready
 #   after its delay (attempts left and not permanent), or failed: the dead letter. Its error
 #   joins the job's history, of which the last %(errors_kept)s entries are kept.
-# - due: per queue, an index range scan of the claim index in its own order that stops after
+# - due: per queue, a range scan of the claim index in its own order that stops after
 #   %(limit)s rows; SKIP LOCKED, so concurrent workers never wait for each other or take the
-#   same job. `queue = ANY(...)` ordered across queues would read and sort every ready row.
+#   same job (one scan ordered across queues would read and sort every ready row).
 #   A queue's scan starts after the position its worker's claims got to (%(after_*)s: the
 #   priority, run_at and id of the last job it claimed there), not at the index's start, which
 #   holds an entry for every job claimed since the last vacuum (many, under a long snapshot).
@@ -133,8 +130,7 @@ COPY_JOBS_TYPES = (
 #
 # Rows come back tagged by kind in one shape: claimed jobs with every column (JOB_COLUMNS
 # order), settled jobs with their id, claim and new status, the other columns NULL.
-# A failed attempt ends its job: cancelled, a permanent error, or no attempt left. Written once
-# here; the failing statements below use it for the status and every column that follows it.
+# _ENDS: a failed attempt ends its job (cancelled, a permanent error, or no attempt left).
 _ENDS = "(j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)"
 
 _SETTLE = f"""
@@ -189,10 +185,8 @@ _SETTLE = f"""
     ),
 """
 
-# A claimed job's columns (JOB_COLUMNS), as the worker reads them. run_at inside the years
-# Python can hold, in any time zone the connection reads it in (validation.EARLIEST, LATEST):
-# an operator may set '-infinity' (to the front of the queue) or a far year by hand, and a row
-# the worker cannot read would make its claim fail after it committed.
+# A claimed job's columns (JOB_COLUMNS), with run_at clamped to the years Python can hold (an
+# operator may set '-infinity' by hand): a row the worker cannot read fails a committed claim.
 _CLAIMED = """
     j.id, j.queue, j.task, j.payload, j.status, j.priority,
     LEAST(GREATEST(j.run_at, '0001-01-02 00:00:00+00'), '9999-12-30 00:00:00+00') AS run_at,
@@ -335,10 +329,9 @@ LOCKED_ELSEWHERE = """
     WHERE j.id = ANY(%(ids)s::uuid[]) AND j.id NOT IN (SELECT id FROM free)
 """
 
-# Back to ready without spending an attempt, or cancelled when someone asked to cancel the job
-# while it ran: a worker shutting down (%(delay)s NULL: the job keeps its place), or a
-# handler's Retry (due again in %(delay)s seconds). Keeps each handler's last progress report,
-# as SETTLE_AND_CLAIM does (where the attempt got to; the next claim clears it).
+# Back to ready without spending an attempt (cancelled if that was asked): a worker shutting
+# down (%(delay)s NULL: the job keeps its place), or a handler's Retry (due in %(delay)s
+# seconds). Keeps each handler's last progress report, as SETTLE_AND_CLAIM does.
 RELEASE = """
     UPDATE pgjobs_job AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
@@ -386,11 +379,9 @@ _TAKEN_BACK = f"""
         )
 """.strip()
 
-# Take back running jobs whose lease expired (_TAKEN_BACK), "lease expired" the cause. SKIP
-# LOCKED: every worker may reap at once. A worker spares its own claims whose handlers it knows
-# are running (%(spared_*)s): a lease that ran out while the row was locked (the handler locked
-# its own job) is renewed by the lease keeper once the lock is gone, and must not be taken by
-# the same worker meanwhile.
+# Take back running jobs whose lease expired (_TAKEN_BACK). SKIP LOCKED: every worker may reap
+# at once. A worker spares its own claims whose handlers are running (%(spared_*)s): a lease
+# that ran out while its row was locked is renewed once the lock is gone.
 REAP = f"""
     WITH expired AS (
         SELECT id FROM pgjobs_job
@@ -524,10 +515,8 @@ RELAYED = """
 """
 
 # A job run from NATS whose attempt failed comes back as a running row held by the consumer,
-# so that the worker's own statement (SETTLE_AND_CLAIM's failed part) decides what follows and
-# writes the error history. No unique_key: it held the key only while in the outbox. Nothing is
-# inserted when a row with this id exists (see JobManager.write_back); its status and claims
-# come back instead.
+# so that SETTLE_AND_CLAIM's failed part decides what follows. No unique_key: it held the key
+# only in the outbox. When a row with this id exists, its status and claims come back instead.
 WRITE_BACK = """
     WITH inserted AS (
         INSERT INTO pgjobs_job AS j

@@ -81,6 +81,10 @@ def _grace(value: str) -> float:
     return seconds
 
 
+#: The options a worker's Options takes under the same names.
+_AS_NAMED = ("concurrency", "batch_size", "lease", "grace", "poll_interval", "listen", "once",
+             "worker_id", "relay")  # fmt: skip
+
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
 _stoppers: list[processes.Stops] = []
 
@@ -268,8 +272,8 @@ class Command(BaseCommand):
 
     def run(self, options: dict[str, Any]) -> int:
         """Run the supervisor or the worker until stopped; returns the exit code."""
+        queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
         if options["processes"] > 1:
-            queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
             try:
                 refuse_unmigrated(router.db_for_write(Job))
             except WorkerError as error:
@@ -286,19 +290,11 @@ class Command(BaseCommand):
             _serve_metrics(options["metrics_port"], options["metrics_addr"])
         worker = _worker(
             Options(
-                queues=options["queues"] or [get_settings().DEFAULT_QUEUE],
-                concurrency=options["concurrency"],
-                batch_size=options["batch_size"],
-                lease=options["lease"],
-                grace=options["grace"],
-                poll_interval=options["poll_interval"],
-                listen=options["listen"],
-                once=options["once"],
-                worker_id=options["worker_id"],
+                queues=queues,
                 max_jobs=options["max_jobs_per_child"],
                 max_memory_mb=options["max_memory_per_child"],
                 parent_pid=options["supervised_by"],
-                relay=options["relay"],
+                **{name: options[name] for name in _AS_NAMED},
             )
         )
 
