@@ -27,9 +27,8 @@ def check_arguments(
     func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: object
 ) -> None:
     """PayloadMismatch unless the handler can be called with `args` and `kwargs`, saying which
-    arguments are unexpected or missing, and the handler's signature (as ``inspect.signature``
-    reads it; a callable without one, such as some builtins, is not checked).
-    """
+    arguments are unexpected or missing, and the handler's signature (as ``inspect.signature`` reads
+    it; a callable without one, such as some builtins, is not checked)."""
     if not isinstance(kwargs, Mapping):
         raise PayloadMismatch(
             f"payload must be a JSON object of keyword arguments, got {type(kwargs).__name__}"

@@ -8,9 +8,8 @@ Two kinds of schema change, never in one migration:
   table, and every enqueue, claim and heartbeat queues behind the request. So it waits at most
   LOCK_TIMEOUT, gives the lock up, lets the queue run for PAUSE, and tries again.
 - `CreateIndexConcurrently` and `ReplaceIndexConcurrently`: index builds that lock out no
-  writer but wait, unbounded, for older transactions. A lock timeout would stop them part-way,
-  so they run without one, outside a transaction (non-atomic migrations), and can be run
-  again from wherever they stopped.
+  writer but wait, unbounded, for older transactions; outside a transaction and without a lock
+  timeout, which would stop them part-way. They can be run again from wherever they stopped.
 """
 
 from __future__ import annotations

@@ -245,10 +245,9 @@ class QueueStat(models.Model):
 
 
 class Schedule(models.Model):
-    """A periodic schedule's shared state: the last tick handled, so that every worker can
-    enqueue due ticks and each tick is enqueued once. Declared in settings or on the task;
-    task, cron and timezone are copied here for the admin, and a change restarts the count.
-    """
+    """A periodic schedule's shared state: the last tick handled, so that every worker can enqueue
+    due ticks and each tick is enqueued once. Declared in settings or on the task; task, cron and
+    timezone are copied here for the admin, and a change restarts the count."""
 
     name = models.CharField(max_length=200, primary_key=True)
     task = models.CharField(max_length=200)

@@ -1,6 +1,5 @@
 """Periodic jobs' declarations: schedules in PGJOBS["PERIODIC"] or @task(cron=...), checked, and
-their due ticks (runtime/chores.py enqueues each tick exactly once however many workers run).
-"""
+their due ticks (runtime/chores.py enqueues each tick exactly once however many workers run)."""
 
 from __future__ import annotations
 

@@ -81,12 +81,11 @@ def run_jobs(
 
     - `queues`, `tasks`: only these queues, or only jobs of these tasks (``@task`` functions,
       Django Tasks or task names); other due jobs stay ready.
-    - `advance`: time travel. Due-ness is decided by the database clock, so instead of freezing
-      Python's clock, ready jobs scheduled within `advance` from now (delayed jobs, retries after
-      a backoff) are made due now before each round.
+    - `advance`: ready jobs scheduled within `advance` from now (delays, retries' backoffs) are
+      made due before each round, since the database's clock decides, not Python's.
     - `raise_errors`: raise JobError for the first job that raises, after recording it.
-    - `max_jobs`: stop with JobError after running this many jobs (a job that enqueues itself, or
-      keeps asking to Retry at once, would otherwise never let the loop end).
+    - `max_jobs`: stop with JobError after running this many jobs (a job that enqueues itself
+      would otherwise never let the loop end).
 
     Inside a transaction (a ``TestCase``), each job runs in a savepoint that is rolled back when
     it raises, so that a database error in a handler cannot break the test's transaction.

@@ -1,6 +1,5 @@
-"""What the job lists and the job page show of a job: status, times, progress, the last error on
-one line, payload, result and history. Everything shown from job data is escaped.
-"""
+"""What the job lists and the job page show of a job: status, times, progress, the last error on one
+line, payload, result and history. Everything shown from job data is escaped."""
 
 from __future__ import annotations
 

@@ -58,10 +58,9 @@ class JobQuerySet(models.QuerySet["Job"]):
 
     def replay(self, *, queue: str | None = None, by: str | None = None) -> list[UUID]:
         """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
-        another queue). Skips other statuses, jobs whose unique_key a live job holds, and of
-        several selected jobs sharing a unique_key all but the oldest; never fails as a whole.
-        The replay joins the error history (when, `by` whom, into which queue); last_error is
-        cleared."""
+        another queue). Skips other statuses, jobs whose unique_key a live job holds, and of several
+        selected jobs sharing a unique_key all but the oldest; never fails as a whole. The replay
+        joins the error history (when, `by` whom, into which queue); last_error is cleared."""
         into = None if queue is None else validation.check_queue(queue)
         kept = sql.errors_kept(get_settings().ERRORS_KEPT)
         self._for_write = True

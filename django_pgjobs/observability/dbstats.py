@@ -64,9 +64,7 @@ class DatabaseStats:
 
 
 #: The locks on the job table that conflict with the ROW EXCLUSIVE lock every claim, heartbeat
-#: and outcome of a worker takes: SHARE (CREATE INDEX, REINDEX), SHARE ROW EXCLUSIVE and
-#: EXCLUSIVE (some ALTER TABLE, LOCK TABLE), ACCESS EXCLUSIVE (VACUUM FULL, CLUSTER, TRUNCATE,
-#: most ALTER TABLE, LOCK TABLE's default). Autovacuum's SHARE UPDATE EXCLUSIVE is not one.
+#: and outcome of a worker takes (CREATE INDEX, most ALTER TABLE, VACUUM FULL, LOCK TABLE...).
 BLOCKING_MODES = {
     "ShareLock": "SHARE",
     "ShareRowExclusiveLock": "SHARE ROW EXCLUSIVE",
@@ -117,8 +115,7 @@ def table_locks(db: str | None = None) -> list[TableLock]:
 
 
 # pg_blocking_pids() only for the queued requests: it briefly takes the lock manager's locks.
-# A prepared transaction's locks have no pid and no session: their age is the transaction's
-# since it was prepared (pg_prepared_xacts, found by the xid its own lock names).
+# A prepared transaction's locks have no pid: their age is since it was prepared.
 LOCKS_SQL = """
     SELECT CASE WHEN l.relation = to_regclass('pgjobs_job') THEN 'pgjobs_job'
                 ELSE 'pgjobs_queue' END,

@@ -97,11 +97,10 @@ def measure(db: str | None = None) -> Figures:
 
 @contextmanager
 def limited(db: str) -> Iterator[None]:
-    """A transaction on `db` whose statements wait at most REPORT_LOCK_SECONDS for a lock and
-    run at most REPORT_STATEMENT_SECONDS (report_limits), or less where the session asks for
-    less. SET LOCAL, so a pooled connection keeps none of them; nested in a caller's
-    transaction, they are put back when the block ends.
-    """
+    """A transaction on `db` whose statements wait at most REPORT_LOCK_SECONDS for a lock and run at
+    most REPORT_STATEMENT_SECONDS (report_limits), or less where the session asks for less. SET
+    LOCAL, so a pooled connection keeps none of them; nested in a caller's transaction, they are put
+    back when the block ends."""
     nested = connections[db].in_atomic_block
     with transaction.atomic(using=db), connections[db].cursor() as cursor:
         cursor.execute(_LIMIT, [milliseconds(limit) for limit in report_limits()])
@@ -152,7 +151,6 @@ def no_streams(now: datetime) -> list[stats.StreamStats]:
     return []
 
 
-#: The figures of the queues carried by NATS, asked of the server; `now` is the database's clock,
-#: for the ages of messages. apps.py sets it to the seam that asks jetstream/ for them when a
-#: queue uses NATS: observability never imports jetstream/ (nor nats).
+#: The figures of the queues carried by NATS (`now`: the database's clock), set by apps.py, so
+#: that observability never imports jetstream/ (nor nats).
 stream_stats: Callable[[datetime], list[stats.StreamStats]] = no_streams

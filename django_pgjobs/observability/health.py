@@ -375,9 +375,8 @@ def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
             )
         if waiting and waiting.paused:
             continue  # its workers fetch nothing on purpose, as for a PostgreSQL queue
-        # As for a PostgreSQL queue, only once they have waited UNSERVED_SECONDS (workers
-        # restarting in a deploy leave messages unserved for a moment). An age that could not be
-        # read counts as old enough.
+        # As for a PostgreSQL queue, only past UNSERVED_SECONDS (a deploy leaves messages
+        # unserved for a moment); an age that could not be read counts as old enough.
         waited = stream.oldest_pending_seconds
         unacked = stream.oldest_unacked_seconds or 0.0
         if stream.queue not in served and (

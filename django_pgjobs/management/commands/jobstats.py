@@ -201,16 +201,14 @@ def _age(count: int, seconds: float | None) -> str:
 
 
 def _workers(report: Report) -> str:
-    alive, silent = report.alive, report.silent
+    alive = report.alive
     text = f"workers: {len(alive)} alive"
     if alive:
         text += " (" + "; ".join(f"{w.worker}: {', '.join(w.queues)}" for w in alive) + ")"
-    if silent:
-        gone = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in silent)
-        text += f"; silent in the last {max(WINDOWS) // 60} minutes: {gone}"
-    if report.stopped:
-        ended = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in report.stopped)
-        text += f"; stopped in the last {max(WINDOWS) // 60} minutes: {ended}"
+    for gone, workers in (("silent", report.silent), ("stopped", report.stopped)):
+        if workers:
+            seen = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in workers)
+            text += f"; {gone} in the last {max(WINDOWS) // 60} minutes: {seen}"
     return text
 
 
