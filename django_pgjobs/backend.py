@@ -220,8 +220,7 @@ def run(job: Job) -> Handled:
         return execute.raised(job, error, None, (), time.perf_counter())
     send(task_started, result)
     if job.cancel_requested:
-        # Cancelled while task_started's receivers ran, or timed out (its time limit's hook
-        # tells FAILED, keep_outcome says so): the function must not begin after that.
+        # Cancelled or timed out while task_started's receivers ran: the function must not begin.
         cancelled = JobCancelled("cancelled before its function started")
         handled = execute.refused(cancelled)
         if handlers.keep_outcome(job, handled):

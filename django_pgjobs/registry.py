@@ -381,8 +381,8 @@ def is_django_task(name: str) -> bool:
 #: Runs a job whose task is not a registered @task but belongs to an integration (e.g. Django's
 #: Tasks framework, see backend.py), and says how its handler ended.
 Runner = Callable[["Job"], "Handled"]
-#: Told, on the worker's main thread, that an attempt of an integration's job passed its time
-#: limit: the job, the JobTimeout and how the attempt is recorded. Its handler may still run.
+#: Told, on the worker's main thread, that an attempt of an integration's job timed out (its
+#: handler may still run): the job, the JobTimeout and how the attempt is recorded.
 TimedOut = Callable[["Job", BaseException, "Handled"], None]
 
 _runners: dict[str, Runner] = {}

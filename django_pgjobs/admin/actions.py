@@ -37,8 +37,7 @@ if TYPE_CHECKING:
 
 #: Rows changed and logged per statement by a bulk action.
 ACTION_BATCH = 1000
-#: How long a bulk action waits for a row another session holds (its batch's lock_timeout,
-#: unless the database's own is shorter).
+#: How long a bulk action waits for a row another session holds (unless lock_timeout is less).
 ACTION_LOCK_WAIT = "5s"
 #: Sets the transaction's lock_timeout to %s, unless the session's is shorter (not 0).
 BOUND_LOCK_WAIT = (

@@ -183,9 +183,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         try:
             claimed = rows.load_jobs(self.model, db, (row[1:] for row in claimed_rows))
         except BaseException as error:
-            # Committed claims the caller will never see (a model signal's receiver raised, say):
-            # given back now, not left to run out their leases with an attempt spent. The
-            # outcomes the statement recorded stay the caller's to account for (`unread`).
+            # Committed claims the caller will never see (a model signal's receiver raised): given
+            # back now, not left to run out their leases; the outcomes stay the caller's (`unread`).
             given_back = {
                 "ids": [row[1] for row in claimed_rows],
                 "claims": [row[_CLAIMS] for row in claimed_rows],
@@ -409,8 +408,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         Returns ``ready``, or WRITTEN or IN_OUTBOX as write_back."""
         self.drop_superseded(job, below=job.claims)
         with transaction.atomic(using=self._write_db()):
-            # Written with one attempt more, which retry_later's release gives back: the
-            # attempt counts, as a Retry's negative acknowledgement would count it.
+            # One attempt more, which retry_later's release gives back: this attempt counts.
             if (found := self._written_back(job, job.attempts + 1)) is not None:
                 return found
             released = self.retry_later(job, delay)
@@ -516,8 +514,7 @@ def _report(progress: Any) -> str | None:
         report = {k: v for k, v in progress.items() if k != "at"}
         return json_text(report, "a progress report", MAX_REPORT_BYTES, "")
     except Exception:  # EnqueueError, RecursionError, an object's __eq__ that raises, ...
-        # Set by hand to something jsonb cannot hold (a NUL, a lone surrogate, deep nesting,
-        # a NaN): the stored report stays, and nothing of the job's outcome is refused for it.
+        # Something jsonb cannot hold: the stored report stays, and the outcome is not refused.
         return None
 
 

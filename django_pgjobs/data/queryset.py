@@ -185,10 +185,9 @@ class JobQuerySet(models.QuerySet["Job"]):
         ages = [age for age in kept.values() if age is not None]
         if not ages:
             return self.filter(old)
-        # Ids are UUIDv7s made at enqueue, so a job finished before the cutoff has an id from
-        # before it: bounding the id makes this a range of the primary key instead of a scan of
-        # every finished job. The bound is the enqueuer's clock (with a margin); the database's
-        # finished_at still decides, so a skewed clock can delay pruning, never hasten it.
+        # Ids are UUIDv7s made at enqueue, so bounding the id makes this a range of the primary key,
+        # not a scan of every finished job. finished_at still decides: a skewed enqueuer's clock
+        # can delay pruning, never hasten it.
         newest = time.time() - min(ages).total_seconds() + ID_CLOCK_MARGIN.total_seconds()
         return self.filter(old, pk__lt=uuid7_floor(newest))
 
