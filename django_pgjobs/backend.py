@@ -99,8 +99,7 @@ class PgJobsBackend(BaseTaskBackend):
     """Django Tasks stored as django-pgjobs jobs, in the caller's transaction.
 
     OPTIONS: ``max_attempts`` (default 1): how many times a Task runs before its result is
-    FAILED; exceptions django-pgjobs knows to be permanent fail it at once.
-    """
+    FAILED; exceptions django-pgjobs knows to be permanent fail it at once."""
 
     supports_defer = True
     supports_async_task = True
@@ -255,9 +254,8 @@ def run(job: Job) -> Handled:
 
 def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
     """A Task's attempt passed its time limit: when it was the last one, task_finished says
-    FAILED with the JobTimeout now, not when (or if) the function returns; what it does later
-    is not sent. Called on the worker's main thread, so the receivers run on a thread of their
-    own: a slow one must not hold the worker up."""
+    FAILED with the JobTimeout now, not when (or if) the function returns. The receivers run on
+    a thread of their own: a slow one must not hold up the worker's main thread."""
     if not _the_last(job, handled):
         return
 

@@ -31,10 +31,8 @@ class PermanentError(Exception):
 
 
 class Retry(Exception):
-    """Raise from a handler to run the job again later without counting it as an error.
-
-    ``delay`` is seconds or a ``timedelta``.
-    """
+    """Raise from a handler to run the job again after ``delay`` (seconds or a ``timedelta``),
+    without counting it as an error."""
 
     # **celery: Celery's self.retry() options, refused saying what to write instead.
     def __init__(self, delay: float | timedelta = 0, **celery: Never) -> None:

@@ -221,8 +221,7 @@ class QueueStat(models.Model):
 
     Reports read these few rows instead of scanning the job table. Claim latency is a histogram
     over LATENCY_BUCKETS so windows and workers add up; a row is written even when idle, so the
-    rows also say which workers are alive and which queues they serve.
-    """
+    rows also say which workers are alive and which queues they serve."""
 
     id = models.BigAutoField(primary_key=True)
     at = models.DateTimeField(db_default=Now())

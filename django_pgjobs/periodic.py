@@ -66,10 +66,8 @@ class Periodic:
         """The ticks to enqueue, given the last tick handled and the database's `now`, and the
         new last tick (the most recent tick at or before `now`).
 
-        Every tick at most `grace` seconds old gets its own job, so a short pause of every
-        worker loses nothing. Older ticks were missed (no worker ran): with missed="latest"
-        the most recent of them gets one job unless a newer tick has one; with "skip", none.
-        """
+        Every tick at most `grace` seconds old gets its own job. Older ticks were missed: with
+        missed="latest" the most recent of them gets one job unless a newer tick has one."""
         latest: datetime = croniter(
             self.cron, (now + timedelta(microseconds=1)).astimezone(self.timezone)
         ).get_prev(datetime)

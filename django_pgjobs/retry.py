@@ -24,11 +24,8 @@ PERMANENT: tuple[type[BaseException], ...] = (
 
 @dataclass(frozen=True)
 class ExponentialBackoff:
-    """Full jitter: a random delay in [0, min(cap, base * 2**(attempts - 1))] seconds.
-
-    Spreading retries over the whole window keeps a failing dependency from being hit by every
-    job at the same moment when it recovers.
-    """
+    """Full jitter: a random delay in [0, min(cap, base * 2**(attempts - 1))] seconds, so that
+    a dependency that recovers is not hit by every job at the same moment."""
 
     base: float = 2.0
     cap: float = 3600.0
@@ -44,10 +41,7 @@ def is_permanent(
     error: BaseException, task_permanent: tuple[type[BaseException], ...] = ()
 ) -> bool:
     """True when retrying cannot help: our PERMANENT list or the task's own permanent_errors.
-
-    Everything else is transient, including database connection, serialization-failure and
-    deadlock errors (``OperationalError`` and its psycopg causes) raised by the handler.
-    """
+    Everything else is transient, ``OperationalError`` (connections, deadlocks) included."""
     if isinstance(error, OperationalError):
         return False
     return isinstance(error, PERMANENT + task_permanent)

@@ -162,11 +162,8 @@ def enqueued(
     task: Any = None, /, *args: Any, using: str | None = None, **payload: Any
 ) -> list[Job]:
     """Ready jobs (due or scheduled), oldest first: of `task` (a ``@task`` function, a Django
-    Task or a task name) when given, whose payload has these values.
-
-    For a Django Task, positional `args` must equal the Task's args, and the keyword values
-    are looked for in its kwargs.
-    """
+    Task or a task name) when given, whose payload has these values (for a Django Task, `args`
+    must equal its args, and the keyword values are looked for in its kwargs)."""
     db = using or router.db_for_write(Job)
     ready = Job.objects.db_manager(db).ready().order_by("created_at", "id")
     if task is not None:

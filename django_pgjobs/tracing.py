@@ -48,10 +48,9 @@ def tracer() -> trace.Tracer:
 
 @contextmanager
 def sending(first: NewJob, count: int) -> Iterator[dict[str, str] | None]:
-    """The span of one statement that writes `count` jobs like `first` (one queue, one task; its
-    id is the job's when `count` is 1). Yields the headers to write with them: the span's
-    context as the propagator writes it; None when there is nothing to carry (no SDK
-    configured: the span is a no-op without a valid context)."""
+    """The span of one statement that writes `count` jobs like `first` (one queue, one task).
+    Yields the headers to write with them: the span's context as the propagator writes it, or
+    None when there is nothing to carry (no SDK configured)."""
     attributes: dict[str, str | int] = {
         "messaging.system": SYSTEM,
         "messaging.operation.type": "send",

@@ -109,13 +109,9 @@ class _Replanned(psycopg.Cursor[Any]):
 
 @contextmanager
 def cursor(db: str, binary: bool = False) -> Iterator[Any]:
-    """A Django cursor on `db` that binds parameters on the server, for the hot path.
-
-    psycopg prepares statements it sees often when the connection's prepare_threshold allows
-    it. With `binary`, results load in C rather than by parsing text. It is Django's cursor
-    wrapper all the same: error translation, execute wrappers and query logging see these
-    statements like any other.
-    """
+    """A Django cursor on `db` that binds parameters on the server, for the hot path; with
+    `binary`, results load in C rather than by parsing text. It is Django's cursor wrapper all
+    the same: error translation, execute wrappers and query logging see its statements."""
     wrapper = connections[db]
     wrapper.close_if_health_check_failed()
     wrapper.ensure_connection()
@@ -199,10 +195,8 @@ def plan_unfit(error: DatabaseError) -> bool:
 
 
 def execute(db: str, sql: str, params: dict[str, Any], binary: bool = False) -> list[Any]:
-    """Run one statement on `db` and return all its rows.
-
-    Lists are sent in the binary format, which spares the text format's quoting of every
-    element; every list in data/sql.py is cast to its array type."""
+    """Run one statement on `db` and return all its rows. Lists are sent in the binary format
+    (no quoting of every element); every list in data/sql.py is cast to its array type."""
     with cursor(db, binary) as raw:
         if any(isinstance(value, list) for value in params.values()):
             raw.cursor.adapters.register_dumper(list, ListBinaryDumper)
@@ -252,11 +246,9 @@ class Unreadable:
 
 
 class _JsonbLoader(JsonbBinaryLoader):
-    """psycopg's binary jsonb loader, making the empty payload and error history most rows
-    hold without the JSON parser (a new object each time).
-
-    A value the parser refuses loads as Unreadable: a claim's rows are read after the claim
-    committed, and one row failing its read would strand every job claimed with it."""
+    """psycopg's binary jsonb loader, making the empty payload and error history most rows hold
+    without the JSON parser. A value the parser refuses loads as Unreadable: a claim's rows are
+    read after it committed, and one failing its read would strand every job claimed with it."""
 
     def load(self, data: Buffer) -> Any:
         if self.loads is json.loads:  # not psycopg.types.json.set_json_loads()'s own
@@ -310,10 +302,8 @@ def new_jobs(
     payloads: Iterable[Any],
 ) -> Iterator[Job]:
     """Job instances as `model.from_db` makes them from `db`, one per id and payload, every
-    other column from `columns` (each job its own copy of a list or dict value), made lazily.
-
-    Built without Model.__init__, the bulk of the cost, when nothing could tell the difference
-    (see _plainly_built)."""
+    other column from `columns` (each its own copy of a list or dict), made lazily; without
+    Model.__init__, the bulk of the cost, when nothing could tell (see _plainly_built)."""
     attnames = _loading(model)[0]
     plain = _plainly_built(model)
     shared = {name: value for name, value in columns.items() if isinstance(value, list | dict)}

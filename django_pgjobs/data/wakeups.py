@@ -23,11 +23,8 @@ _last_sent: dict[tuple[str, str], float] = {}
 
 def to_send(db: str, queues: Iterable[str]) -> list[str]:
     """The queues an enqueue about to run on `db` should announce: those this process has not
-    announced in the last COALESCE_SECONDS (none when PGJOBS["NOTIFY"] is off).
-
-    The enqueue's own statement sends them, so they are delivered at commit and dropped on
-    rollback; a wake-up a rollback suppressed costs at most one poll interval.
-    """
+    announced in the last COALESCE_SECONDS (none when PGJOBS["NOTIFY"] is off). The enqueue's
+    own statement sends them, so they are delivered at commit and dropped on rollback."""
     if not get_settings().NOTIFY:
         return []
     now = time.monotonic()
