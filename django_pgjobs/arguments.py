@@ -11,8 +11,7 @@ from typing import Any
 
 from django_pgjobs.errors import PayloadMismatch
 
-#: Options of enqueue (and Celery's names for two of them) that people pass as if they were
-#: arguments: an unexpected key with one of these names is told where it belongs.
+#: Options of enqueue (and Celery's names for two) that a payload may hold by mistake.
 OPTIONS = {
     **{
         name: name

@@ -47,8 +47,7 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 
 @register(Tags.compatibility)
 def check_time_zone_support(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    # The job table's times are timestamptz, compared with aware datetimes: with USE_TZ off
-    # the ORM hands them back naive.
+    # Times are timestamptz, compared with aware datetimes: with USE_TZ off the ORM returns naive.
     if django_settings.USE_TZ:
         return []
     return [

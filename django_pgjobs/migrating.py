@@ -37,8 +37,7 @@ TRIES = 300
 #: SQLSTATE of a lock wait cut short by lock_timeout.
 LOCK_NOT_AVAILABLE = "55P03"
 
-# The session holding a lock on the table in its oldest transaction: the likeliest to be the
-# one a try waited for (the others are the queue's own short transactions).
+# The session holding a lock on the table in its oldest transaction: the likeliest culprit.
 OLDEST_HOLDER = """
     SELECT a.pid, a.state, extract(epoch FROM clock_timestamp() - a.xact_start),
            left(regexp_replace(a.query, '\\s+', ' ', 'g'), 200)
@@ -57,9 +56,8 @@ class LockNotFree(OperationalError):
 
 class BoundedLockWait(Operation):
     """Run `operations` (AddField, RunSQL, ...) as one step whose lock waits last at most
-    LOCK_TIMEOUT; while a lock it needs is held, the step is rolled back (to a savepoint in an
-    atomic migration), logged with the session holding a lock on `table`, and tried again
-    after PAUSE, up to TRIES times; then it raises LockNotFree."""
+    LOCK_TIMEOUT; while a lock it needs is held, the step is rolled back, logged with the holder,
+    and tried again after PAUSE, up to TRIES times; then it raises LockNotFree."""
 
     reduces_to_sql = True
 

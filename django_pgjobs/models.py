@@ -55,8 +55,7 @@ class Job(models.Model):
     #: A ready job not yet due when last written: it waits in pgjobs_job_scheduled_idx, out of
     #: the claim index's way whatever its priority, until workers move it there (data/sql.py).
     scheduled = models.BooleanField(default=False, db_default=False)
-    #: What the running handler last reported of its progress ({"done", "total", "note", "at"}),
-    #: written by the lease keeper; unindexed, so the write stays a HOT update.
+    #: The handler's last progress report ({"done", "total", "note", "at"}), unindexed to stay HOT.
     progress = models.JSONField(null=True, blank=True)
     #: Context carried from the enqueue, as message headers are (e.g. a W3C `traceparent`).
     headers = models.JSONField(null=True, blank=True)
@@ -91,8 +90,7 @@ class Job(models.Model):
                 name="pgjobs_job_running_idx",
                 condition=Q(status=Status.RUNNING),
             ),
-            # The admin's search and filter by task: a rare task's jobs without reading the
-            # table (deduplicated, so it stays small).
+            # The admin's search and filter by task: a rare task's jobs without reading the table.
             models.Index(fields=["task"], name="pgjobs_job_task_idx"),
             # Dead letters, newest first, without scanning the finished history.
             models.Index(

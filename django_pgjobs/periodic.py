@@ -26,8 +26,7 @@ logger = logging.getLogger(__name__)
 MISSED = ("latest", "skip")
 #: Seconds after its time during which a tick still gets its own job.
 DEFAULT_GRACE = 60.0
-#: The longest grace (a year): it only needs to span the longest pause of every worker, and a
-#: time that far back overflows Python's datetime long before math.inf.
+#: The longest grace (a year): it need only span a pause of every worker; more overflows datetime.
 MAX_GRACE = 365 * 86400.0
 #: The longest a worker goes without looking at its schedules (it looks earlier for a tick).
 MAX_WAIT = 60.0

@@ -201,9 +201,8 @@ def task(
 ) -> Task | Callable[[Callable[..., Any]], Task]:
     """Register a function as a task, by default under its dotted path ``module.function``.
 
-    Use bare (``@task``) or with options (``@task(queue="emails", max_attempts=10)``).
-    With ``cron="*/5 * * * *"`` the workers also enqueue it on that schedule (a periodic job
-    named after the task, with an empty payload).
+    Use bare (``@task``) or with options (``@task(queue="emails", max_attempts=10)``). With
+    ``cron="*/5 * * * *"`` the workers also enqueue it on that schedule, with an empty payload.
     """
     if celery:  # Celery's options (bind=True, max_retries=...): say what to write instead
         spellings = dict(_CELERY_OPTIONS)
@@ -378,8 +377,7 @@ def is_django_task(name: str) -> bool:
 
 # ---- runners ---------------------------------------------------------------------------------
 
-#: Runs a job whose task is not a registered @task but belongs to an integration (e.g. Django's
-#: Tasks framework, see backend.py), and says how its handler ended.
+#: Runs a job of an integration's task (e.g. backend.py's), and says how its handler ended.
 Runner = Callable[["Job"], "Handled"]
 #: Told, on the worker's main thread, that an attempt of an integration's job timed out (its
 #: handler may still run): the job, the JobTimeout and how the attempt is recorded.

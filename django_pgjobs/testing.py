@@ -75,9 +75,8 @@ def run_jobs(
 ) -> JobsRun:
     """Claim and run due jobs on this thread and connection, until none are due.
 
-    Jobs go through the worker's own steps — the manager's claim, ``execute.run`` and
-    ``execute.settle`` — so retries, dead letters, results and Django Tasks' signals behave as
-    under ``runjobs``. Jobs that the jobs enqueue run too, when due.
+    Jobs go through the worker's own steps, so retries, dead letters, results and Django Tasks'
+    signals behave as under ``runjobs``. Jobs that the jobs enqueue run too, when due.
 
     - `queues`, `tasks`: only these queues, or only jobs of these tasks (``@task`` functions,
       Django Tasks or task names); other due jobs stay ready.

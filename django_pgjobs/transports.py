@@ -51,8 +51,7 @@ class NatsQueue:
     #: Seconds within which JetStream drops a second publish with the same Nats-Msg-Id.
     duplicate_window: float = 120.0
     replicas: int = 1
-    #: Most messages delivered and not yet acknowledged across the consumer's workers (a
-    #: Queue row's max_running takes its place when set).
+    #: Most messages delivered and not yet acknowledged (a Queue row's max_running overrides it).
     max_ack_pending: int = 1000
 
 

@@ -34,8 +34,7 @@ COLOURS = (
     "#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
 )  # fmt: skip
 
-# Each bucket of the latency histogram summed by its position (no row is expanded), per queue
-# and point; the rows of the window alone are read, through the index on `at`.
+# Each latency bucket summed by its position, per queue and point, over the window's rows alone.
 _HISTOGRAM = ", ".join(
     f"sum(COALESCE((latency_buckets->>{n})::bigint, 0))" for n in range(len(LATENCY_BUCKETS) + 1)
 )

@@ -31,8 +31,7 @@ ERROR_TYPE = Func(
 )
 
 
-#: The dead letters' summary and their error-type filter read the newest this many (of the
-#: list's filter), not every dead letter twice a page.
+#: The dead letters' summary and error-type filter read the newest this many, not all of them.
 NEWEST = 10_000
 
 

@@ -106,15 +106,13 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
 
     @admin.action(description=gettext_lazy("Pause selected queues"), permissions=["pause"])
     def pause(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
-        count, _seen = apply(request, queryset, QueueQuerySet.pause, CHANGE, _("Paused."))
-        self.message_user(request, ngettext("%d queue paused.", "%d queues paused.", count) % count)
+        n, _seen = apply(request, queryset, QueueQuerySet.pause, CHANGE, _("Paused."))
+        self.message_user(request, ngettext("%d queue paused.", "%d queues paused.", n) % n)
 
     @admin.action(description=gettext_lazy("Resume selected queues"), permissions=["pause"])
     def resume(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
-        count, _seen = apply(request, queryset, QueueQuerySet.resume, CHANGE, _("Resumed."))
-        self.message_user(
-            request, ngettext("%d queue resumed.", "%d queues resumed.", count) % count
-        )
+        n, _seen = apply(request, queryset, QueueQuerySet.resume, CHANGE, _("Resumed."))
+        self.message_user(request, ngettext("%d queue resumed.", "%d queues resumed.", n) % n)
 
     # ---- the health report ---------------------------------------------------------------
 

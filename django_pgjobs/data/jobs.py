@@ -136,9 +136,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     ) -> list[Job]:
         """Take up to `limit` due jobs from `queues`, highest priority first, then oldest run_at.
 
-        SKIP LOCKED: concurrent workers never claim the same job nor wait for each other. Each
-        job comes back running, leased to `worker` for `lease` seconds, `attempts` counting this
-        one. Run the jobs after this returns, once the claim has committed.
+        Concurrent workers never claim the same job nor wait for each other. Each job comes
+        back running, leased to `worker` for `lease` seconds; run it once the claim committed.
         """
         settled = self.settle_and_claim([], [], queues, worker=worker, limit=limit, lease=lease)
         if settled.unread is not None:

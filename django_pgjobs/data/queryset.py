@@ -22,16 +22,14 @@ from django_pgjobs.status import LIVE, Status
 if TYPE_CHECKING:
     from django_pgjobs.models import Job  # noqa: F401  (named in the QuerySet's type)
 
-#: How far ahead of the database's clock an enqueuing process's clock may run before pruning
-#: its jobs is delayed (see JobQuerySet.prunable).
+#: How far an enqueuer's clock may run ahead of the database's before pruning is delayed.
 ID_CLOCK_MARGIN = timedelta(minutes=10)
 
 #: How often replay looks again when a job took one of its keys while it ran.
 REPLAY_TRIES = 3
 
-#: A transition skips rows another session holds, since a worker's turn may hold rows the
-#: transition needs while waiting on rows it already wrote (a deadlock). Skipped rows are
-#: retried after a pause doubling from CHANGE_PAUSE, and at the last try waited for.
+#: A transition skips rows another session holds (a worker's turn may wait on rows it wrote: a
+#: deadlock), and retries them after a pause doubling from CHANGE_PAUSE, waiting at the last.
 CHANGE_PAUSE = 0.02
 CHANGE_TRIES = 8
 
@@ -185,9 +183,8 @@ class JobQuerySet(models.QuerySet["Job"]):
         ages = [age for age in kept.values() if age is not None]
         if not ages:
             return self.filter(old)
-        # Ids are UUIDv7s made at enqueue, so bounding the id makes this a range of the primary key,
-        # not a scan of every finished job. finished_at still decides: a skewed enqueuer's clock
-        # can delay pruning, never hasten it.
+        # Ids are UUIDv7s, so bounding the id makes this a range of the primary key. finished_at
+        # still decides: a skewed enqueuer's clock can delay pruning, never hasten it.
         newest = time.time() - min(ages).total_seconds() + ID_CLOCK_MARGIN.total_seconds()
         return self.filter(old, pk__lt=uuid7_floor(newest))
 
@@ -208,9 +205,8 @@ class JobQuerySet(models.QuerySet["Job"]):
         old = self.prunable(retention)
         total, batches = 0, 0
         while max_batches is None or batches < max_batches:
-            # Bounded batches keep transactions short; SKIP LOCKED lets every worker prune at
-            # once. Read, then delete by primary key: a nested loop may run a LIMIT subquery
-            # again for each row, deleting every prunable row in one statement.
+            # Bounded batches under SKIP LOCKED, read first, then deleted by primary key: a LIMIT
+            # subquery may run again per row, deleting every prunable row in one statement.
             batch = old.select_for_update(skip_locked=True).values_list("pk", flat=True)
             with transaction.atomic(using=self.db):
                 ids = list(batch[: settings.PRUNE_BATCH])

@@ -100,8 +100,7 @@ class Settled(NamedTuple):
     #: The new status of every outcome recorded, by claim: precise even when a worker held a
     #: stale and a fresh claim of one job.
     recorded: dict[ClaimKey, str]
-    #: What made the claimed rows impossible to turn into Job objects (a model signal's
-    #: receiver raised, say): they were given back, and `claimed` is empty.
+    #: Why the claimed rows could not be made Job objects: they were given back, `claimed` empty.
     unread: Exception | None = None
 
 
@@ -110,8 +109,7 @@ class TakenBack(NamedTuple):
 
     returned: int
     failed: int
-    #: The jobs returned to ready (id, claim count, task, attempts), due after the default
-    #: backoff until JobManager.delay sets their task's own.
+    #: The jobs returned to ready (id, claims, task, attempts), awaiting their tasks' own backoffs.
     ready: tuple[tuple[UUID, int, str, int], ...] = ()
 
 

@@ -51,11 +51,9 @@ class DatabaseStats:
     #: Replication slots holding a horizon: (slot, active, xids behind).
     slots: list[tuple[str, bool, int]] = field(default_factory=list)
     notify_queue_usage: float = 0.0  # pg_notification_queue_usage(): 0 to 1
-    #: Whether pg_stat_activity shows every session (pg_read_all_stats); else the session
-    #: figures count only this user's.
+    #: Whether pg_stat_activity shows every session; else the session figures are this user's.
     sees_all_sessions: bool = True
-    #: Why the database refuses writes ("in recovery": a standby; "read-only":
-    #: default_transaction_read_only set); "" when it takes them.
+    #: Why the database refuses writes ("in recovery" or "read-only"); "" when it takes them.
     refuses_writes: str = ""
 
     @property
@@ -178,8 +176,7 @@ HORIZON_SQL = """
 """
 
 
-#: default_transaction_read_only on for everyone: the server's or the database's setting, not
-#: the report's own role's or session's (a read-only monitoring role is a good idea).
+#: default_transaction_read_only on for everyone: the server's or database's, not the role's.
 _READ_ONLY = """
     SELECT setting = 'on' AND source NOT IN ('user', 'database user', 'client', 'session')
     FROM pg_settings WHERE name = 'default_transaction_read_only'

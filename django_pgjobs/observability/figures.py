@@ -59,11 +59,9 @@ class Figures:
 
 
 #: The longest the report waits for a lock, in seconds (PGJOBS["HEALTH"]["REPORT_LOCK_SECONDS"]):
-#: only an ACCESS EXCLUSIVE lock holds its reads back, so a wait this long means the job table
-#: is locked, which the report says rather than wait.
+#: only an ACCESS EXCLUSIVE lock holds its reads back, which the report says rather than wait.
 REPORT_LOCK_SECONDS = 1.0
-#: The longest any one of its statements runs (PGJOBS["HEALTH"]["REPORT_STATEMENT_SECONDS"]): a
-#: probe that hangs answers nothing.
+#: The longest any one of its statements runs (PGJOBS["HEALTH"]["REPORT_STATEMENT_SECONDS"]).
 REPORT_STATEMENT_SECONDS = 5.0
 
 

@@ -53,8 +53,7 @@ class Thresholds:
     REPORT_STATEMENT_SECONDS: float = figures.REPORT_STATEMENT_SECONDS
 
 
-#: The workers' lock_timeout (runtime/sessions.py): a lock on the job table held or queued this
-#: long makes their claims, heartbeats and outcomes fail instead of wait.
+#: The workers' lock_timeout: a lock on the job table held or queued this long fails their writes.
 LOCKED_SECONDS = 5.0
 
 THRESHOLD_NAMES = frozenset(field.name for field in fields(Thresholds))

@@ -18,8 +18,7 @@ from django_pgjobs.observability.stats import job_database
 #: pg_stat_activity samples taken, and the pause between them, without pg_stat_statements.
 SAMPLES, SAMPLE_INTERVAL = 10, 0.02
 
-#: What the queue's statements name (its tables: pgjobs_job, pgjobs_queuestat, …), and what
-#: its workers call their connections.
+#: What the queue's statements name (its tables), and what its workers call their connections.
 QUEUE_STATEMENT = "pgjobs\\_"
 WORKER_APPLICATION = "pgjobs worker"
 

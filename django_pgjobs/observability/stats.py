@@ -99,12 +99,10 @@ class StreamStats:
     pending: int = 0  # not yet delivered to any worker of the consumer
     ack_pending: int = 0  # delivered and not yet acknowledged: running, or lost with a worker
     redelivered: int = 0  # delivered more than once and not yet acknowledged
-    # How long the oldest message not yet delivered has been due (the job's run_at it carries,
-    # by the database's clock); None when there is none, or it could not be read (age_error).
+    # How long the oldest message not yet delivered has been due; None: none, or unread (age_error).
     oldest_pending_seconds: float | None = None
     age_error: str = ""
-    # The same of the oldest message delivered and not acknowledged (ack_pending): held by a
-    # worker, or by one that died, until a worker fetches it again.
+    # The same of the oldest message delivered and not acknowledged (ack_pending).
     oldest_unacked_seconds: float | None = None
 
 
@@ -213,9 +211,8 @@ def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueD
     return depths
 
 
-# Rows of the longest window only (the index on `at`), each counted in every window it is in.
-# Rows stamped after the statement's start (the clock stepped back) are left out, here and in
-# WORKERS_SQL: they would count a dead worker as alive.
+# Rows of the longest window only (the index on `at`), each counted in every window it is in;
+# rows stamped in the future (the clock stepped back) would count a dead worker as alive.
 ACTIVITY_SQL = """
     SELECT s.queue, w.seconds, sum(s.claimed), sum(s.succeeded), sum(s.retried), sum(s.failed),
            least(w.seconds,

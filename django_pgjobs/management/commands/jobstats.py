@@ -53,8 +53,7 @@ class Command(BaseCommand):
         return parser
 
     def check(self, *args: Any, **kwargs: Any) -> None:
-        # A system check that fails (a broken setting, USE_TZ = False) exits 1 in Django, which
-        # a probe reads as a warning: the report could not be taken, so it is unknown.
+        # A failing check exits 1, a probe's "warning": the report was not taken, so it is unknown.
         try:
             super().check(*args, **kwargs)
         except SystemCheckError as error:
@@ -102,8 +101,7 @@ class Command(BaseCommand):
                 raise
             if isinstance(error, DatabaseError):
                 return no_report(error)
-            # A bug of ours or a broken setting: a probe must read "unknown", not exit 1
-            # ("warning"); the traceback goes to stderr for whoever fixes it.
+            # A bug or a broken setting: "unknown", not exit 1 ("warning"); the traceback to stderr.
             self.stderr.write("".join(format_exception(error)))
             return NoReport(Level.UNKNOWN, f"jobstats failed: {type(error).__name__}: {error}")
 

@@ -206,8 +206,7 @@ class Command(BaseCommand):
             code = processes.exit_code(exit.code)
             raise
         finally:
-            # Its work is done and its status known: a stop signal now (a second SIGTERM from
-            # an orchestrator) must not turn that status into the signal's.
+            # Its status is known: a stop signal now must not turn it into the signal's.
             for signum in STOP_SIGNALS:
                 with contextlib.suppress(ValueError):  # not the main thread
                     signal.signal(signum, signal.SIG_IGN)
@@ -215,8 +214,7 @@ class Command(BaseCommand):
 
     def execute(self, *args: Any, **options: Any) -> str | None:
         if options.get("reload"):
-            # As runserver's: the checks run as the reloading child starts the worker, where
-            # an error keeps it watching (runtime/processes.py), and not in the parent.
+            # As runserver's: checks run in the reloading child, where an error keeps it watching.
             self.requires_system_checks = []
         return super().execute(*args, **options)
 
