@@ -293,7 +293,7 @@ def get_django_task(name: str) -> Task[Any, Any]:
     """
     path = name.removeprefix(registry.DJANGO_TASK_PREFIX)
     module_name, _, attribute = path.rpartition(".")
-    if not module_name or not _importable(module_name):
+    if not module_name or not (module_name in sys.modules or _of_an_installed_app(module_name)):
         raise UnknownTask(
             f"{name!r} does not name a Django Task in an installed app's module; "
             "only Tasks defined in installed apps (or in modules already imported) are run."
@@ -310,10 +310,6 @@ def get_django_task(name: str) -> Task[Any, Any]:
             "or django_tasks) whose backend is django_pgjobs.backend.PgJobsBackend."
         )
     return found
-
-
-def _importable(module_name: str) -> bool:
-    return module_name in sys.modules or _of_an_installed_app(module_name)
 
 
 def _of_an_installed_app(module_name: str) -> bool:

@@ -226,7 +226,7 @@ def check_indexes(
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):
         return []  # another backend is pgjobs.E001's to report, without a crash here
-    if _migrations_pending(alias):
+    if schema.pending_migrations(alias):
         return []  # not migrated yet (migrate runs these checks first): migrate builds them
     messages: list[CheckMessage] = []
     with connections[alias].cursor() as cursor:
@@ -264,11 +264,6 @@ def check_indexes(
 
 def _postgresql(alias: str) -> bool:
     return connections[alias].vendor == "postgresql"
-
-
-def _migrations_pending(alias: str) -> bool:
-    """Whether some of this app's migrations are not applied on `alias`."""
-    return bool(schema.pending_migrations(alias))
 
 
 @register(deploy=True)
@@ -324,7 +319,7 @@ def check_served_queues(
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):
         return []
-    if _migrations_pending(alias):
+    if schema.pending_migrations(alias):
         return []  # pgjobs.W025 says so; the workers' rows may not even have a table yet
     alive = [worker for worker in stats.worker_stats(alias) if worker.alive]
     if not alive:
