@@ -281,10 +281,8 @@ def _starting_up() -> bool:
 
 def _same_function(existing: Task, func: Callable[..., Any]) -> bool:
     # A module imported twice (e.g. reloaded by the autoreloader) re-registers the same function.
-    return (existing.func.__module__, existing.func.__qualname__) == (
-        func.__module__,
-        func.__qualname__,
-    )
+    old = existing.func
+    return (old.__module__, old.__qualname__) == (func.__module__, func.__qualname__)
 
 
 def get_task(name: str) -> Task:

@@ -317,9 +317,8 @@ OWNED = """
     WHERE (j.status = 'running') IS TRUE AND j.worker = %(worker)s
 """
 
-# Which of a worker's claims another session holds locked (an operator's open transaction,
-# say): the rows its outcomes' UPDATE would wait for. Each row is only tried (SKIP LOCKED); the
-# locks taken on the others end with the statement, run outside a transaction.
+# Which of a worker's claims another session holds locked: the rows its outcomes' UPDATE would
+# wait for. Each row is only tried (SKIP LOCKED), outside a transaction.
 LOCKED_ELSEWHERE = """
     WITH free AS (
         SELECT id FROM pgjobs_job WHERE id = ANY(%(ids)s::uuid[])
@@ -356,10 +355,9 @@ RELEASE = """
 
 # ---- every worker's housekeeping --------------------------------------------------------------
 
-# What REAP and ABANDON do to a running job taken back from a worker: ready again after the
-# default backoff (full jitter, as retry.ExponentialBackoff; REAP_BACKOFF then applies a task's
-# own), or failed when no attempts remain, or cancelled when that was asked; the lost attempt
-# joins the error history (%(error)s).
+# What REAP and ABANDON do to a running job taken back: ready again after the default backoff
+# (full jitter; REAP_BACKOFF then applies a task's own), failed when no attempts remain, or
+# cancelled when that was asked; the lost attempt joins the error history (%(error)s).
 _LOST_ENDS = "(j.cancel_requested OR j.attempts >= j.max_attempts)"  # as _ENDS, for a lost attempt
 _TAKEN_BACK = f"""
         status = CASE WHEN j.cancel_requested THEN 'cancelled'
@@ -400,9 +398,8 @@ REAP = f"""
     RETURNING j.id, j.claims, j.status, j.task, j.attempts
 """
 
-# Jobs taken back (REAP, ABANDON) of tasks with a backoff of their own (`@task(backoff=...)`,
-# computed in Python): due after that backoff instead of the default. Only while nobody claimed
-# them since.
+# Jobs taken back (REAP, ABANDON) of tasks with a `backoff=` of their own: due after it instead
+# of the default, while nobody claimed them since.
 REAP_BACKOFF = """
     UPDATE pgjobs_job AS j SET
         run_at = statement_timestamp() + make_interval(secs => mine.delay),
@@ -413,9 +410,8 @@ REAP_BACKOFF = """
     RETURNING j.id
 """
 
-# Scheduled jobs that have come due join the claim index, oldest first, in bounded batches, so
-# that claims see them in priority order (until then claims find them by run_at). SKIP LOCKED:
-# every worker may do it at once.
+# Scheduled jobs come due join the claim index, oldest first, in bounded batches, so that claims
+# see them in priority order. SKIP LOCKED: every worker may do it at once.
 PROMOTE = """
     UPDATE pgjobs_job AS j SET scheduled = false
     WHERE j.id = ANY (ARRAY(
