@@ -40,9 +40,8 @@ class PgJobsConfig(AppConfig):
         if reloading():
             from django.utils import autoreload
 
-            # As Django does for runserver: an error in a tasks module is kept for the worker's
-            # start to raise (runtime/processes.py) and its file is watched, so that the
-            # reloader keeps watching and starts the worker once the file is fixed.
+            # As for runserver: an error in a tasks module is raised at the worker's start, and
+            # its file watched, so the reloader starts the worker once it is fixed.
             with contextlib.suppress(Exception):
                 autoreload.check_errors(autodiscover_modules)("tasks")
         else:
@@ -56,9 +55,8 @@ def reloading() -> bool:
 
 
 def stream_stats(now: datetime) -> list[StreamStats]:
-    """The report's figures of the queues carried by NATS (observability.figures.stream_stats),
-    asked of the server through jetstream/, imported only then: it needs nats-py. None without
-    such queues."""
+    """The report's figures of the queues carried by NATS, asked of the server through
+    jetstream/, imported only then: it needs nats-py."""
     queues = transports.nats_queues()
     if not queues:
         return []

@@ -11,15 +11,12 @@ from typing import Any
 
 from django_pgjobs.errors import PayloadMismatch
 
-#: Options of enqueue (and Celery's names for two of them) that people pass as if they were
-#: arguments: an unexpected key with one of these names is told where it belongs.
+#: Options of enqueue (and Celery's names for two) that a payload may hold by mistake.
 OPTIONS = {
-    "queue": "queue",
-    "priority": "priority",
-    "run_at": "run_at",
-    "delay": "delay",
-    "max_attempts": "max_attempts",
-    "unique_key": "unique_key",
+    **{
+        name: name
+        for name in ("queue", "priority", "run_at", "delay", "max_attempts", "unique_key")
+    },
     "countdown": "delay",  # Celery's apply_async(countdown=...)
     "eta": "run_at",  # Celery's apply_async(eta=...)
 }
@@ -29,19 +26,13 @@ def check_arguments(
     func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: object
 ) -> None:
     """PayloadMismatch unless the handler can be called with `args` and `kwargs`, saying which
-    arguments are unexpected or missing, and the handler's signature.
-
-    Signatures are read as ``inspect.signature`` reads them: a ``functools.wraps`` decorator's
-    is the wrapped function's, a callable object's is its ``__call__`` (without ``self``), a
-    ``__signature__`` attribute wins. A callable whose signature cannot be read (some builtins)
-    is not checked.
-    """
+    arguments are unexpected or missing, and the handler's signature (as ``inspect.signature`` reads
+    it; a callable without one, such as some builtins, is not checked)."""
     if not isinstance(kwargs, Mapping):
         raise PayloadMismatch(
             f"payload must be a JSON object of keyword arguments, got {type(kwargs).__name__}"
         )
-    # Whether a call fits depends on the names of its arguments, never on their values: a
-    # fit once found is looked up (binding costs more than running a small handler).
+    # A fit depends on the arguments' names, never their values: one found once is remembered.
     try:
         fit = (func, len(args), *kwargs)
         if fit in _FITS:

@@ -4,10 +4,6 @@
 ``django.tasks`` (Django 6) and with the ``django-tasks`` backport (Django 5.2). A Task's job has
 ``task = "django.tasks:<module path>"`` and ``payload = {"args": [...], "kwargs": {...},
 "backend": <alias>}``; its return value is kept in ``Job.result``.
-
-One module (longer than most) because it is the path TASKS names, and the backend, the runner
-of its jobs and the conversions between jobs and TaskResults change together with the
-framework's API; split, each part would import the framework's names on its own.
 """
 
 from __future__ import annotations
@@ -103,8 +99,7 @@ class PgJobsBackend(BaseTaskBackend):
     """Django Tasks stored as django-pgjobs jobs, in the caller's transaction.
 
     OPTIONS: ``max_attempts`` (default 1): how many times a Task runs before its result is
-    FAILED; exceptions django-pgjobs knows to be permanent fail it at once.
-    """
+    FAILED; exceptions django-pgjobs knows to be permanent fail it at once."""
 
     supports_defer = True
     supports_async_task = True
@@ -157,15 +152,13 @@ class PgJobsBackend(BaseTaskBackend):
             kind = EnqueueError if _of_json_types(payload) else NotJSONSerializable
             raise kind(f"{task.module_path}: {error}") from None
         result = to_task_result(job, task)
-        # Robust: the row is written (committed already, outside atomic()); a receiver's error
-        # raised here would tell the caller it was not, and a retry would enqueue it twice.
+        # Robust: the row is written; a receiver's error raised here would get it enqueued twice.
         send(task_enqueued, result)
         return result
 
     def get_result(self, result_id: str) -> TaskResult[Any, Any]:
-        """The result of a Task enqueued through this backend alias, read in one query, from
-        the database jobs are written to (a read replica behind a router may not have it yet:
-        not even right after the enqueue, in its own transaction)."""
+        """The result of a Task enqueued through this backend alias, read from the database
+        jobs are written to (a replica may not have it yet, even right after the enqueue)."""
         try:
             pk = UUID(str(result_id))
         except ValueError:
@@ -208,15 +201,15 @@ class PgJobsBackend(BaseTaskBackend):
 
 
 def run(job: Job) -> Handled:
-    """Run a job of Django's Tasks framework (the runner registered for DJANGO_TASK_PREFIX):
-    its Task with the payload's args and kwargs (and a TaskContext first when the Task takes
-    one), sending the framework's task signals. The return value is kept as the job's result;
-    one that does not survive JSON fails the job for good (a TypeError for a type JSON does not
-    have, as the framework's own backends record it)."""
+    """Run a job of Django's Tasks framework: its Task with the payload's args and kwargs (a
+    TaskContext first when the Task takes one), sending the framework's task signals. The
+    return value is kept as the job's result; one JSON cannot hold fails the job for good."""
     try:
         task = get_django_task(job.task)
         result = running(job, task)
-        args = [context(result), *result.args] if task.takes_context else result.args
+        args = (
+            [TaskContext(task_result=result), *result.args] if task.takes_context else result.args
+        )
         check_arguments(task.func, task.module_path, args, result.kwargs)
     except UnknownTask as error:
         return execute.refused(error, explained=registry.unknown_task_help(job.task))
@@ -224,10 +217,9 @@ def run(job: Job) -> Handled:
         return execute.refused(error)
     except Exception as error:  # e.g. a broken TASKS setting: retried, as it may be fixed
         return execute.raised(job, error, None, (), time.perf_counter())
-    started(result)
+    send(task_started, result)
     if job.cancel_requested:
-        # Cancelled while task_started's receivers ran, or timed out (its time limit's hook
-        # tells FAILED, keep_outcome says so): the function must not begin after that.
+        # Cancelled or timed out while task_started's receivers ran: the function must not begin.
         cancelled = JobCancelled("cancelled before its function started")
         handled = execute.refused(cancelled)
         if handlers.keep_outcome(job, handled):
@@ -261,15 +253,9 @@ def run(job: Job) -> Handled:
 
 
 def timed_out(job: Job, error: BaseException, handled: Handled) -> None:
-    """A Task's attempt passed its time limit (runtime/handlers.py): when it was the last one,
-    task_finished says FAILED with the JobTimeout now, not when (or if) the function returns;
-    what it returns or raises later is not sent (run). An attempt whose function returned
-    within the limit is not timed out, even when its receivers outlast the limit
-    (handlers.keep_outcome): it is recorded as run told it.
-
-    Called on the worker's main thread, so the receivers run on a thread of their own
-    (handlers.run_hook_aside: a slow one must not hold the worker up; one that never returns counts
-    towards the worker's recycle, as an abandoned handler thread does)."""
+    """A Task's attempt passed its time limit: when it was the last one, task_finished says
+    FAILED with the JobTimeout now, not when (or if) the function returns. The receivers run on
+    a thread of their own: a slow one must not hold up the worker's main thread."""
     if not _the_last(job, handled):
         return
 
@@ -301,14 +287,13 @@ def _the_last(job: Job, handled: Handled) -> bool:
 def get_django_task(name: str) -> Task[Any, Any]:
     """The Django Task object a job's `task` names; UnknownTask unless it is one we run.
 
-    A job row must not be able to make a worker call an arbitrary importable function, so the
-    module is imported only when it belongs to an installed app (or is imported already), and
-    the attribute is accepted only when it is a Task of Django's Tasks framework whose backend
-    alias is configured with django-pgjobs' backend.
+    A job row must not make a worker call an arbitrary importable function: only a module of
+    an installed app (or one imported already) is imported, and only a Task whose backend is
+    django-pgjobs' is accepted.
     """
     path = name.removeprefix(registry.DJANGO_TASK_PREFIX)
     module_name, _, attribute = path.rpartition(".")
-    if not module_name or not _importable(module_name):
+    if not module_name or not (module_name in sys.modules or _of_an_installed_app(module_name)):
         raise UnknownTask(
             f"{name!r} does not name a Django Task in an installed app's module; "
             "only Tasks defined in installed apps (or in modules already imported) are run."
@@ -325,10 +310,6 @@ def get_django_task(name: str) -> Task[Any, Any]:
             "or django_tasks) whose backend is django_pgjobs.backend.PgJobsBackend."
         )
     return found
-
-
-def _importable(module_name: str) -> bool:
-    return module_name in sys.modules or _of_an_installed_app(module_name)
 
 
 def _of_an_installed_app(module_name: str) -> bool:
@@ -366,9 +347,8 @@ def _is_our_alias(alias: object) -> bool:
 
 
 def to_task_result(job: Job, task: Task[Any, Any] | None = None) -> TaskResult[Any, Any]:
-    """The job as the framework's TaskResult, for `task` (by default the Task the job names, with
-    the job's priority, queue and run_at). PayloadMismatch for a job that is not a Django Task's,
-    UnknownTask when the Task it names is not one of ours."""
+    """The job as the framework's TaskResult, for `task` (by default the Task the job names, as
+    enqueued). PayloadMismatch for a job not a Django Task's, UnknownTask for a Task not ours."""
     args, kwargs, alias = _arguments(job)
     if task is None:
         task = _as_enqueued(get_django_task(job.task), job, alias)
@@ -422,16 +402,6 @@ def finished(
     send(task_finished, result)
 
 
-def started(result: TaskResult[Any, Any]) -> None:
-    """Send task_started for a claimed job about to run."""
-    send(task_started, result)
-
-
-def context(result: TaskResult[Any, Any]) -> TaskContext[Any, Any]:
-    """The first argument of a Task declared with takes_context=True."""
-    return TaskContext(task_result=result)
-
-
 def send(signal: Signal, result: TaskResult[Any, Any]) -> None:
     """Send a task signal: a receiver that raises is logged, never propagated."""
     sender = type(task_backends[result.backend])
@@ -469,9 +439,8 @@ def _unstorable(message: str, value: Any) -> Exception:
 
 
 def _of_json_types(value: Any) -> bool:
-    """Whether `value` is made of JSON's types only (dicts with str keys, lists, str, int,
-    float, bool, None) and bytes: what does not survive JSON then is a value (NaN, a NUL, its
-    size, bytes that are not UTF-8), not a type, and the framework raises no TypeError for it."""
+    """Whether `value` is made of JSON's types (and bytes) only: what does not survive JSON
+    then is a value (NaN, a NUL, its size), for which the framework raises no TypeError."""
     if isinstance(value, dict):
         return all(isinstance(key, str) and _of_json_types(item) for key, item in value.items())
     if isinstance(value, list):

@@ -1,8 +1,6 @@
 """System checks: PostgreSQL, sane PGJOBS values, connection settings that break LISTEN or
 prepared statements, tracing without OpenTelemetry, the job table's indexes, and queues that no
-running worker serves.
-
-Imported by the app's ready() (apps.py), once the models can be."""
+running worker serves. Imported by the app's ready(), once the models can be."""
 
 from __future__ import annotations
 
@@ -49,10 +47,7 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 
 @register(Tags.compatibility)
 def check_time_zone_support(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    # The job table's times are timestamptz, compared with the database's clock and with the
-    # aware datetimes of schedules and retries: with USE_TZ off the ORM hands them back naive,
-    # and the admin's pages failed (500), every periodic tick failed, and run_at=now() + ...
-    # was refused.
+    # Times are timestamptz, compared with aware datetimes: with USE_TZ off the ORM returns naive.
     if django_settings.USE_TZ:
         return []
     return [
@@ -227,12 +222,11 @@ def check_indexes(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
     """Every index the models declare exists and is valid (a failed CREATE INDEX CONCURRENTLY
-    leaves an invalid one behind, which the planner never uses). Needs the database:
-    `manage.py check --database default`, and migrate."""
+    leaves an invalid one, which the planner never uses). Needs `check --database`."""
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):
         return []  # another backend is pgjobs.E001's to report, without a crash here
-    if _migrations_pending(alias):
+    if schema.pending_migrations(alias):
         return []  # not migrated yet (migrate runs these checks first): migrate builds them
     messages: list[CheckMessage] = []
     with connections[alias].cursor() as cursor:
@@ -272,11 +266,6 @@ def _postgresql(alias: str) -> bool:
     return connections[alias].vendor == "postgresql"
 
 
-def _migrations_pending(alias: str) -> bool:
-    """Whether some of this app's migrations are not applied on `alias`."""
-    return bool(schema.pending_migrations(alias))
-
-
 @register(deploy=True)
 def check_database_checks_ran(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
@@ -301,8 +290,7 @@ def check_database_checks_ran(
 def check_migrations(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
-    """This app's migrations are all applied: without them enqueue, runjobs, jobstats and the
-    admin stop at a missing table or column. A warning, not an error: a deploy that runs this
+    """This app's migrations are all applied. A warning, not an error: a deploy that runs this
     check before `migrate` must still get to migrate."""
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):
@@ -331,7 +319,7 @@ def check_served_queues(
     alias = _alias()
     if databases is None or alias not in databases or not _postgresql(alias):
         return []
-    if _migrations_pending(alias):
+    if schema.pending_migrations(alias):
         return []  # pgjobs.W025 says so; the workers' rows may not even have a table yet
     alive = [worker for worker in stats.worker_stats(alias) if worker.alive]
     if not alive:

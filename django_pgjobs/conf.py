@@ -22,8 +22,7 @@ class Settings:
     MAX_ATTEMPTS: int = 5
     #: Seconds a claim holds a job before another worker may take it back.
     LEASE: float = 30.0
-    #: Seconds one attempt may run before it is recorded as failed, for tasks that set no
-    #: timeout= of their own; None: no limit.
+    #: Seconds one attempt may run, for tasks without a timeout= of their own; None: no limit.
     TIMEOUT: float | None = None
     #: Backoff before retry n: a random delay in [0, min(BACKOFF_MAX, BACKOFF_BASE * 2**(n-1))].
     BACKOFF_BASE: float = 2.0
@@ -32,14 +31,12 @@ class Settings:
     MAX_PAYLOAD_BYTES: int = 1_000_000
     #: How many attempts' errors a job keeps in its history.
     ERRORS_KEPT: int = 5
-    #: Whether the worker's own transactions (claims, outcomes, heartbeats, reaping, pruning)
-    #: wait for their WAL flush. False: they commit asynchronously, and a crash of PostgreSQL
-    #: may undo the last fraction of a second of them (docs/explanation/guarantees.md).
+    #: Whether the worker's own transactions wait for their WAL flush. False: a crash of
+    #: PostgreSQL may undo their last fraction of a second (docs/explanation/guarantees.md).
     WORKER_SYNCHRONOUS_COMMIT: bool = False
     #: Wake idle workers with a NOTIFY that an enqueue's INSERT sends (delivered at commit).
     NOTIFY: bool = True
-    #: How long finished jobs stay before they are pruned: one timedelta for succeeded and
-    #: cancelled jobs, or a dict by final status (see retention()).
+    #: How long finished jobs stay before they are pruned (see retention()).
     RETENTION: timedelta | Mapping[str, timedelta | None] = DEFAULT_RETENTION
     #: Rows deleted per prune statement.
     PRUNE_BATCH: int = 1000
@@ -60,9 +57,8 @@ class Settings:
         """How long jobs of each final status are kept; None keeps them until deleted by hand.
 
         RETENTION as a timedelta applies to succeeded and cancelled jobs; as a dict it names
-        statuses, and a status it leaves out keeps its default (one hour for succeeded and
-        cancelled, forever for failed: dead letters wait for a person).
-        """
+        statuses, the others keeping their default (failed: forever, dead letters wait for a
+        person)."""
         default = DEFAULT_RETENTION
         if isinstance(self.RETENTION, timedelta):
             return {"succeeded": self.RETENTION, "cancelled": self.RETENTION, "failed": None}

@@ -29,10 +29,7 @@ def check_cron(cron: Any, where: str) -> str:
 
 
 def next_tick(cron: str, zone: ZoneInfo, after: datetime) -> datetime:
-    """The first tick of `cron` (read on `zone`'s wall clock) strictly after `after`, in UTC.
-
-    UTC because Python compares times of one zone by their wall clock, ignoring DST's fold:
-    the two 02:30s of an autumn night would compare equal.
-    """
+    """The first tick of `cron` (read on `zone`'s wall clock) strictly after `after`, in UTC:
+    Python compares times of one zone by wall clock, so an autumn night's two 02:30s are equal."""
     tick: datetime = croniter(cron, after.astimezone(zone)).get_next(datetime)
     return tick.astimezone(UTC)

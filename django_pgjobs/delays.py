@@ -7,8 +7,7 @@ import math
 from datetime import timedelta
 from typing import Any
 
-#: The longest delay accepted: far enough for any schedule, near enough that now + delay stays
-#: a time both PostgreSQL and Python can hold (Python's datetime ends in the year 9999).
+#: The longest delay accepted: now + delay must stay a time PostgreSQL and Python can hold.
 MAX_DELAY = timedelta(days=365 * 1000)
 
 

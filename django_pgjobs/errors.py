@@ -31,13 +31,10 @@ class PermanentError(Exception):
 
 
 class Retry(Exception):
-    """Raise from a handler to run the job again later without counting it as an error.
+    """Raise from a handler to run the job again after ``delay`` (seconds or a ``timedelta``),
+    without counting it as an error."""
 
-    ``delay`` is seconds or a ``timedelta``.
-    """
-
-    # **celery: Celery's self.retry() options, refused saying what to write instead (typed
-    # Never, so that a type checker refuses them too).
+    # **celery: Celery's self.retry() options, refused saying what to write instead.
     def __init__(self, delay: float | timedelta = 0, **celery: Never) -> None:
         if celery:
             raise celery_spelling("Retry", celery, _RETRY_OPTIONS)
@@ -105,8 +102,7 @@ class PayloadMismatch(TypeError):
 
 class NotMigrated(ProgrammingError):
     """A pgjobs table or column does not exist: run ``manage.py migrate``. Raised by enqueue,
-    a database error all the same (Django's ProgrammingError); the admin, ``jobstats`` and
-    ``runjobs`` say the same in their own way."""
+    a ProgrammingError all the same."""
 
 
 class JobCancelled(PermanentError):

@@ -22,10 +22,8 @@ def uuid7(unix_seconds: float | None = None) -> uuid.UUID:
 
 def uuid7_batch(count: int) -> list[uuid.UUID]:
     """`count` UUIDv7 of this millisecond in ascending order (RFC 9562's monotonic random
-    method): a bulk insert in this order appends to the primary key index's rightmost page
-    instead of splitting pages across the batch. Consecutive ids differ by a random step of up
-    to 2**32 in the low 62 bits, starting below 2**61 so that no step carries into the variant
-    bits (for any count below 2**29); one read of the random source serves the whole batch."""
+    method), so a bulk insert appends to the primary key index's rightmost page. Steps are
+    random, up to 2**32, from below 2**61, so none carries into the variant bits."""
     unix_ms = time.time_ns() // 1_000_000
     high = (unix_ms & 0xFFFF_FFFF_FFFF) << 80 | _VERSION_AND_VARIANT
     entropy = os.urandom(10 + 4 * count)

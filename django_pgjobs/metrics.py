@@ -3,9 +3,6 @@
 Two kinds: each worker's own job outcomes and handler durations, counted from the lifecycle
 signals (`runjobs --metrics-port` serves them); and the health report's figures, one set for the
 whole database, from `ReportCollector` (`report_view` serves them).
-
-An integration module, so it stays at the top of the package like backend.py and testing.py:
-projects import it by this path (`report_view` in their urls.py, `connect()` in an AppConfig).
 """
 
 from __future__ import annotations
@@ -77,9 +74,8 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
 
 
 class ReportCollector(Collector):
-    """The health report's figures, taken afresh at each scrape (a dozen cheap queries). When
-    the report cannot be taken (the database down, the job table locked, a statement out of
-    time), the verdict alone, as jobstats gives it: the scrape answers, and alerts on
+    """The health report's figures, taken afresh at each scrape. When the report cannot be
+    taken, the verdict alone, as jobstats gives it: the scrape still answers, so alerts on
     pgjobs_health fire when they are needed most."""
 
     def __init__(self, db: str | None = None) -> None:
@@ -194,9 +190,7 @@ def families(report: reports.Report) -> list[Metric]:
 
 
 def unreported(sample: reports.NoReport) -> list[Metric]:
-    """The verdict on a report that could not be taken: its level (2 critical, 3 unknown) and
-    its reason's code (job_table_locked, database_unusable, tables_not_migrated,
-    report_not_allowed, report_out_of_time, report_failed)."""
+    """The verdict on a report that could not be taken: its level and its reason's code."""
     return list(_verdict(int(sample.level), {sample.code}))
 
 

@@ -8,9 +8,8 @@ Two kinds of schema change, never in one migration:
   table, and every enqueue, claim and heartbeat queues behind the request. So it waits at most
   LOCK_TIMEOUT, gives the lock up, lets the queue run for PAUSE, and tries again.
 - `CreateIndexConcurrently` and `ReplaceIndexConcurrently`: index builds that lock out no
-  writer but wait, unbounded, for older transactions. A lock timeout would stop them part-way,
-  so they run without one, outside a transaction (non-atomic migrations), and can be run
-  again from wherever they stopped.
+  writer but wait, unbounded, for older transactions; outside a transaction and without a lock
+  timeout, which would stop them part-way. They can be run again from wherever they stopped.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ TRIES = 300
 #: SQLSTATE of a lock wait cut short by lock_timeout.
 LOCK_NOT_AVAILABLE = "55P03"
 
-# The session holding a lock on the table in its oldest transaction: the likeliest to be the
-# one a try waited for (the others are the queue's own short transactions).
+# The session holding a lock on the table in its oldest transaction: the likeliest culprit.
 OLDEST_HOLDER = """
     SELECT a.pid, a.state, extract(epoch FROM clock_timestamp() - a.xact_start),
            left(regexp_replace(a.query, '\\s+', ' ', 'g'), 200)
@@ -58,9 +56,8 @@ class LockNotFree(OperationalError):
 
 class BoundedLockWait(Operation):
     """Run `operations` (AddField, RunSQL, ...) as one step whose lock waits last at most
-    LOCK_TIMEOUT; while a lock it needs is held, the step is rolled back (to a savepoint in an
-    atomic migration), logged with the session holding a lock on `table`, and tried again
-    after PAUSE, up to TRIES times; then it raises LockNotFree."""
+    LOCK_TIMEOUT; while a lock it needs is held, the step is rolled back, logged with the holder,
+    and tried again after PAUSE, up to TRIES times; then it raises LockNotFree."""
 
     reduces_to_sql = True
 
@@ -170,14 +167,20 @@ def _holder(connection: BaseDatabaseWrapper, table: str) -> str:
     return f"pid {pid} holds one ({state}{opened}; its last statement: {query})"
 
 
-class CreateIndexConcurrently(Operation):
-    """Build the index `name` with `sql` (a CREATE INDEX CONCURRENTLY statement), unless a
-    valid index of that name exists; an invalid one (a build that was interrupted) is dropped
-    and built again. The database change only: pair it with the state's AddIndex in a
-    SeparateDatabaseAndState, in a migration with atomic = False."""
+class _ConcurrentIndex(Operation):
+    """A database change only, run outside a transaction (a migration with atomic = False)."""
 
     atomic = False
     reduces_to_sql = True
+
+    def state_forwards(self, app_label: str, state: ProjectState) -> None:
+        pass
+
+
+class CreateIndexConcurrently(_ConcurrentIndex):
+    """Build the index `name` with `sql` (a CREATE INDEX CONCURRENTLY statement), unless a
+    valid index of that name exists; an invalid one (a build that was interrupted) is dropped
+    and built again. Pair it with the state's AddIndex in a SeparateDatabaseAndState."""
 
     def __init__(self, name: str, sql: str) -> None:
         if "CONCURRENTLY" not in sql.upper() or f'"{name}"' not in sql:
@@ -187,9 +190,6 @@ class CreateIndexConcurrently(Operation):
             )
         self.name = name
         self.sql = sql
-
-    def state_forwards(self, app_label: str, state: ProjectState) -> None:
-        pass
 
     def database_forwards(
         self, app_label: str, schema_editor: BaseDatabaseSchemaEditor,
@@ -214,16 +214,12 @@ class CreateIndexConcurrently(Operation):
         return f"Build the index {self.name} concurrently"
 
 
-class ReplaceIndexConcurrently(Operation):
+class ReplaceIndexConcurrently(_ConcurrentIndex):
     """Give the index `name` a new definition without locking writers out: `sql` (with
     ``{name}`` where the index's name goes) builds it under the name `building`, beside the old
     one; the old one is dropped and the new one renamed. An index `name` whose definition
-    (pg_get_indexdef) contains `marker` is the new one already, and is kept. Backwards,
-    `reverse_sql` builds the old definition the same way. The database change only, in a
-    migration with atomic = False."""
-
-    atomic = False
-    reduces_to_sql = True
+    contains `marker` is the new one already, and is kept. Backwards, `reverse_sql` builds the
+    old definition the same way."""
 
     def __init__(self, name: str, building: str, sql: str, reverse_sql: str, marker: str) -> None:
         for which, template in (("sql", sql), ("reverse_sql", reverse_sql)):
@@ -237,9 +233,6 @@ class ReplaceIndexConcurrently(Operation):
         self.sql = sql
         self.reverse_sql = reverse_sql
         self.marker = marker
-
-    def state_forwards(self, app_label: str, state: ProjectState) -> None:
-        pass
 
     def database_forwards(
         self, app_label: str, schema_editor: BaseDatabaseSchemaEditor,
@@ -278,8 +271,7 @@ def _unbounded(
     operation: Operation, schema_editor: BaseDatabaseSchemaEditor
 ) -> Iterator[Callable[[str], None]]:
     """Runs the statements of a concurrent index operation with no lock or statement timeout
-    (a build waits for older transactions, however long, and takes as long as the table
-    needs), and restores the session's settings afterwards."""
+    (a build waits for older transactions, however long), then restores the session's."""
 
     def run(sql: str) -> None:
         schema_editor.execute(sql, params=None)

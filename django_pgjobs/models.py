@@ -49,21 +49,15 @@ class Job(models.Model):
     cancel_requested = models.BooleanField(default=False, db_default=False)
     #: The handler's return value, for tasks that keep it (e.g. Django Tasks' results).
     result = models.JSONField(null=True, blank=True)
-    #: How many times the job was claimed, never reset (replay resets `attempts`, not this):
-    #: the fencing token of the current claim. Every write of a worker's outcome is guarded on
-    #: it, so a stale claim can never overwrite a newer one.
+    #: How many times the job was claimed, never reset (not even by replay): the fencing token
+    #: every write of a worker's outcome is guarded on, so a stale claim cannot overwrite it.
     claims = models.IntegerField(default=0, db_default=0)
-    #: A ready job that was not yet due when it was last written (a delay, a retry's backoff):
-    #: it waits in pgjobs_job_scheduled_idx, so that claims walking the claim index never read
-    #: past it, whatever its priority. Claims take it from there once due, and workers move
-    #: due ones into the claim index (see data/sql.py).
+    #: A ready job not yet due when last written: it waits in pgjobs_job_scheduled_idx, out of
+    #: the claim index's way whatever its priority, until workers move it there (data/sql.py).
     scheduled = models.BooleanField(default=False, db_default=False)
-    #: What the running handler last reported of its progress ({"done", "total", "note", "at"}),
-    #: written by the worker's lease keeper at most about once a second. Unindexed, so the
-    #: write stays a HOT update.
+    #: The handler's last progress report ({"done", "total", "note", "at"}), unindexed to stay HOT.
     progress = models.JSONField(null=True, blank=True)
-    #: Context carried with the job from its enqueue, as message headers are (e.g. the W3C
-    #: `traceparent` of the request that enqueued it). Unindexed; empty for most jobs.
+    #: Context carried from the enqueue, as message headers are (e.g. a W3C `traceparent`).
     headers = models.JSONField(null=True, blank=True)
 
     objects: ClassVar[JobManager] = JobManager()
@@ -90,16 +84,13 @@ class Job(models.Model):
                 name="pgjobs_job_scheduled_idx",
                 condition=Q(status=Status.READY, scheduled=True),
             ),
-            # The reaper's index. Keyed on `worker`, not `leased_until`: a heartbeat then
-            # touches no indexed column and can be a HOT update.
+            # The reaper's index, keyed on `worker` so that a heartbeat can be a HOT update.
             models.Index(
                 fields=["worker"],
                 name="pgjobs_job_running_idx",
                 condition=Q(status=Status.RUNNING),
             ),
-            # The admin's search and filter by task: a rare task's jobs without reading the
-            # table. One entry per task name and page, deduplicated, so it stays small; like
-            # every index on all jobs, it is written at enqueue and at each change of status.
+            # The admin's search and filter by task: a rare task's jobs without reading the table.
             models.Index(fields=["task"], name="pgjobs_job_task_idx"),
             # Dead letters, newest first, without scanning the finished history.
             models.Index(
@@ -129,8 +120,7 @@ class Job(models.Model):
                 | Q(status__in=LIVE, finished_at__isnull=True),
                 name="pgjobs_job_finished_iff_finished_at",
             ),
-            # Only rows that have a key: every index entry is paid on every insert and claim,
-            # and most jobs have no unique_key.
+            # Only rows that have a key: most have none, and each entry costs at insert and claim.
             models.UniqueConstraint(
                 fields=["unique_key"],
                 condition=Q(status__in=LIVE, unique_key__isnull=False),
@@ -144,12 +134,9 @@ class Job(models.Model):
     def save(self, *args: Any, **kwargs: Any) -> None:
         """As Django's, but a stored job is saved by the fields that changed (`update_fields`).
 
-        A save of the whole row writes every column as this object last read it: the job
-        enqueue returned, saved after a worker ran it, was `ready` again with its claim count
-        (the fencing token of its claims) back at 0, and ran a second time, or twice at once.
-        And a running job's worker columns are its worker's alone: a handler's
-        `current_job().save(update_fields=[...])` may not name them (the lease as it was at the
-        claim, perhaps run out; after a lost lease, a claim another worker holds now)."""
+        A whole-row save would write back the status, claims and lease as this object last read
+        them, over what workers wrote since (a finished job would run again); and a running
+        job's worker columns (WORKER_FIELDS) are its worker's alone."""
         fields = kwargs.get("update_fields")
         loaded = self.__dict__  # read without loading what a deferred query left out
         if (
@@ -182,9 +169,8 @@ class Job(models.Model):
 
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        """Django's checks of the model, less its warnings that a database other than
-        PostgreSQL lacks a feature of these indexes or constraints: pgjobs.E001 says once
-        that such a database cannot hold the queue at all."""
+        """Django's checks of the model, less its warnings that another database lacks a
+        feature of these indexes: pgjobs.E001 says once that it cannot hold the queue."""
         messages: list[CheckMessage] = super().check(**kwargs)
         databases = kwargs.get("databases") or ()
         if all(connections[db].vendor == "postgresql" for db in databases):
@@ -231,11 +217,9 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5
 class QueueStat(models.Model):
     """What one worker did for one queue over one stats interval, written by the worker.
 
-    Reports read these few rows instead of scanning the job table: throughput, retry rate and
-    claim latency (started_at - run_at, as a histogram over LATENCY_BUCKETS so that windows and
-    workers can be added up). Workers write a row per queue they serve even when idle, so the
-    rows also say which workers are alive and which queues they serve.
-    """
+    Reports read these few rows instead of scanning the job table. Claim latency is a histogram
+    over LATENCY_BUCKETS so windows and workers add up; a row is written even when idle, so the
+    rows also say which workers are alive and which queues they serve."""
 
     id = models.BigAutoField(primary_key=True)
     at = models.DateTimeField(db_default=Now())
@@ -258,12 +242,9 @@ class QueueStat(models.Model):
 
 
 class Schedule(models.Model):
-    """A periodic schedule's shared state: the last tick handled, so that every worker can
-    enqueue due ticks and each tick is enqueued once (see django_pgjobs.periodic).
-
-    The declaration lives in settings or on the task; task, cron and timezone are copied here by
-    the workers for the admin, and a change of cron or timezone restarts the count from then.
-    """
+    """A periodic schedule's shared state: the last tick handled, so that every worker can enqueue
+    due ticks and each tick is enqueued once. Declared in settings or on the task; task, cron and
+    timezone are copied here for the admin, and a change restarts the count."""
 
     name = models.CharField(max_length=200, primary_key=True)
     task = models.CharField(max_length=200)

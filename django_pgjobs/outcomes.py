@@ -1,9 +1,8 @@
 """The one vocabulary of how an attempt ends: what the handler did, and what was recorded.
 
-A handler's run ends in a `Verdict` (succeeded, asked to retry, or raised an error), carried
-with its details by `Handled`. Recording it leaves the job in a status, and the attempt's
-`Outcome` follows from that status (or is LOST when the worker no longer held the claim):
-signals, the worker's statistics and logs all speak of Outcomes.
+A handler's run ends in a `Verdict`, carried with its details by `Handled`. Recording it leaves
+the job in a status, from which the attempt's `Outcome` follows (LOST when the worker no longer
+held the claim): signals, statistics and logs all speak of Outcomes.
 """
 
 from __future__ import annotations

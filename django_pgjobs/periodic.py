@@ -1,6 +1,5 @@
 """Periodic jobs' declarations: schedules in PGJOBS["PERIODIC"] or @task(cron=...), checked, and
-their due ticks (runtime/chores.py enqueues each tick exactly once however many workers run).
-"""
+their due ticks (runtime/chores.py enqueues each tick exactly once however many workers run)."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ logger = logging.getLogger(__name__)
 MISSED = ("latest", "skip")
 #: Seconds after its time during which a tick still gets its own job.
 DEFAULT_GRACE = 60.0
-#: The longest grace (a year): it only needs to span the longest pause of every worker, and a
-#: time that far back overflows Python's datetime long before math.inf.
+#: The longest grace (a year): it need only span a pause of every worker; more overflows datetime.
 MAX_GRACE = 365 * 86400.0
 #: The longest a worker goes without looking at its schedules (it looks earlier for a tick).
 MAX_WAIT = 60.0
@@ -67,10 +65,8 @@ class Periodic:
         """The ticks to enqueue, given the last tick handled and the database's `now`, and the
         new last tick (the most recent tick at or before `now`).
 
-        Every tick at most `grace` seconds old gets its own job, so a short pause of every
-        worker loses nothing. Older ticks were missed (no worker ran): with missed="latest"
-        the most recent of them gets one job unless a newer tick has one; with "skip", none.
-        """
+        Every tick at most `grace` seconds old gets its own job. Older ticks were missed: with
+        missed="latest" the most recent of them gets one job unless a newer tick has one."""
         latest: datetime = croniter(
             self.cron, (now + timedelta(microseconds=1)).astimezone(self.timezone)
         ).get_prev(datetime)

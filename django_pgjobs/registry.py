@@ -38,16 +38,14 @@ class Task:
     max_attempts: int | None = None
     backoff: Backoff | None = None
     lease: float | None = None
-    #: Seconds one attempt may run before it is recorded as failed (JobTimeout); None: PGJOBS
-    #: ["TIMEOUT"] (by default no limit). See runtime/handlers.py for how it is enforced.
+    #: Seconds one attempt may run before it fails with JobTimeout; None: PGJOBS["TIMEOUT"].
     timeout: float | None = None
     permanent_errors: tuple[type[BaseException], ...] = ()
     #: Payload keys shown as "[redacted]" in the admin and in logs.
     redact: frozenset[str] = field(default_factory=frozenset)
     #: A cron expression: run periodically, in TIME_ZONE, with an empty payload (periodic.py).
     cron: str | None = None
-    #: Registered after start-up (django.setup() and the URLconf's import: _starting_up): from
-    #: a module a view, a shell or a test imported later, which a worker may never import.
+    #: Registered after start-up (see _starting_up), from a module a worker may never import.
     late: bool = field(default=False, compare=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -132,13 +130,11 @@ _CELERY_ATTRIBUTES = {
     "s": _NO_SIGNATURES,
     "si": _NO_SIGNATURES,
     "signature": _NO_SIGNATURES,
-    "map": "there is no map(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload",
-    "starmap": (
-        "there is no starmap(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload"
-    ),
-    "chunks": (
-        "there is no chunks(): Job.objects.bulk_enqueue(task, payloads) enqueues a job per payload"
-    ),
+    **{
+        name: f"there is no {name}(): Job.objects.bulk_enqueue(task, payloads) enqueues a job "
+        "per payload"
+        for name in ("map", "starmap", "chunks")
+    },
 }
 
 _TIMEOUT = (
@@ -205,9 +201,8 @@ def task(
 ) -> Task | Callable[[Callable[..., Any]], Task]:
     """Register a function as a task, by default under its dotted path ``module.function``.
 
-    Use bare (``@task``) or with options (``@task(queue="emails", max_attempts=10)``).
-    With ``cron="*/5 * * * *"`` the workers also enqueue it on that schedule (a periodic job
-    named after the task, with an empty payload).
+    Use bare (``@task``) or with options (``@task(queue="emails", max_attempts=10)``). With
+    ``cron="*/5 * * * *"`` the workers also enqueue it on that schedule, with an empty payload.
     """
     if celery:  # Celery's options (bind=True, max_retries=...): say what to write instead
         spellings = dict(_CELERY_OPTIONS)
@@ -237,15 +232,16 @@ def task(
                 validation.check_max_attempts(max_attempts)
             except EnqueueError as error:
                 raise ValueError(f"@task(max_attempts=...): {error}") from None
+        named = name or f"{func.__module__}.{func.__qualname__}"
         try:
-            validation.check_task_name(name or f"{func.__module__}.{func.__qualname__}")
+            validation.check_task_name(named)
         except EnqueueError as error:
             raise ValueError(f"@task: {error}") from None
         if cron is not None:
             check_cron(cron, "@task(cron=...)")
         registered = Task(
             func=func,
-            name=name or f"{func.__module__}.{func.__qualname__}",
+            name=named,
             queue=queue,
             priority=priority,
             max_attempts=max_attempts,
@@ -276,8 +272,7 @@ def task(
 
 def _starting_up() -> bool:
     """Whether what registers a task now is imported by every process's start-up: django.setup()
-    (each app's tasks module, models, AppConfig.ready) or the URLconf's first import, which
-    runjobs makes too (its system checks load the URLconf) and a web process makes later."""
+    or the URLconf's first import (runjobs' system checks load it too)."""
     if not apps.ready:
         return True
     urlconf = sys.modules.get(getattr(settings, "ROOT_URLCONF", None) or "")
@@ -286,10 +281,8 @@ def _starting_up() -> bool:
 
 def _same_function(existing: Task, func: Callable[..., Any]) -> bool:
     # A module imported twice (e.g. reloaded by the autoreloader) re-registers the same function.
-    return (existing.func.__module__, existing.func.__qualname__) == (
-        func.__module__,
-        func.__qualname__,
-    )
+    old = existing.func
+    return (old.__module__, old.__qualname__) == (func.__module__, func.__qualname__)
 
 
 def get_task(name: str) -> Task:
@@ -382,11 +375,10 @@ def is_django_task(name: str) -> bool:
 
 # ---- runners ---------------------------------------------------------------------------------
 
-#: Runs a job whose task is not a registered @task but belongs to an integration (e.g. Django's
-#: Tasks framework, see backend.py), and says how its handler ended.
+#: Runs a job of an integration's task (e.g. backend.py's), and says how its handler ended.
 Runner = Callable[["Job"], "Handled"]
-#: Told, on the worker's main thread, that an attempt of an integration's job passed its time
-#: limit: the job, the JobTimeout and how the attempt is recorded. Its handler may still run.
+#: Told, on the worker's main thread, that an attempt of an integration's job timed out (its
+#: handler may still run): the job, the JobTimeout and how the attempt is recorded.
 TimedOut = Callable[["Job", BaseException, "Handled"], None]
 
 _runners: dict[str, Runner] = {}
@@ -394,9 +386,8 @@ _timed_out: dict[str, TimedOut] = {}
 
 
 def add_runner(prefix: str, runner: Runner, timed_out: TimedOut | None = None) -> None:
-    """Let `runner` run the jobs whose task name starts with `prefix` (an integration calls
-    this when it is imported: see backend.py), and `timed_out` hear of their attempts that pass
-    their time limit."""
+    """Let `runner` run the jobs whose task name starts with `prefix` (an integration's, e.g.
+    backend.py), and `timed_out` hear of their attempts that pass their time limit."""
     _runners[prefix] = runner
     if timed_out is not None:
         _timed_out[prefix] = timed_out

@@ -24,11 +24,8 @@ PERMANENT: tuple[type[BaseException], ...] = (
 
 @dataclass(frozen=True)
 class ExponentialBackoff:
-    """Full jitter: a random delay in [0, min(cap, base * 2**(attempts - 1))] seconds.
-
-    Spreading retries over the whole window keeps a failing dependency from being hit by every
-    job at the same moment when it recovers.
-    """
+    """Full jitter: a random delay in [0, min(cap, base * 2**(attempts - 1))] seconds, so that
+    a dependency that recovers is not hit by every job at the same moment."""
 
     base: float = 2.0
     cap: float = 3600.0
@@ -44,18 +41,14 @@ def is_permanent(
     error: BaseException, task_permanent: tuple[type[BaseException], ...] = ()
 ) -> bool:
     """True when retrying cannot help: our PERMANENT list or the task's own permanent_errors.
-
-    Everything else is transient, including database connection, serialization-failure and
-    deadlock errors (``OperationalError`` and its psycopg causes) raised by the handler.
-    """
+    Everything else is transient, ``OperationalError`` (connections, deadlocks) included."""
     if isinstance(error, OperationalError):
         return False
     return isinstance(error, PERMANENT + task_permanent)
 
 
-#: How long a worker's main thread waits for a task's backoff (after a time-out, when reaping)
-#: before it gives up on it: that thread heartbeats every job, so it must not hang on a task's
-#: code. A handler's own thread calls the backoff without a limit (its job's time limit covers it).
+#: How long a worker's main thread waits for a task's backoff (when reaping) before it gives
+#: up: that thread heartbeats every job, so it must not hang on a task's code.
 BACKOFF_PATIENCE = 1.0
 
 _lock = threading.Lock()
@@ -66,13 +59,10 @@ _unreturned: set[str] = set()
 def backoff_seconds(
     backoff: Callable[[int], object], attempts: int, task: str, *, within: float | None = None
 ) -> float:
-    """What a task's `backoff` says to wait after `attempts` attempts, in seconds. When it does
-    not say a usable delay: ValueError for what it returned, RuntimeError for what it raised
-    (SystemExit included: it is the task's code), each naming the task.
-
-    With `within`, the backoff runs on a thread of its own and TimeoutError is raised when it
-    has not returned in that many seconds (at once while an earlier call has not returned, so
-    a backoff that hangs holds at most one thread)."""
+    """What a task's `backoff` says to wait after `attempts` attempts, in seconds; ValueError
+    for an unusable value, RuntimeError for what it raised (SystemExit included), each naming
+    the task. With `within`, it runs on a thread of its own and TimeoutError is raised past that
+    many seconds (at once while an earlier call hangs, so it holds at most one thread)."""
     what = f"the backoff of {task}"
     if within is None:
         try:

@@ -1,6 +1,6 @@
-"""Job lifecycle signals. Receivers run in the worker process, so keep them quick and never let
-them raise: an exception in a receiver is logged, never propagated (``send_robust``). A
-worker sends the outcome signals on a thread of their own (runtime/reporting.py).
+"""Job lifecycle signals. Receivers run in the worker process, so keep them quick: an exception
+in a receiver is logged, never propagated. A worker sends the outcome signals on a thread of
+their own.
 
 Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, except
 ``job_enqueued``, which is sent once per enqueue call with ``jobs=[...]``.
@@ -9,8 +9,7 @@ Every signal is sent with ``sender=Job`` (the model class) and ``job=<Job>``, ex
   back; use ``transaction.on_commit`` in the receiver to act only on committed jobs).
 - ``job_started(job)``: in the handler's thread, just before the handler is called.
 - ``job_progress(job, done, total, note)``: in the thread that called ``progress()``, at every
-  call inside a job (the arguments as checked; the database gets them later, see
-  runtime/leases.py).
+  call inside a job (the database gets the report later).
 - ``job_succeeded(job, duration)``: the success was recorded.
 - ``job_retried(job, duration, error, delay)``: the attempt failed (``error`` is a
   ``Failure``) or asked to ``Retry`` (``error`` is None); the job is ready again later.

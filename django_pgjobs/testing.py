@@ -75,18 +75,16 @@ def run_jobs(
 ) -> JobsRun:
     """Claim and run due jobs on this thread and connection, until none are due.
 
-    Jobs go through the worker's own steps — the manager's claim, ``execute.run`` and
-    ``execute.settle`` — so retries, dead letters, results and Django Tasks' signals behave as
-    under ``runjobs``. Jobs that the jobs enqueue run too, when due.
+    Jobs go through the worker's own steps, so retries, dead letters, results and Django Tasks'
+    signals behave as under ``runjobs``. Jobs that the jobs enqueue run too, when due.
 
     - `queues`, `tasks`: only these queues, or only jobs of these tasks (``@task`` functions,
       Django Tasks or task names); other due jobs stay ready.
-    - `advance`: time travel. Due-ness is decided by the database clock, so instead of freezing
-      Python's clock, ready jobs scheduled within `advance` from now (delayed jobs, retries after
-      a backoff) are made due now before each round.
+    - `advance`: ready jobs scheduled within `advance` from now (delays, retries' backoffs) are
+      made due before each round, since the database's clock decides, not Python's.
     - `raise_errors`: raise JobError for the first job that raises, after recording it.
-    - `max_jobs`: stop with JobError after running this many jobs (a job that enqueues itself, or
-      keeps asking to Retry at once, would otherwise never let the loop end).
+    - `max_jobs`: stop with JobError after running this many jobs (a job that enqueues itself
+      would otherwise never let the loop end).
 
     Inside a transaction (a ``TestCase``), each job runs in a savepoint that is rolled back when
     it raises, so that a database error in a handler cannot break the test's transaction.
@@ -108,8 +106,7 @@ def run_jobs(
         queue_names = sorted(set(due_queues))
         if not queue_names:
             return run
-        # Claim everything due in those queues, so that jobs of other tasks or queues cannot
-        # crowd out the selected ones; those go straight back to ready.
+        # Claim every due job of those queues, so others cannot crowd out the selected ones.
         due = jobs.due().filter(queue__in=queue_names).count()
         claimed = jobs.claim(queue_names, worker=worker, limit=max(due, 1))
         mine = [job for job in claimed if names is None or job.task in names]
@@ -164,11 +161,8 @@ def enqueued(
     task: Any = None, /, *args: Any, using: str | None = None, **payload: Any
 ) -> list[Job]:
     """Ready jobs (due or scheduled), oldest first: of `task` (a ``@task`` function, a Django
-    Task or a task name) when given, whose payload has these values.
-
-    For a Django Task, positional `args` must equal the Task's args, and the keyword values
-    are looked for in its kwargs.
-    """
+    Task or a task name) when given, whose payload has these values (for a Django Task, `args`
+    must equal its args, and the keyword values are looked for in its kwargs)."""
     db = using or router.db_for_write(Job)
     ready = Job.objects.db_manager(db).ready().order_by("created_at", "id")
     if task is not None:

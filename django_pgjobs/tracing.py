@@ -1,21 +1,16 @@
 """OpenTelemetry tracing of enqueues and job runs, after the messaging semantic conventions.
 
-Imported only when ``PGJOBS["TRACING"]`` is on (data/enqueue.py, runtime/execute.py), so that
-without it opentelemetry is never imported. Needs the ``otel`` extra (opentelemetry-api); the
-application configures the SDK and its exporters, as for any instrumented library.
+Imported only when ``PGJOBS["TRACING"]`` is on, so that without it opentelemetry is never
+imported (the ``otel`` extra); the application configures the SDK and its exporters.
 
-- An enqueue is a ``send {queue}`` span (kind PRODUCER). Its context is the jobs' *creation
-  context*: the configured propagator (W3C ``traceparent``/``tracestate`` by default) writes it
-  into the jobs' ``headers``. A bulk enqueue is one span per statement, its context in every job.
+- An enqueue is a ``send {queue}`` span (kind PRODUCER), one per statement, whose context the
+  configured propagator writes into the jobs' ``headers``: their *creation context*.
 - A run is a ``process {queue}`` span (kind CONSUMER) around the handler, linked to the creation
-  context, and its child when no span is current (a worker's handler thread); inside another
-  span (a test's, say) it is that span's child, and only linked, as the conventions recommend.
-  A failed attempt records its exception and sets the status to ERROR; a Retry is no error.
+  context, and its child unless another span is current. A failed attempt records its
+  exception and sets the status to ERROR; a Retry is no error.
 
-Tracing never changes what happens to jobs: headers that are not a trace context (the column is
-JSON anyone with access to the table could have written) start a trace of their own, and an
-exception from the SDK's side (a span processor's on_start or on_end, a propagator) is logged,
-never raised, so it cannot fail an enqueue nor turn an attempt that ran into a failed one.
+Tracing never changes what happens to jobs: unreadable headers start a trace of their own, and
+an exception from the SDK (a span processor, a propagator) is logged, never raised.
 """
 
 from __future__ import annotations
@@ -53,10 +48,9 @@ def tracer() -> trace.Tracer:
 
 @contextmanager
 def sending(first: NewJob, count: int) -> Iterator[dict[str, str] | None]:
-    """The span of one statement that writes `count` jobs like `first` (one queue, one task; its
-    id is the job's when `count` is 1). Yields the headers to write with them: the span's
-    context as the propagator writes it; None when there is nothing to carry (no SDK
-    configured: the span is a no-op without a valid context)."""
+    """The span of one statement that writes `count` jobs like `first` (one queue, one task).
+    Yields the headers to write with them: the span's context as the propagator writes it, or
+    None when there is nothing to carry (no SDK configured)."""
     attributes: dict[str, str | int] = {
         "messaging.system": SYSTEM,
         "messaging.operation.type": "send",
@@ -83,8 +77,7 @@ def processed(job: Job, run: Callable[[Job], Handled]) -> Handled:
     creation = _creation_context(job)
     created = trace.get_current_span(creation).get_span_context()
     links = [Link(created)] if created.is_valid else []
-    # Parent: the span current here if there is one, else the creation context (an empty
-    # context, a new trace, for a job enqueued without one).
+    # Parent: the span current here if there is one, else the creation context.
     ambient = trace.get_current_span().get_span_context().is_valid
     attributes: dict[str, str | int] = {
         "messaging.system": SYSTEM,
@@ -122,10 +115,9 @@ def _span(
 ) -> Iterator[trace.Span]:
     """A span current around the block, recording an exception that leaves it when `errors`.
 
-    The API never raises, but the SDK lets a span processor's exception out of a span's start
-    and end: logged here instead, so that the block runs (without a span if none could start)
-    and what it did stands. Else an enqueue would raise after its INSERT (a caller trying again
-    writes the job twice), and a job that ran would be recorded as failed (and run again).
+    A span processor's exception at start or end is logged, not raised: else an enqueue would
+    raise after its INSERT (a retry writes the job twice), or a job that ran would be recorded
+    as failed.
     """
     try:
         span = tracer().start_span(
@@ -148,8 +140,7 @@ def _record(span: trace.Span, handled: Handled) -> None:
     if handled.verdict is not Verdict.ERROR or handled.failure is None:
         return  # success, or a Retry: not an error
     failure = handled.failure
-    # What Span.record_exception writes, from the error history's entry: the exception object
-    # is gone by now, and an integration's runner (backend.py) returns only this.
+    # What Span.record_exception writes, from the error history's entry (the exception is gone).
     span.add_event(
         "exception",
         {
@@ -172,9 +163,8 @@ def _creation_context(job: Job) -> Context:
 
 
 def _carrier(headers: Any) -> Mapping[str, str]:
-    # The column is JSON that anyone with access to the table could have written: only its text
-    # values can be headers (the default propagators raise on a number, or a list of them), and
-    # none longer than any header can be (OpenTelemetry logs a baggage header that is, whole).
+    # The column is JSON anyone with access to the table could have written: only text values
+    # no longer than a header can be (the default propagators raise on anything else).
     if not isinstance(headers, dict):
         return {}
     return {

@@ -2,9 +2,8 @@
 queues PGJOBS["QUEUES"] moves there. Reading settings only: this module never imports `nats`.
 
 A NATS queue still takes its enqueues as rows of the job table, in the caller's transaction:
-each ready row is an outbox entry that the relay (jetstream/relay.py) publishes to the queue's
-stream, and workers of the queue run its jobs from a durable JetStream consumer
-(jetstream/source.py). See docs/explanation/graduating.md.
+outbox entries the relay publishes to the queue's stream, run by workers from a durable
+JetStream consumer. See docs/explanation/graduating.md.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class NatsQueue:
     #: Seconds within which JetStream drops a second publish with the same Nats-Msg-Id.
     duplicate_window: float = 120.0
     replicas: int = 1
-    #: Most messages delivered and not yet acknowledged across the consumer's workers (a
-    #: Queue row's max_running takes its place when set).
+    #: Most messages delivered and not yet acknowledged (a Queue row's max_running overrides it).
     max_ack_pending: int = 1000
 
 

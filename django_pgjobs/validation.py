@@ -14,15 +14,13 @@ from django_pgjobs.errors import EnqueueError
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
 #: The most attempts a job may have: its column is an int4.
 MAX_ATTEMPTS = 2**31 - 1
-#: The longest lease or time limit, in seconds (about 31 years): intervals beyond a few hundred
-#: thousand years overflow PostgreSQL's, and a lease that fails the heartbeat statement fails it
-#: for every job of its worker.
+#: The longest lease or time limit, in seconds (about 31 years): far longer overflows
+#: PostgreSQL's intervals, failing the heartbeat for every job of the worker.
 MAX_SECONDS = 1e9
 #: The longest task name: the job's `task` column.
 MAX_TASK_NAME = 200
 #: The earliest and latest run_at: the years 1 to 9999 with a day's margin at each end, so that
-#: the time loads in Python whatever time zone a connection reads it in (DATABASES' TIME_ZONE):
-#: datetime.min in UTC is a year before 1 in New York.
+#: the time loads in Python whatever time zone a connection reads it in.
 EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
 LATEST = datetime(9999, 12, 30, tzinfo=UTC)
 #: How deeply lists and objects may nest in a payload (or a kept result).
@@ -126,8 +124,7 @@ def json_text(value: Any, what: str, max_bytes: int, too_big: str) -> str:
     """`value` as compact JSON text, once it is known to survive a round trip through jsonb
     and to be at most `max_bytes`; EnqueueError naming `what` (and, when too big, saying
     `too_big`) otherwise."""
-    # The common case costs one walk over the value's types and one encoding; the walk that
-    # names the path of a problem runs only when something looks wrong.
+    # One quick walk and one encoding; the walk that names a problem's path only when needed.
     if not _plain(value, 0):
         _check_value(value, what)  # raises, unless only a subclass (of str, dict, ...) was seen
     try:
@@ -147,9 +144,9 @@ def json_text(value: Any, what: str, max_bytes: int, too_big: str) -> str:
 
 
 def _plain(value: Any, depth: int) -> bool:
-    """Whether `value` is made only of dicts with str keys, lists, str, int of at most
-    MAX_INT_BITS, float, bool and None, nested at most MAX_DEPTH deep: with the checks of the
-    JSON text that follow (NaN, Infinity, NUL, lone surrogates), all that _check_value checks."""
+    """The fast path of _check_value: only dicts with str keys, lists, str, int of at most
+    MAX_INT_BITS, float, bool and None, nested at most MAX_DEPTH deep (the JSON text's checks
+    cover the rest)."""
     kind = type(value)
     if kind is dict:
         return depth <= MAX_DEPTH and all(

@@ -1,8 +1,6 @@
 """The admin: jobs and dead letters, queues and their health report, periodic schedules.
 
-Every ModelAdmin is registered here, and only here. jobs.py holds the Jobs and Dead letters
-admins (their lists' parts in lists.py, their bulk actions in actions.py), queues.py the Queues
-admin and the health report page, schedules.py the periodic schedules.
+Every ModelAdmin is registered here, and only here.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The admin's bulk actions on jobs: each defined once, all run by one confirm → apply → report.
 
 An action is one row of ACTIONS: its label, its permission, the JobQuerySet transition it calls,
-and its messages for what it did and what it skipped. `perform` shows the confirmation page,
-then `apply` runs the transition over the selection ACTION_BATCH rows per statement (keyset
-batches, so that "select all" over a million jobs stays cheap) and writes an admin log entry for
-each row the transition says it changed; `report` tells the user the counts. The admin decides
-*when*; the transition decides *how*.
+and its messages. `perform` confirms, `apply` runs the transition over the selection in keyset
+batches (so "select all" over a million jobs stays cheap) and logs each row it changed, and
+`report` tells the user the counts.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ if TYPE_CHECKING:
 
 #: Rows changed and logged per statement by a bulk action.
 ACTION_BATCH = 1000
-#: How long a bulk action waits for a row another session holds (its batch's lock_timeout,
-#: unless the database's own is shorter).
+#: How long a bulk action waits for a row another session holds (unless lock_timeout is less).
 ACTION_LOCK_WAIT = "5s"
 #: Sets the transaction's lock_timeout to %s, unless the session's is shorter (not 0).
 BOUND_LOCK_WAIT = (
@@ -116,8 +113,7 @@ RUN_NOW = Action(
     done=ngettext_lazy("%d job made due now.", "%d jobs made due now."),
     skipped=gettext_lazy("only ready jobs scheduled for later are moved"),
     button=gettext_lazy("Run now…"),
-    # The app's clock is good enough to decide whether to offer the button; the transition
-    # itself compares with the database's.
+    # The app's clock decides only whether to offer the button; the transition uses the database's.
     applies=lambda job: job.status == Status.READY and job.run_at > timezone.now(),
 )
 CANCEL = Action(
@@ -206,11 +202,9 @@ def apply(
     only: Sequence[str] = (),
 ) -> tuple[int, int]:
     """Run `transition` over the selection, ACTION_BATCH rows per statement, and log each row it
-    changed (the transition returns their primary keys) with `message`, or `message(row)` as the
-    row is after the change (a deleted row: as it was before). Returns (changed, selected).
-
-    `only` names the fields str(row) needs, read before the change so that the log names the
-    rows even after a delete. Rows are logged as their concrete model (a dead letter as a job)."""
+    changed (the primary keys it returns) with `message`, or `message(row)` as the row is after
+    the change. Returns (changed, selected). `only` names the fields str(row) needs, read before
+    the change so that the log names deleted rows too."""
     user_id = request.user.pk
     assert user_id is not None  # the admin lets no anonymous user this far
     model = queryset.model._meta.concrete_model
@@ -255,11 +249,9 @@ def _batch(
     message: str | Callable[[Any], str],
     only: Sequence[str],
 ) -> Sequence[Any]:
-    """One batch of `apply`, in a transaction of its own, so that its change and its log
-    entries commit together (when the admin log and the rows share a database, as they
-    usually do). It waits at most ACTION_LOCK_WAIT for a row another session holds (a worker
-    holds one for moments; a transaction left open, for good): past that, nothing of the batch
-    is changed (the caller catches the error)."""
+    """One batch of `apply`, in a transaction of its own so that its change and its log entries
+    commit together. It waits at most ACTION_LOCK_WAIT for a row another session holds: past
+    that, nothing of the batch is changed (the caller catches the error)."""
     with transaction.atomic(using=db):
         with connections[db].cursor() as cursor:
             cursor.execute(BOUND_LOCK_WAIT, [ACTION_LOCK_WAIT, ACTION_LOCK_WAIT])

@@ -1,9 +1,8 @@
 """The health report's charts: throughput, claim latency (p50, p95), retries and failures per
 queue over the last hour and the last day, from the QueueStat rows workers write.
 
-Drawn on the server as inline SVG (no script, nothing fetched from elsewhere), coloured with the
-admin's CSS variables for axes and text so that they read in its light and dark themes. Every
-point carries its numbers in a <title> (shown on hover), and each chart has a table of them.
+Drawn on the server as inline SVG (no script), coloured with the admin's CSS variables so that
+they read in its light and dark themes; each chart has a table of its numbers.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ COLOURS = (
     "#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
 )  # fmt: skip
 
-# Each bucket of the latency histogram summed by its position (no row is expanded), per queue
-# and point; the rows of the window alone are read, through the index on `at`.
+# Each latency bucket summed by its position, per queue and point, over the window's rows alone.
 _HISTOGRAM = ", ".join(
     f"sum(COALESCE((latency_buckets->>{n})::bigint, 0))" for n in range(len(LATENCY_BUCKETS) + 1)
 )
@@ -124,9 +122,8 @@ def show(value: float | None) -> str:
 
 
 def windows(db: str | None = None) -> list[dict[str, Any]]:
-    """The charts of each window, for the report page; within the report's time limits (the
-    day's window reads every worker's rows of the day: a big deployment's may take seconds),
-    raising DatabaseError past them."""
+    """The charts of each window, for the report page, within the report's time limits
+    (DatabaseError past them)."""
     db = job_database(db)
     with limited(db), connections[db].cursor() as cursor:
         cursor.execute("SELECT statement_timestamp()")  # rows written earlier in this transaction
@@ -157,20 +154,17 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
         colour = COLOURS[number % len(COLOURS)]
         at = [by_slot.get(slot) for slot in slots]
         line = {"name": queue, "colour": colour, "dashed": False}
-        made["throughput"].series.append(
-            {**line, "values": [None if f is None else (f[0] + f[2]) * 60 / step for f in at]}
-        )
+        for name, values in (
+            ("throughput", [None if f is None else (f[0] + f[2]) * 60 / step for f in at]),
+            ("retries", [None if f is None else float(f[1]) for f in at]),
+            ("failures", [None if f is None else float(f[2]) for f in at]),
+        ):
+            made[name].series.append({**line, "values": values})
         for quantile, dashed in ((0.5, False), (0.95, True)):
             made["latency"].series.append({
                 **line, "name": f"{queue} p{round(quantile * 100)}", "dashed": dashed,
                 "values": [None if f is None else latency(f, quantile) for f in at],
             })  # fmt: skip
-        made["retries"].series.append(
-            {**line, "values": [None if f is None else float(f[1]) for f in at]}
-        )
-        made["failures"].series.append(
-            {**line, "values": [None if f is None else float(f[2]) for f in at]}
-        )
     return [chart.drawing() for chart in made.values()]
 
 

@@ -1,15 +1,13 @@
-"""What the job lists and the job page show of a job: its status as an operator reads it, times
-(admin/times.py), progress (admin/progress.py), the last error on one line, the payload, result
-and history.
-
-Everything shown from job data goes through format_html or the template engine: escaped.
-"""
+"""What the job lists and the job page show of a job: status, times, progress, the last error on one
+line, payload, result and history. Everything shown from job data is escaped."""
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.template.loader import render_to_string
@@ -25,6 +23,9 @@ from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
 
 #: How much of the last error's first line a list shows; the job page shows all of it.
 ERROR_WIDTH = 80
@@ -65,6 +66,18 @@ def task(job: Job) -> SafeString:
     return format_html_join(mark_safe("<wbr>"), "{}", ((part,) for part in parts))
 
 
+def _time(
+    field: str, description: StrOrPromise, shown: Callable[[datetime | None], SafeString | str]
+) -> Callable[[Any, Job], SafeString | str]:
+    """A display method of the job's time `field`: times.ago for a list, times.moment a page."""
+
+    @admin.display(description=description)
+    def display(self: Any, job: Job) -> SafeString | str:
+        return shown(getattr(job, field))
+
+    return display
+
+
 class JobColumns:
     """The display methods of the Jobs and Dead letters admins."""
 
@@ -87,8 +100,7 @@ class JobColumns:
         line = head.split("\n", 1)[0]
         if not line:
             return ""
-        # "myapp.errors.Declined: ..." as "Declined: ...": the list has little room. Only the
-        # line's start is looked at: a line can be as long as an error message.
+        # "myapp.errors.Declined: ..." as "Declined: ...", looking only at the line's start.
         short = _ERROR_MODULE.sub("", line[: 4 * ERROR_WIDTH], count=1)
         short = Truncator(short).chars(ERROR_WIDTH)
         return format_html('<span class="pgjobs-error" title="{}">{}</span>', line, short)
@@ -97,17 +109,9 @@ class JobColumns:
     def final_error(self, job: Job) -> SafeString | str:
         return self.error_line(job)
 
-    @admin.display(description=gettext_lazy("run at"))
-    def due(self, job: Job) -> SafeString | str:
-        return times.ago(job.run_at)
-
-    @admin.display(description=gettext_lazy("created"))
-    def created(self, job: Job) -> SafeString | str:
-        return times.ago(job.created_at)
-
-    @admin.display(description=gettext_lazy("finished"))
-    def finished(self, job: Job) -> SafeString | str:
-        return times.ago(job.finished_at)
+    due = _time("run_at", gettext_lazy("run at"), times.ago)
+    created = _time("created_at", gettext_lazy("created"), times.ago)
+    finished = _time("finished_at", gettext_lazy("finished"), times.ago)
 
     # ---- the job page ------------------------------------------------------------------------
 
@@ -122,25 +126,11 @@ class JobColumns:
             return pretty_json(job.progress)
         return progress.on_page(job.progress)
 
-    @admin.display(description=gettext_lazy("run at"))
-    def run_at_display(self, job: Job) -> SafeString | str:
-        return times.moment(job.run_at)
-
-    @admin.display(description=gettext_lazy("created at"))
-    def created_at_display(self, job: Job) -> SafeString | str:
-        return times.moment(job.created_at)
-
-    @admin.display(description=gettext_lazy("started at"))
-    def started_at_display(self, job: Job) -> SafeString | str:
-        return times.moment(job.started_at)
-
-    @admin.display(description=gettext_lazy("finished at"))
-    def finished_at_display(self, job: Job) -> SafeString | str:
-        return times.moment(job.finished_at)
-
-    @admin.display(description=gettext_lazy("leased until"))
-    def leased_until_display(self, job: Job) -> SafeString | str:
-        return times.moment(job.leased_until)
+    run_at_display = _time("run_at", gettext_lazy("run at"), times.moment)
+    created_at_display = _time("created_at", gettext_lazy("created at"), times.moment)
+    started_at_display = _time("started_at", gettext_lazy("started at"), times.moment)
+    finished_at_display = _time("finished_at", gettext_lazy("finished at"), times.moment)
+    leased_until_display = _time("leased_until", gettext_lazy("leased until"), times.moment)
 
     @admin.display(description=gettext_lazy("payload"))
     def payload_display(self, job: Job) -> str:

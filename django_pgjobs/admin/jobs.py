@@ -1,8 +1,7 @@
 """The admin's Jobs and Dead letters: their lists, search, detail page and actions offered.
 
-Both are read-only views of the job table; jobs change only through the actions (actions.py),
-each gated by a permission and recorded in Django's admin log. Everything shown from job data is
-escaped. Nothing here runs an exact COUNT(*) over the table on a page load (lists.py).
+Both are read-only views of the job table; jobs change only through the actions, each gated by a
+permission and recorded in Django's admin log.
 """
 
 from __future__ import annotations
@@ -219,9 +218,8 @@ class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
     def get_object(
         self, request: HttpRequest, object_id: str, from_field: str | None = None
     ) -> Job | None:
-        """Django's; a job whose payload, result or other JSON Python cannot read (nested deeper
-        than its recursion limit: written by SQL or another program, enqueue refuses it) has it
-        as Unreadable, so that its pages still open (its payload cannot be edited)."""
+        """Django's; JSON Python cannot read (nested past its recursion limit, written by other
+        means) is loaded as Unreadable, so that the job's pages still open."""
         try:
             return super().get_object(request, object_id, from_field)
         except RecursionError:  # read again, its JSON field by field

@@ -1,8 +1,7 @@
 """The job lists' parts that keep them cheap over millions of rows: count, columns, filters.
 
 The paginator counts exactly only up to EXACT_COUNT_LIMIT rows, the changelist leaves out the
-payload and the error history, and the task and queue filters offer what the registry knows
-instead of reading the distinct values from the table.
+payload and history, and the filters offer what the registry knows, not the table's values.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ ERROR_TYPE = Func(
 )
 
 
-#: The dead letters' summary and their error-type filter read the newest this many (of the
-#: list's filter): every dead letter, read twice a page, took a second and more at a million.
+#: The dead letters' summary and error-type filter read the newest this many, not all of them.
 NEWEST = 10_000
 
 

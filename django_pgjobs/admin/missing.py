@@ -1,6 +1,5 @@
-"""The admin's answer to a database without the pgjobs tables: a page that says to run
-``manage.py migrate``, instead of a server error about a relation that does not exist; and to a
-page that waits on a lock held elsewhere: one that says so, after ACTION_LOCK_WAIT."""
+"""The admin's answer to a database without the pgjobs tables (a page that says to run
+``manage.py migrate``), and to a page held up by a lock (one that says so)."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ class MigrateFirst:
                     raise
                 if request.method in ("GET", "HEAD"):
                     return self.locked(request, error)
-                # A change that waited its time for a row held elsewhere: rolled back, said,
-                # and the page again
+                # A change that gave up on a row held elsewhere: rolled back, said, the page again.
                 messages.error(request, self.locked_out(error))
                 return HttpResponseRedirect(request.get_full_path())
 
@@ -62,8 +60,7 @@ class MigrateFirst:
 
     def bounded(self, view: View, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         """A page that only reads, rendered in a transaction whose statements wait at most
-        ACTION_LOCK_WAIT (admin/actions.py) for a lock (a LOCK TABLE, a migration held up): else it
-        waited as long as the lock was held, a request and a connection per reload."""
+        ACTION_LOCK_WAIT for a lock, not as long as a LOCK TABLE or a stuck migration holds it."""
         db = router.db_for_read(Job)
         with transaction.atomic(using=db):
             with connections[db].cursor() as cursor:
@@ -96,8 +93,7 @@ class MigrateFirst:
     def not_migrated(self, request: HttpRequest, error: DatabaseError) -> HttpResponse:
         db = router.db_for_write(Job)
         if connections[db].in_atomic_block:
-            # ATOMIC_REQUESTS: the failed statement aborted the request's transaction; roll it
-            # back at the end rather than commit. Nothing below queries the database.
+            # ATOMIC_REQUESTS: the failed statement aborted the transaction: roll it back.
             connections[db].set_rollback(True)
         context = {
             **self.admin_site.each_context(request),
@@ -108,9 +104,8 @@ class MigrateFirst:
         return TemplateResponse(request, "admin/pgjobs/not_migrated.html", context, status=503)
 
     def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
-        """Django's; a filter value holding a NUL (no text column holds one, and PostgreSQL
-        refuses it in a query: a server error) is an incorrect lookup, as the list says of
-        others (the ?e=1 page)."""
+        """Django's; a filter value holding a NUL, which PostgreSQL refuses in a query, is an
+        incorrect lookup (the ?e=1 page)."""
         if any("\x00" in value for key, values in request.GET.lists() if key != SEARCH_VAR
                for value in values):  # fmt: skip
             raise IncorrectLookupParameters("a NUL character in a filter")

@@ -1,11 +1,9 @@
 """Fix, then replay: correct a failed or cancelled job's payload and replay it.
 
 For users holding pgjobs.edit_payload_job and pgjobs.replay_job. The new payload is checked as
-enqueue checks one (validation.payload_json) and against the handler's signature, as a worker
-checks it before calling the handler; nothing is written unless both pass. Keys the task redacts
-are shown as "[redacted]" and keep their stored value unless replaced. The payload change and
-the replay are one transaction, recorded in the admin log with the payload before and after (as
-the admin shows them, redacted).
+enqueue and a worker check it; nothing is written unless it passes. Redacted keys keep their
+stored value unless replaced. The change and the replay are one transaction, logged with the
+payload before and after (redacted).
 """
 
 from __future__ import annotations

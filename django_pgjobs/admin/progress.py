@@ -1,9 +1,6 @@
 """How the admin shows a job's progress report: a bar with its percentage (or, while the total is
 not known, a moving bar and the count done), the note, and on the job page when it was written.
-
-Reports are read from the table as they are: anything that is not a report a handler could
-have made is shown as no report. Everything is escaped (format_html).
-"""
+Anything that is not a report a handler could have made is shown as no report."""
 
 from __future__ import annotations
 

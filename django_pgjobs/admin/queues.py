@@ -1,9 +1,7 @@
 """The admin's Queues (pause, resume, per-queue limits) and the health report page.
 
 Pausing needs the pgjobs.pause_queue permission, in the list's editable column as in the
-actions; the actions change queues through Queue.objects (data/queues.py) and record every
-queue they changed in Django's admin log. The report page shows what `jobstats` shows, to staff
-who may view queues.
+actions, which change queues through Queue.objects and log every queue they changed.
 """
 
 from __future__ import annotations
@@ -68,8 +66,7 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         return not stopped or self.has_pause_permission(request)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        # The name is the row's key: changed, Django would save a copy under the new name and
-        # leave the old row, paused or limited, in place.
+        # The name is the row's key: changed, Django would save a copy and leave the old row.
         fields = [] if obj is None else ["name"]
         return fields if self.has_pause_permission(request) else [*fields, "paused"]
 
@@ -79,17 +76,14 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
         return guarded(form)
 
     def save_model(self, request: HttpRequest, obj: Queue, form: Any, change: bool) -> None:
-        # In the page's transaction: a queue row another session holds is waited for at most
-        # ACTION_LOCK_WAIT (MigrateFirst then says so), not for as long as it is held.
+        # A queue row another session holds is waited for at most ACTION_LOCK_WAIT (MigrateFirst).
         db = router.db_for_write(Queue)
         with connections[db].cursor() as cursor:
             cursor.execute(actions.BOUND_LOCK_WAIT, [actions.ACTION_LOCK_WAIT] * 2)
         if not isinstance(form, Guarded):
             return super().save_model(request, obj, form, change)
-        # The list's Save writes only what this user changed, and only where the row still
-        # holds what the page showed (or already what they chose): another operator's pause
-        # or limit since the page loaded is neither undone nor logged as this user's.
-        # (form.clean() refused the conflicts it saw; this guard closes the moment since.)
+        # Written only where the row still holds what the page showed (see Guarded): clean()
+        # refused the conflicts it saw, this guard closes the moment since.
         changes = {name: form.cleaned_data[name] for name in form.changed_data}
         if changes and not Queue.objects.change(obj.pk, changes, shown=form.initial):
             obj._conflicted = True  # type: ignore[attr-defined]
@@ -112,15 +106,13 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
 
     @admin.action(description=gettext_lazy("Pause selected queues"), permissions=["pause"])
     def pause(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
-        count, _seen = apply(request, queryset, QueueQuerySet.pause, CHANGE, _("Paused."))
-        self.message_user(request, ngettext("%d queue paused.", "%d queues paused.", count) % count)
+        n, _seen = apply(request, queryset, QueueQuerySet.pause, CHANGE, _("Paused."))
+        self.message_user(request, ngettext("%d queue paused.", "%d queues paused.", n) % n)
 
     @admin.action(description=gettext_lazy("Resume selected queues"), permissions=["pause"])
     def resume(self, request: HttpRequest, queryset: QuerySet[Queue]) -> None:
-        count, _seen = apply(request, queryset, QueueQuerySet.resume, CHANGE, _("Resumed."))
-        self.message_user(
-            request, ngettext("%d queue resumed.", "%d queues resumed.", count) % count
-        )
+        n, _seen = apply(request, queryset, QueueQuerySet.resume, CHANGE, _("Resumed."))
+        self.message_user(request, ngettext("%d queue resumed.", "%d queues resumed.", n) % n)
 
     # ---- the health report ---------------------------------------------------------------
 
@@ -181,10 +173,9 @@ SHOWN = "{}-shown"
 
 
 class Guarded(ModelForm):
-    """A row of the Queues list. Its changes are what the user changed on the page: each value
-    is compared with the one the page showed (posted beside it), not with the row as it is now,
-    which another operator may have changed since. A changed value whose row holds neither
-    what the page showed nor the new value is a conflict: the form is invalid and says so."""
+    """A row of the Queues list whose changes are judged against the values the page showed
+    (posted beside them), not the row as another operator may have changed it since. A row that
+    holds neither what the page showed nor the new value is a conflict: the form says so."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

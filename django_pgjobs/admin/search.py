@@ -2,14 +2,10 @@
 
 A term is read every way it can be, and the jobs matching any reading are listed:
 
-- a full job id: the primary key;
-- the start of an id (hex digits, dashes optional): ids are UUIDv7s, so a prefix is a range of
-  the primary key;
-- a short id (the last 12 hex digits, as the lists show): they are random bits, so no range
-  holds them. Rather than keep an index of them on every job (measured: about a fifth more WAL
-  per job over its life), they are found by one index-only scan of the primary key, which reads
-  the key's index (about 30 MB per million jobs) instead of the table: 0.1 to 0.5 s per million
-  jobs; on Dead letters, of their own small index;
+- a full job id, or its start (hex digits, dashes optional): a range of the primary key;
+- a short id (the last 12 hex digits, as the lists show): random bits, so no range holds them;
+  found by an index-only scan of the primary key (on Dead letters, of their own small index),
+  cheaper than an index of them that every job would pay for;
 - a task name, or part of one: the registered tasks whose name contains the term (and the term
   itself, for a task no longer registered), through pgjobs_job_task_idx;
 - the unique key of a live (ready or running) job, through pgjobs_job_unique_key_live.
@@ -71,7 +67,6 @@ def task_names(term: str) -> list[str]:
 
 def short_id_matches(queryset: QuerySet[Job], digits: str) -> list[UUID]:
     """The ids of `queryset` ending in these 12 hex digits, in one query that names no column
-    but the id, so that PostgreSQL answers it from an index alone: the primary key for all jobs,
-    pgjobs_job_dead_idx for dead letters. Run once, rather than in each query of the page."""
+    but the id, so that an index alone answers it; run once, not in each query of the page."""
     found = queryset.order_by().alias(short=SHORT_ID).filter(short=bytes.fromhex(digits))
     return [pk for (pk,) in found.values_list("pk")[:SHORT_ID_MATCHES]]

@@ -55,9 +55,8 @@ def options_of(
     max_attempts: int | None,
     unique_key: str | None,
 ) -> tuple[Task, NewJob]:
-    """The registered task, and a job of it with an empty payload, every option checked
-    (EnqueueError before anything is written): each option given, else the task's default, else
-    the PGJOBS default."""
+    """The registered task, and a job of it with an empty payload, every option checked: each
+    option given, else the task's default, else the PGJOBS default."""
     settings = get_settings()
     task = registry.resolve(task_or_name)
     if task.late:
@@ -105,8 +104,7 @@ def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list
     """Each payload as JSON text, once it survives jsonb and fits the task's handler; the
     EnqueueError names the payload's position when there are several."""
     limit = get_settings().MAX_PAYLOAD_BYTES
-    # An integration's job (a Django Task's) has a payload of its own shape: its backend
-    # checks the arguments in it (backend.PgJobsBackend.enqueue).
+    # An integration's job (a Django Task's) has a payload of its own shape, which it checks.
     handler = None if registry.runner_for(task.name) else task.func
     texts = []
     for index, payload in enumerate(payloads):
@@ -149,9 +147,8 @@ def insert_many(
     texts: Sequence[str],
     batch_size: int,
 ) -> list[Job]:
-    """Insert one job of `options` (never with a unique_key) per payload, by COPY, `batch_size`
-    rows per COPY, in one transaction: the caller's, else its own. `texts` are the payloads'
-    checked JSON; the returned Jobs hold the payloads."""
+    """Insert one job of `options` (never with a unique_key) per payload, `batch_size` rows per
+    COPY, in one transaction (the caller's, else its own); `texts` are the payloads' JSON."""
     if not payloads:
         return []
     ids = uuid7_batch(len(payloads))
@@ -170,8 +167,7 @@ def insert_many(
             with _sending(options._replace(id=ids[start]), end - start) as headers:
                 columns = _columns(options, run_at, created_at, scheduled, headers)
                 jobs = rows.new_jobs(model, db, columns, ids[start:end], payloads[start:end])
-                # Every column but the id and the payload is the same for the whole batch. The
-                # Jobs are made as their rows are sent, while the database writes earlier rows.
+                # Every column but the id and the payload is the same for the whole batch.
                 queue, task = options.queue, options.task
                 rest = (
                     *(options.priority, run_at, scheduled, options.max_attempts),
@@ -192,13 +188,8 @@ PAUSE_COLLECTOR_FROM = 1000
 @contextmanager
 def collector_paused(count: int) -> Iterator[None]:
     """Python's cyclic garbage collector paused while `count` jobs are checked and made, when
-    that is PAUSE_COLLECTOR_FROM or more.
-
-    Each Job is several new container objects (the instance, its attributes, its state, its
-    payload and error list), and the collector's passes over the whole heap, again and again as
-    it grows, took 30% of a bulk enqueue's CPU: 16.8 against 11.9 µs a job for 100,000
-    jobs. What is made here is kept, not garbage, so the pause costs nothing later. A collector
-    that something else switched off is left alone."""
+    that is PAUSE_COLLECTOR_FROM or more: each Job is several new containers, all kept, which
+    the collector would scan again and again as the heap grows. One already off stays off."""
     if count < PAUSE_COLLECTOR_FROM or not gc.isenabled():
         yield
         return
@@ -236,10 +227,8 @@ def _columns(
 
 @contextmanager
 def _sending(first: NewJob, count: int) -> Iterator[dict[str, str] | None]:
-    """Around the insert of `count` jobs like `first` (its id when there is one), the headers
-    to write with every one of them. With PGJOBS["TRACING"] on, the jobs' send span, whose
-    trace context becomes their headers (tracing.py, imported only then: it imports
-    opentelemetry); else None, and the column stays NULL."""
+    """Around the insert of `count` jobs like `first`, the headers to write with each: the send
+    span's trace context with PGJOBS["TRACING"] on (only then is opentelemetry imported)."""
     if not get_settings().TRACING:
         yield None
         return

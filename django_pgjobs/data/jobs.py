@@ -3,10 +3,6 @@
 Each transition is one short statement guarded so it changes only what it should, and returns
 what it changed; the statements themselves are in data/sql.py. The runtime decides *when*, this
 module decides *how*.
-
-Nearly 400 lines: it is the one seam for a worker's transitions (enqueue, claim, settle,
-heartbeat, release, reap, abandon, and for NATS queues relay and write back), each binding its
-statement's named parameters.
 """
 
 from __future__ import annotations
@@ -81,8 +77,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """Write one job in the caller's transaction (one INSERT on the caller's connection).
 
         With a `unique_key` that a ready or running job already holds, nothing is written and
-        that job is returned instead. `announce=False`: no job_enqueued signal (a worker's
-        periodic ticks: it sends their signal after its commit, off its main thread).
+        that job is returned instead. `announce=False`: no job_enqueued signal.
         """
         job = enqueue.new_job(
             task, payload, queue=queue, priority=priority, run_at=run_at, delay=delay,
@@ -118,9 +113,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         batch_size: int = 5000,
     ) -> list[Job]:
         """Write many jobs of one task, `batch_size` per COPY, all in one transaction (the
-        caller's, else its own). Every payload is checked before anything is written. For
-        1,000 jobs or more, Python's cyclic garbage collector is paused meanwhile (see
-        data.enqueue.collector_paused)."""
+        caller's, else its own). Every payload is checked before anything is written."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise EnqueueError(f"batch_size={batch_size!r} must be an integer of 1 or more.")
         # The options are the same for every job: check them once, then each payload.
@@ -143,11 +136,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     ) -> list[Job]:
         """Take up to `limit` due jobs from `queues`, highest priority first, then oldest run_at.
 
-        One statement: an UPDATE over a ``SELECT … FOR UPDATE SKIP LOCKED`` per queue, so
-        concurrent workers never claim the same job and never wait for each other. Each job
-        comes back running, leased to `worker` for `lease` seconds, with `attempts` counting
-        this one. Run the jobs after this returns (the claim has committed, unless the caller
-        wrapped it in its own transaction).
+        Concurrent workers never claim the same job nor wait for each other. Each job comes
+        back running, leased to `worker` for `lease` seconds; run it once the claim committed.
         """
         settled = self.settle_and_claim([], [], queues, worker=worker, limit=limit, lease=lease)
         if settled.unread is not None:
@@ -167,16 +157,11 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         after: Mapping[str, Position] | None = None,
     ) -> Settled:
         """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs
-        from `queues`, in one statement (sql.SETTLE_AND_CLAIM; sql.CLAIM without outcomes):
-        one round trip and one commit per turn of a worker's loop.
+        from `queues` in one statement: one round trip and one commit per turn.
 
-        Each outcome names a claim: a worker's Claim, or a Job standing for the claim its fields
-        say. `succeeded` are completed, keeping the return values in `results` (job id → JSON text)
-        as their `result`; each of `failed` is recorded as by `fail`. A queue's claim starts
-        after its Position in `after` (the last job this worker claimed there), passing over
-        ready jobs behind it; without one, at the start (every due job). Returns the ids of
-        `succeeded` this worker still owned, the new status of each of `failed` it still
-        owned, and the claimed jobs (as `claim`).
+        `succeeded` keep their return values in `results` (job id → JSON text); each of `failed`
+        is recorded as by `fail`. A queue's claim starts after its Position in `after`, else at
+        the start. Returns what this worker still owned of the outcomes, and the claimed jobs.
         """
         claiming = bool(queues) and limit >= 1
         if not (claiming or succeeded or failed):
@@ -197,9 +182,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         try:
             claimed = rows.load_jobs(self.model, db, (row[1:] for row in claimed_rows))
         except BaseException as error:
-            # Committed claims the caller will never see (a model signal's receiver raised, say):
-            # given back now, not left to run out their leases with an attempt spent. The
-            # outcomes the statement recorded stay the caller's to account for (`unread`).
+            # Committed claims the caller will never see (a model signal's receiver raised): given
+            # back now, not left to run out their leases; the outcomes stay the caller's (`unread`).
             given_back = {
                 "ids": [row[1] for row in claimed_rows],
                 "claims": [row[_CLAIMS] for row in claimed_rows],
@@ -224,9 +208,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         self, queue: str, *, worker: str, limit: int, lease: float | None = None
     ) -> list[Job]:
         """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
-        paused, and never more than its `max_running` jobs running at once across all workers
-        (see sql.LOCK_QUEUE); nothing either while another session holds its row (another
-        worker's claim), which is never waited for."""
+        paused or another session holds its row (never waited for), and never more than its
+        `max_running` jobs running at once across all workers."""
         db = self._write_db()
         with transaction.atomic(using=db), connections[db].cursor() as cursor:
             cursor.execute(sql.BRIEF_LOCK_TIMEOUT)
@@ -290,11 +273,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         return claim(job).id in released
 
     def heartbeat(self, jobs: Sequence[Job | Claim], lease: float | None = None) -> set[UUID]:
-        """Extend the lease of a worker's running jobs by `lease` seconds from now, and record
-        the progress their handlers last reported (each Job's `progress`, as progress() left
-        it); returns the ids renewed (a job locked elsewhere is skipped this time: see `held`
-        for whether the others are lost). A cancellation requested meanwhile shows on the Job
-        at once."""
+        """Extend the lease of a worker's running jobs by `lease` seconds from now and record
+        the progress their handlers last reported; returns the ids renewed (a job locked
+        elsewhere is skipped this time). A cancellation requested meanwhile shows on the Job."""
         lease = get_settings().LEASE if lease is None else lease
         owned = self._own(sql.HEARTBEAT, jobs, lease=lease, progress=reports(jobs))
         for held in map(claim, jobs):
@@ -323,28 +304,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             return int(cursor.rowcount)
 
     def abandon(self, worker: str, reason: str) -> TakenBack:
-        """Take back every running job of `worker`, a worker known to be dead (e.g. its
-        supervisor saw its process exit), at once: to ready after the task's backoff (as for a
-        reaped job: a job that kills its worker must not be taken at once by the next one, its
-        deaths counting towards the supervisor's crash limit faster than its attempts run out),
-        or failed when no attempts remain, recording the attempt as lost with `reason`; rows
-        another session holds locked are passed over (their leases bring them back)."""
-        settings = get_settings()
-        params = {
-            "worker": worker,
-            "reason": reason,
-            "cap": settings.BACKOFF_MAX,
-            "base": settings.BACKOFF_BASE,
-            "error": Failure("WorkerLost", reason).as_json(),
-            "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
-        }
+        """Take back every running job of `worker`, known to be dead, at once, as `reap` does
+        (so a job that kills its worker is not taken at once by the next), recording `reason`.
+        Rows locked elsewhere are passed over: their leases bring them back."""
+        params = {"worker": worker, "reason": reason, **_taking_back(Failure("WorkerLost", reason))}
         return self._taken_back(rows.execute(self._write_db(), sql.ABANDON, params))
 
     def reap(self, *, limit: int = 1000, sparing: Sequence[Job | Claim] = ()) -> TakenBack:
-        """Take back running jobs whose lease expired: to ready (after the task's backoff, as
-        for a failed attempt), or to failed when no attempts remain, recording "lease expired"
-        as the attempt's error. Safe to run from every worker at once (SKIP LOCKED).
-        `sparing`: the calling worker's claims whose handlers are running (never its to take)."""
+        """Take back running jobs whose lease expired: to ready after the default backoff, or
+        failed when no attempts remain, recording "lease expired". Safe from every worker at
+        once (SKIP LOCKED). `sparing`: the caller's claims whose handlers are running."""
         params = {
             "limit": limit,
             "spared_ids": [claim(job).id for job in sparing],
@@ -380,12 +349,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         limit: int,
         publish: Callable[[list[Job]], Collection[UUID] | None],
     ) -> list[Job]:
-        """Take up to `limit` due rows of each of `queues` (outbox entries of NATS queues), in
-        claim order, locked, and hand them to `publish`, which returns the ids of those done
-        with (their messages acknowledged by the stream, or refused: see refuse_relayed), or
-        None for every one. Those rows are deleted in the same transaction (sql.RELAYED); the
-        others stay, due again at the next round. It commits when `publish` returns and rolls
-        back when it raises, leaving every row. Returns the jobs done with."""
+        """Take up to `limit` due outbox rows of each of `queues` (NATS queues), locked, and hand
+        them to `publish`, which returns the ids of those done with (None: all). Those rows are
+        deleted in the same transaction, which commits when `publish` returns and rolls back
+        when it raises; the others stay for the next round. Returns the jobs done with."""
         db = self._write_db()
         params = {"queues": list(queues), "limit": limit}
         with transaction.atomic(using=db):
@@ -401,9 +368,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         return jobs
 
     def refuse_relayed(self, job: Job, failure: Failure) -> None:
-        """The outbox row of `job`, locked by a relay's round (`relay`), becomes a dead letter
-        recording `failure` as an attempt, held by `job.worker`: its message cannot be
-        published."""
+        """The outbox row of `job`, locked by a relay's round, becomes a dead letter recording
+        `failure` as an attempt: its message cannot be published."""
         db = self._write_db()
         with transaction.atomic(using=db):
             rows.execute(db, sql.RELAYED, {"ids": [job.pk]})
@@ -414,17 +380,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         self, job: Job, failure: Failure, *, permanent: bool, delay: float, hand_back: bool = False
     ) -> str:
         """Record a failed attempt of `job`, run from NATS by `job.worker` (an unsaved Job
-        with its attempts and claims), by the worker's own rule (`fail`), and say what to do
-        with its message:
+        with its attempts and claims), as `fail` would, and say what to do with its message:
 
-        - ``failed`` (or ``cancelled``): written here as a dead letter, for the admin's
-          inspection and replay; the message is done with;
-        - ``ready``: attempts remain. Nothing is written, the message is delivered again after
-          `delay`; with `hand_back`, the job is written as an outbox row due after `delay`,
-          with its attempts and error history, relayed then under a message id of its own
-          (it counts one claim more than the message): the message is done with;
-        - WRITTEN: a row of this job with at least its claims exists already (written by an
-          earlier delivery of the message, or replayed since): nothing to do;
+        - ``failed`` (or ``cancelled``): written here as a dead letter; the message is done with;
+        - ``ready``: nothing written, the message is delivered again after `delay`; with
+          `hand_back`, written as an outbox row due after `delay` (one claim more, so a message
+          id of its own): the message is done with;
+        - WRITTEN: a row of this job with at least its claims exists already: nothing to do;
         - IN_OUTBOX: the job's outbox row is still there (its relay has not committed): try
           again shortly.
         """
@@ -445,8 +407,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         Returns ``ready``, or WRITTEN or IN_OUTBOX as write_back."""
         self.drop_superseded(job, below=job.claims)
         with transaction.atomic(using=self._write_db()):
-            # Written with one attempt more, which retry_later's release gives back: the
-            # attempt counts, as a Retry's negative acknowledgement would count it.
+            # One attempt more, which retry_later's release gives back: this attempt counts.
             if (found := self._written_back(job, job.attempts + 1)) is not None:
                 return found
             released = self.retry_later(job, delay)
@@ -454,11 +415,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             return Status.READY
 
     def drop_superseded(self, job: Job, below: int) -> bool:
-        """Delete the outbox row of NATS job `job` that an older delivery of it wrote (its
-        claims under `below`: sql.SUPERSEDED), unless a relay is publishing it; whether there
-        was one. Before an attempt's outcome is written back: else that row stood in the way
-        (IN_OUTBOX), and this delivery was delivered again every second, its backoff and errors
-        lost, until it was dead-lettered as a lost worker's."""
+        """Delete the outbox row an older delivery of NATS job `job` wrote (its claims under
+        `below`), unless a relay is publishing it; whether there was one. Called before writing
+        back an outcome, which that row would otherwise block for good (IN_OUTBOX)."""
         return bool(rows.execute(self._write_db(), sql.SUPERSEDED, {"id": job.pk, "below": below}))
 
     def _written_back(self, job: Job, attempts: int) -> str | None:
@@ -554,8 +513,7 @@ def _report(progress: Any) -> str | None:
         report = {k: v for k, v in progress.items() if k != "at"}
         return json_text(report, "a progress report", MAX_REPORT_BYTES, "")
     except Exception:  # EnqueueError, RecursionError, an object's __eq__ that raises, ...
-        # Set by hand to something jsonb cannot hold (a NUL, a lone surrogate, deep nesting,
-        # a NaN): the stored report stays, and nothing of the job's outcome is refused for it.
+        # Something jsonb cannot hold: the stored report stays, and the outcome is not refused.
         return None
 
 

@@ -1,6 +1,5 @@
 """JobQuerySet: filters over jobs, and the transitions an operator applies to a selection of
-them (replay, cancel, run now, discard, prune, a payload corrected before replay). Each is one
-statement that re-checks its guard on every row it writes, and returns the ids it changed."""
+them, each re-checking its guard on every row it writes and returning the ids it changed."""
 
 from __future__ import annotations
 
@@ -23,19 +22,14 @@ from django_pgjobs.status import LIVE, Status
 if TYPE_CHECKING:
     from django_pgjobs.models import Job  # noqa: F401  (named in the QuerySet's type)
 
-#: How far ahead of the database's clock an enqueuing process's clock may run before pruning
-#: its jobs is delayed (see JobQuerySet.prunable).
+#: How far an enqueuer's clock may run ahead of the database's before pruning is delayed.
 ID_CLOCK_MARGIN = timedelta(minutes=10)
 
 #: How often replay looks again when a job took one of its keys while it ran.
 REPLAY_TRIES = 3
 
-#: A transition takes the rows it may change without waiting for one another session holds:
-#: a worker's turn holds the ready rows it is claiming while it waits to record the outcomes of
-#: its running ones, which a transition over both (a Cancel of a task's jobs) may have written
-#: already: waiting, each would wait for the other until PostgreSQL rolled one back. The rows
-#: passed over are taken in further statements, after a pause doubling from CHANGE_PAUSE (a
-#: worker holds them for a statement), at last waiting for them (a lock held longer).
+#: A transition skips rows another session holds (a worker's turn may wait on rows it wrote: a
+#: deadlock), and retries them after a pause doubling from CHANGE_PAUSE, waiting at the last.
 CHANGE_PAUSE = 0.02
 CHANGE_TRIES = 8
 
@@ -58,17 +52,13 @@ class JobQuerySet(models.QuerySet["Job"]):
     def dead(self) -> JobQuerySet:
         return self.filter(status=Status.FAILED)
 
-    # Transitions over a selection of jobs; each returns the ids of the jobs it changed, so
-    # callers can report how many and the admin can log exactly which.
+    # Transitions over a selection of jobs; each returns the ids of the jobs it changed.
 
     def replay(self, *, queue: str | None = None, by: str | None = None) -> list[UUID]:
         """Failed or cancelled → ready, due now, with a fresh attempt budget (optionally into
-        another queue). Skips other statuses, jobs whose unique_key a live job holds, and of
-        several selected jobs sharing a unique_key all but the oldest. Never fails as a whole:
-        the jobs it skipped are the selected ones it does not return.
-
-        The replay joins the job's error history (when, `by` whom, into which queue), and
-        last_error is cleared: the history keeps the errors, the job has none since."""
+        another queue). Skips other statuses, jobs whose unique_key a live job holds, and of several
+        selected jobs sharing a unique_key all but the oldest; never fails as a whole. The replay
+        joins the error history (when, `by` whom, into which queue); last_error is cleared."""
         into = None if queue is None else validation.check_queue(queue)
         kept = sql.errors_kept(get_settings().ERRORS_KEPT)
         self._for_write = True
@@ -87,8 +77,7 @@ class JobQuerySet(models.QuerySet["Job"]):
                         guard="j.status IN ('failed', 'cancelled')",
                     )
             except IntegrityError:
-                # A job with one of the keys was enqueued or replayed meanwhile: look again,
-                # and this time that key is held.
+                # A job took one of the keys meanwhile: look again, and this time that key is held.
                 continue
         return []
 
@@ -133,13 +122,9 @@ class JobQuerySet(models.QuerySet["Job"]):
 
     def replace_payload(self, payload: Any) -> list[UUID]:
         """Give the selected failed or cancelled jobs `payload`, checked as enqueue checks one
-        (EnqueueError before anything is written): the one change of a payload after enqueue.
-        Returns the ids changed: a job that is no longer failed or cancelled (replayed, or
-        deleted, meanwhile) is left alone.
-
-        Only the payload changes; replay the jobs to run them (replay)."""
+        (EnqueueError before anything is written); returns the ids changed. Only the payload
+        changes: replay the jobs to run them."""
         text = validation.payload_json(payload, get_settings().MAX_PAYLOAD_BYTES)
-        # The guarded UPDATE: the status is checked again on each row as it is written.
         return self._change(
             "payload = %s::jsonb", [text], guard="j.status IN ('failed', 'cancelled')"
         )
@@ -148,10 +133,9 @@ class JobQuerySet(models.QuerySet["Job"]):
         self, assignments: str | None, params: Sequence[Any] = (), *, guard: str
     ) -> list[UUID]:
         """An UPDATE (or, without assignments, a DELETE) of the selected jobs that pass `guard`,
-        returning their ids. The selection is this queryset's, compiled by the ORM and read
-        once (a slice, [:10], would take other rows if run again); the guard is re-checked on
-        each row as it is written, so a job whose status changed since it was selected is left
-        alone. Rows locked elsewhere are taken once free (CHANGE_PAUSE)."""
+        returning their ids. The selection is read once (a slice would take other rows if run
+        again); the guard is re-checked on each row as it is written. Rows locked elsewhere are
+        taken once free (CHANGE_PAUSE)."""
         self._for_write = True  # as QuerySet.update() does: route to the database for writes
         db = self.db
         try:
@@ -199,10 +183,8 @@ class JobQuerySet(models.QuerySet["Job"]):
         ages = [age for age in kept.values() if age is not None]
         if not ages:
             return self.filter(old)
-        # Ids are UUIDv7s made at enqueue, so a job finished before the cutoff has an id from
-        # before it: bounding the id makes this a range of the primary key instead of a scan of
-        # every finished job. The bound is the enqueuer's clock (with a margin); the database's
-        # finished_at still decides, so a skewed clock can delay pruning, never hasten it.
+        # Ids are UUIDv7s, so bounding the id makes this a range of the primary key. finished_at
+        # still decides: a skewed enqueuer's clock can delay pruning, never hasten it.
         newest = time.time() - min(ages).total_seconds() + ID_CLOCK_MARGIN.total_seconds()
         return self.filter(old, pk__lt=uuid7_floor(newest))
 
@@ -223,11 +205,8 @@ class JobQuerySet(models.QuerySet["Job"]):
         old = self.prunable(retention)
         total, batches = 0, 0
         while max_batches is None or batches < max_batches:
-            # Bounded batches keep each transaction short and the locks few; SKIP LOCKED lets
-            # every worker prune at once without queueing behind each other.
-            # The batch is read first, then deleted by primary key: deleted through a subquery
-            # (`id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`), a nested-loop plan ran
-            # the subquery again for each row and deleted every prunable row in one statement.
+            # Bounded batches under SKIP LOCKED, read first, then deleted by primary key: a LIMIT
+            # subquery may run again per row, deleting every prunable row in one statement.
             batch = old.select_for_update(skip_locked=True).values_list("pk", flat=True)
             with transaction.atomic(using=self.db):
                 ids = list(batch[: settings.PRUNE_BATCH])

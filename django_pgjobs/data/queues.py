@@ -20,8 +20,7 @@ class QueueQuerySet(models.QuerySet["Queue"]):
     def paused(self) -> QueueQuerySet:
         return self.filter(paused=True)
 
-    # Transitions over a selection of queues; each returns the names of the queues it changed,
-    # so callers can report how many and the admin can log exactly which.
+    # Transitions over a selection of queues; each returns the names of the queues it changed.
 
     def pause(self) -> list[str]:
         """Pause the selected queues that are not paused yet: workers stop claiming their jobs
@@ -30,9 +29,8 @@ class QueueQuerySet(models.QuerySet["Queue"]):
 
     def change(self, name: str, changes: Mapping[str, Any], shown: Mapping[str, Any]) -> bool:
         """Write `changes` (field → value) to queue `name`, only where each of those fields
-        still holds the value the operator was shown (`shown`), or already the new one: a
-        pause or a limit someone else set since is neither undone nor overwritten. False when
-        the row no longer matches (nothing written)."""
+        still holds the value the operator was shown (`shown`) or already the new one, so
+        nobody else's change since is overwritten. False when nothing was written."""
         guard = models.Q()
         for field, value in changes.items():
             guard &= models.Q(**{field: shown.get(field)}) | models.Q(**{field: value})
@@ -43,9 +41,8 @@ class QueueQuerySet(models.QuerySet["Queue"]):
         return self._set_paused(False)
 
     def _set_paused(self, paused: bool) -> list[str]:
-        """One UPDATE of the selected queues whose `paused` differs, stamped with the database's
-        clock. The guard is re-checked on each row as it is written, so a queue someone else
-        changed meanwhile is neither changed twice nor reported."""
+        """One UPDATE of the selected queues whose `paused` differs, guarded on each row as it
+        is written, so a queue someone else changed meanwhile is not reported."""
         self._for_write = True  # as QuerySet.update() does: route to the database for writes
         db = self.db
         try:

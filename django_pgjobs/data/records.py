@@ -11,8 +11,7 @@ from uuid import UUID
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
 
-# Text written on the failure path must never make that write fail (a NUL byte in an error
-# message once left jobs stuck in other queues), so it is cleaned and bounded first.
+# Text written on the failure path must never make that write fail: cleaned and bounded first.
 MESSAGE_LIMIT = 2000
 TRACEBACK_LIMIT = 4000
 
@@ -65,10 +64,9 @@ ClaimKey = tuple[UUID, int]
 
 @dataclass(frozen=True, eq=False)
 class Claim:
-    """A worker's claim on one job, as it claimed it: the job's id, its claim count (the fencing
-    token) and the worker, beside the Job its handler gets. The worker keeps it, and its
-    guarded statements name it: what a handler does to its Job (a refresh_from_db() after its
-    lease was lost and another worker claimed the job, say) cannot change it."""
+    """A worker's claim on one job: the job's id, its claim count (the fencing token) and the
+    worker, beside the Job its handler gets. Guarded statements name the claim, so nothing a
+    handler does to its Job (a refresh_from_db(), say) can change what they guard on."""
 
     job: Job
     id: UUID
@@ -102,8 +100,7 @@ class Settled(NamedTuple):
     #: The new status of every outcome recorded, by claim: precise even when a worker held a
     #: stale and a fresh claim of one job.
     recorded: dict[ClaimKey, str]
-    #: What made the claimed rows impossible to turn into Job objects (a model signal's
-    #: receiver raised, say): they were given back, and `claimed` is empty.
+    #: Why the claimed rows could not be made Job objects: they were given back, `claimed` empty.
     unread: Exception | None = None
 
 
@@ -112,15 +109,13 @@ class TakenBack(NamedTuple):
 
     returned: int
     failed: int
-    #: The jobs returned to ready (id, claim count, task, attempts), due after the default
-    #: backoff until JobManager.delay sets their task's own.
+    #: The jobs returned to ready (id, claims, task, attempts), awaiting their tasks' own backoffs.
     ready: tuple[tuple[UUID, int, str, int], ...] = ()
 
 
 class Position(NamedTuple):
-    """Where a worker's claims in one queue got to: the claim order's key (priority, run_at,
-    id) of the last job it claimed there. Its next claim there starts after it (see
-    sql.SETTLE_AND_CLAIM's `due`)."""
+    """Where a worker's claims in one queue got to: the claim order's key of the last job it
+    claimed there, after which its next claim there starts."""
 
     priority: int
     run_at: datetime

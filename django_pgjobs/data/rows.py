@@ -46,10 +46,8 @@ _PLANNED_ONCE: weakref.WeakKeyDictionary[Any, tuple[int, float]] = weakref.WeakK
 
 
 def plan_once(connection: psycopg.Connection[Any]) -> None:
-    """Mark `connection`, which prepares its statements and has them planned once for any
-    parameters (a worker's main loop: runtime/sessions.py): the statements `cursor` runs on it
-    carry their plans' generation, which `replan` moves on (runtime/sessions.py asks
-    plans_once() first)."""
+    """Mark `connection` as planning its prepared statements once for any parameters: the
+    statements `cursor` runs on it carry their plans' generation, which `replan` moves on."""
     _PLANNED_ONCE[connection] = (0, time.monotonic())
 
 
@@ -58,13 +56,9 @@ def replan(db: str, backlog: bool) -> None:
     once and its plans are older than REPLAN_AFTER with a `backlog` (the worker's turn came
     back full), or older than REPLAN_IDLE without one.
 
-    A plan is made for the table as it is then. PostgreSQL makes a cached one again when
-    autovacuum analyzes the table, which keeps up with a table that grows by the hour, not with
-    a backlog that arrives within a second: a plan made while the table was nearly empty reads
-    it whole once it holds thousands of jobs, until the next ANALYZE. A backlog that is not due
-    yet (jobs scheduled for tomorrow) fills no turn: the idle turns, promotions and reaps read
-    the table whole for at most REPLAN_IDLE. Idle plans are not made again sooner because each new
-    generation is planned on the way, and an idle worker's wake-ups would pay for it.
+    A cached plan is remade only when autovacuum analyzes the table, too late for a backlog
+    that arrives within a second: a plan made on a nearly empty table would read it whole.
+    Idle plans age longer because an idle worker's wake-ups would pay for each new generation.
     """
     connection = connections[db].connection
     if connection is None:
@@ -89,9 +83,8 @@ _PREPARED_GONE = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.Duplica
 
 def _give_up_plans(connection: psycopg.Connection[Any], error: Exception) -> None:
     """A statement prepared on `connection` went missing, or another of the same name was
-    there: the server behind it changes from one transaction to the next, a transaction-mode
-    pooler that `DISABLE_SERVER_SIDE_CURSORS` did not announce. This process prepares nothing
-    more (runtime/sessions.py asks plans_once() on every connect) and says what to set."""
+    there: an unannounced transaction-mode pooler. This process prepares nothing more (see
+    plans_once) and says what to set."""
     global _POOLED
     if not _POOLED:
         _POOLED = True
@@ -116,16 +109,9 @@ class _Replanned(psycopg.Cursor[Any]):
 
 @contextmanager
 def cursor(db: str, binary: bool = False) -> Iterator[Any]:
-    """A Django cursor on `db` that binds parameters on the server, for the hot path.
-
-    Arrays of ids travel as parameters instead of being quoted into the SQL by Python,
-    and psycopg prepares statements it sees often when the connection allows it (Django's
-    OPTIONS["prepare_threshold"]; off by default, which PgBouncer in transaction mode needs;
-    a worker's main loop's connection allows it where there is no such pooler: runtime/sessions.py).
-    With `binary`, results load in C (uuids, timestamps, jsonb) rather than by parsing text.
-    It is Django's cursor wrapper all the same: error translation, execute wrappers and query
-    logging (assertNumQueries, the debug toolbar) see these statements like any other.
-    """
+    """A Django cursor on `db` that binds parameters on the server, for the hot path; with
+    `binary`, results load in C rather than by parsing text. It is Django's cursor wrapper all
+    the same: error translation, execute wrappers and query logging see its statements."""
     wrapper = connections[db]
     wrapper.close_if_health_check_failed()
     wrapper.ensure_connection()
@@ -147,11 +133,9 @@ def cursor(db: str, binary: bool = False) -> Iterator[Any]:
 
 
 def connection_lost(error: DatabaseError) -> bool:
-    """Whether `error` says the connection, not the statement, is at fault: it is gone or
-    broken, a statement prepared on it went missing (see _give_up_plans), one prepared on it
-    no longer fits the table (a migration changed a column it returns: PostgreSQL refuses it
-    from then on), or it reached a database that refuses writes (refuses_writes). What the
-    statement was to do is then tried again, unchanged, on a new connection."""
+    """Whether `error` says the connection, not the statement, is at fault (gone or broken, a
+    prepared statement missing or unfit, a database that refuses writes): what the statement
+    was to do is then tried again, unchanged, on a new connection."""
     return (
         isinstance(error, OperationalError | InterfaceError)
         or isinstance(error.__cause__, _PREPARED_GONE)
@@ -161,16 +145,14 @@ def connection_lost(error: DatabaseError) -> bool:
 
 
 def refuses_writes(error: DatabaseError) -> bool:
-    """Whether `error` is the database refusing a write (read_only_sql_transaction: a standby,
-    or transaction_read_only on). After a failover that is the connection's node, the old
-    primary or a replica, and a new connection to the same address may reach the new one."""
+    """Whether `error` is the database refusing a write (a standby, or transaction_read_only
+    on): after a failover, a new connection to the same address may reach the new primary."""
     return isinstance(error.__cause__, psycopg.errors.ReadOnlySqlTransaction)
 
 
 def check_writable(db: str) -> None:
-    """Raise the DatabaseError of refuses_writes when `db` refuses writes: a worker back from
-    an outage whose turn wrote nothing (every handler busy) would otherwise say the database
-    is back while it is on a standby."""
+    """Raise the DatabaseError of refuses_writes when `db` refuses writes (a turn that wrote
+    nothing cannot tell a standby from the primary)."""
     with connections[db].cursor() as cursor:
         cursor.execute(
             "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
@@ -213,12 +195,8 @@ def plan_unfit(error: DatabaseError) -> bool:
 
 
 def execute(db: str, sql: str, params: dict[str, Any], binary: bool = False) -> list[Any]:
-    """Run one statement on `db` and return all its rows.
-
-    Lists (the arrays of a worker's turn: ids, claims, results, errors) are sent in the binary
-    format: psycopg's text format quotes and escapes every element with regular expressions,
-    which took 600 µs of the worker's main thread for a turn of 50 outcomes with 5 errors
-    (120–170 µs in binary). Every list in data/sql.py is cast to its array type."""
+    """Run one statement on `db` and return all its rows. Lists are sent in the binary format
+    (no quoting of every element); every list in data/sql.py is cast to its array type."""
     with cursor(db, binary) as raw:
         if any(isinstance(value, list) for value in params.values()):
             raw.cursor.adapters.register_dumper(list, ListBinaryDumper)
@@ -228,13 +206,8 @@ def execute(db: str, sql: str, params: dict[str, Any], binary: bool = False) -> 
 
 def copy(db: str, statement: str, types: Sequence[str], records: Iterable[Sequence[Any]]) -> None:
     """Run `statement`, a ``COPY … FROM STDIN (FORMAT BINARY)``, on `db` with `records`, whose
-    values are of the PostgreSQL `types`; jsonb values are JSON text, sent as it is.
-
-    Rows are formatted in C and streamed while the server writes them: no parameters to bind,
-    no statement to plan, no RETURNING. Like `execute`, it goes through Django's cursor wrapper,
-    so execute wrappers see the statement (without parameters), errors are translated and
-    query logging records it.
-    """
+    values are of the PostgreSQL `types`; jsonb values are JSON text, sent as it is. Like
+    `execute`, through Django's cursor wrapper (without parameters)."""
     with cursor(db) as wrapped:
         raw = wrapped.cursor
         set_json_dumps(_as_is, raw)
@@ -273,14 +246,9 @@ class Unreadable:
 
 
 class _JsonbLoader(JsonbBinaryLoader):
-    """psycopg's binary jsonb loader, with the values most rows hold (an empty payload, an
-    empty error history) made without the JSON parser: at two per claimed job, parsing them
-    was most of the cost of loading a job's row. Each load makes a new object. Used only where
-    psycopg's own loader would be (see cursor), and only with psycopg's default json.loads.
-
-    A value the parser refuses loads as Unreadable: a claim's rows are read after the claim
-    committed, so one row that fails its read would leave every job claimed with it to run
-    out its lease, claim after claim (the worker refuses the job itself: runtime/execute.py)."""
+    """psycopg's binary jsonb loader, making the empty payload and error history most rows hold
+    without the JSON parser. A value the parser refuses loads as Unreadable: a claim's rows are
+    read after it committed, and one failing its read would strand every job claimed with it."""
 
     def load(self, data: Buffer) -> Any:
         if self.loads is json.loads:  # not psycopg.types.json.set_json_loads()'s own
@@ -296,10 +264,8 @@ class _JsonbLoader(JsonbBinaryLoader):
 
 @lru_cache(maxsize=8)
 def _loading(model: type[Job]) -> tuple[list[str], list[tuple[int, Any]]]:
-    """The model's attribute names, and the fields whose database values need converting.
-
-    Rows come in binary, where psycopg has already loaded jsonb into Python objects, so JSON
-    fields need no converting (Django's converter parses only the text format)."""
+    """The model's attribute names, and the fields whose database values need converting
+    (not JSON fields: binary rows come with jsonb already loaded)."""
     fields = model._meta.concrete_fields
     converters = [
         (n, field)
@@ -335,14 +301,9 @@ def new_jobs(
     ids: Iterable[UUID],
     payloads: Iterable[Any],
 ) -> Iterator[Job]:
-    """Job instances as `model.from_db` makes them (loaded from `db`, not adding), one per id
-    and payload, every other column's value from `columns` (each job its own copy of a list or
-    dict value); without a query. Made one at a time, so that a bulk insert can make them
-    while the database writes the rows.
-
-    Model.__init__ costs more than all the rest of a bulk enqueue's Python per job, so they are
-    built directly when nothing could tell the difference: no pre_init or post_init receiver
-    for the model, and neither __init__ nor from_db overridden."""
+    """Job instances as `model.from_db` makes them from `db`, one per id and payload, every
+    other column from `columns` (each its own copy of a list or dict), made lazily; without
+    Model.__init__, the bulk of the cost, when nothing could tell (see _plainly_built)."""
     attnames = _loading(model)[0]
     plain = _plainly_built(model)
     shared = {name: value for name, value in columns.items() if isinstance(value, list | dict)}

@@ -1,29 +1,21 @@
 """Every statement that changes a job, as one complete SQL text with named parameters.
 
-Longer than most modules on purpose: every statement and the reason for its shape in one place,
-so that what runs can be read (and reviewed) whole.
-
 A statement is chosen whole (e.g. with or without ON CONFLICT), never assembled from pieces, so
 what runs is what you read here. Times are the database's clock (``statement_timestamp()``),
-never the app's. The data layer binds parameters by name (data/jobs.py, data/enqueue.py).
+never the app's.
 
 Guarded statements change a job only while it is ``running`` under the same claim, identified
 by (id, claims, worker). `claims` counts every claim of the job and is never reset, not even by
-a replay: it is a fencing token that no later claim reuses, so a worker whose lease expired
-cannot overwrite the attempt that replaced it.
+a replay: a fencing token no later claim reuses, so a worker whose lease expired cannot
+overwrite the attempt that replaced it.
 
-Those that find a worker's jobs by id spell the status guard ``(j.status = 'running') IS TRUE``:
-the same condition, which the planner cannot match to the running jobs' partial index, so the
-rows are looked up by primary key. Otherwise it may read the worker's entries in that index
-instead, and every running row version that died since the oldest snapshot in the cluster
-stays there: under a snapshot held for minutes, each turn would read all of them (a test checks
-the plan).
+Those that find a worker's jobs by id spell the status guard ``(j.status = 'running') IS TRUE``,
+which the planner cannot match to the running jobs' partial index: the rows are looked up by
+primary key, not through an index full of dead row versions a long snapshot keeps.
 
-A worker's main loop plans each statement once for any parameters (runtime/sessions.py,
-data/rows.py), so every plan here must be good without their values: rows that a subquery
-with a LIMIT chose are found by primary key, ``j.id = ANY (ARRAY(SELECT ...))``, never joined
-to it, since a plan that cannot know the LIMIT expects a tenth of the table and hash-joins
-all of it (a test checks each statement's plan made that way).
+A worker plans each statement once for any parameters (data/rows.py), so every plan must be
+good without their values: rows a LIMITed subquery chose are found by primary key,
+``j.id = ANY (ARRAY(SELECT ...))``, never joined, which a generic plan would hash-join whole.
 """
 
 from __future__ import annotations
@@ -43,12 +35,8 @@ CLAIM_ORDER = ("-priority", "run_at", "id")
 # ---- enqueue -------------------------------------------------------------------------------------
 
 # One job: INSERT_JOBS[due, unique, wake_up] is the statement for the case at hand, so that
-# each text says only what that case needs. The enqueue's statement is not prepared unless the
-# connection's prepare_threshold asks for it (Django's default, for transaction poolers), so
-# PostgreSQL parses and plans it at every enqueue: one text for every case (a COALESCE of run_at
-# and now + delay, the wake-up behind a NULL test) took 1.6 times the parse, analysis and
-# planning of the plain "now" below, and one thread enqueued 1.16 times as many jobs a second
-# with a text per case (bench/ab.py insert).
+# each text says only what that case needs: an enqueue is usually parsed and planned each time
+# (not prepared), and a text for every case costs more to plan.
 #
 # - due: "now" (most jobs), "run_at" (given) or "delay" (seconds from now), always on the
 #   database's clock; a job not yet due is `scheduled` (it waits in the scheduled index, out of
@@ -88,14 +76,11 @@ INSERT_JOBS = {
     for wake_up in (False, True)
 }
 
-# Many jobs of one task with the same options (never a unique_key) are written by COPY, in the
-# binary format (data/rows.py copy): no statement to parse or plan per batch, rows formatted in
-# C and streamed, 1.3 to 2 times the rate of an INSERT of unnest()ed arrays here. COPY has no
-# RETURNING, so what the database decides comes first, from this statement in the same
-# transaction: the created_at and run_at the rows share (the database's clock, as the columns'
-# defaults would give them) and whether they are scheduled; and it sends the wake-up
-# (%(channel)s NULL when none is due), delivered with the rows at commit and dropped with them
-# on rollback.
+# Many jobs of one task with the same options (never a unique_key) are written by binary COPY
+# (data/rows.py copy). COPY has no RETURNING, so what the database decides comes first, from
+# this statement in the same transaction: the created_at and run_at the rows share (the
+# database's clock) and whether they are scheduled; it also sends the wake-up (%(channel)s
+# NULL when none is due), delivered with the rows at commit.
 NEW_JOBS_TIMES = """
     SELECT statement_timestamp(), t.run_at, t.run_at > statement_timestamp(),
            (SELECT pg_notify(%(channel)s, %(queue)s) WHERE %(channel)s IS NOT NULL)
@@ -118,34 +103,26 @@ COPY_JOBS_TYPES = (
 # ---- one turn of a worker: settle, then claim -------------------------------------------
 
 # A worker's turn in one statement (one round trip, one commit): record the outcomes of its
-# finished jobs and claim due jobs into the slots they free. An array left empty (or a
-# %(limit)s of 0) makes its part a no-op, so one text serves every turn that records outcomes;
-# CLAIM, below, is the same claim for a turn that has none (_SETTLE and _CLAIM are its parts).
+# finished jobs and claim due jobs into the slots they free. An empty array (or a %(limit)s of
+# 0) makes its part a no-op; CLAIM, below, is the claim alone, for a turn with no outcome.
 #
 # - succeeded: completions, guarded on the claim, keeping each handler's return value (JSON
-#   text, or NULL to keep nothing).
-# - succeeded and failed both keep the handler's last progress report (JSON text without "at",
-#   or NULL: none), which the lease keeper may not have written yet: as HEARTBEAT does.
+#   text, or NULL to keep nothing) and, as failed does, its last progress report (as HEARTBEAT).
 # - failed: each failed attempt is cancelled (if a cancellation was requested), back to ready
 #   after its delay (attempts left and not permanent), or failed: the dead letter. Its error
 #   joins the job's history, of which the last %(errors_kept)s entries are kept.
-# - due: per queue, an index range scan of the claim index in its own order that stops after
+# - due: per queue, a range scan of the claim index in its own order that stops after
 #   %(limit)s rows; SKIP LOCKED, so concurrent workers never wait for each other or take the
-#   same job. `queue = ANY(...)` ordered across queues would read and sort every ready row.
+#   same job (one scan ordered across queues would read and sort every ready row).
 #   A queue's scan starts after the position its worker's claims got to (%(after_*)s: the
-#   priority, run_at and id of the last job it claimed there), not at the index's start: the
-#   claim index keeps an entry for every job claimed since the last vacuum, and while a long
-#   snapshot (a report, a backup, a replica's feedback) keeps vacuum from removing them, a
-#   scan from the start would walk them all on every claim. In claim order: jobs of a higher
-#   priority than the position (from the start of their range), then those after it at its
-#   priority, then those of lower priorities; each branch runs only while the ones before it
-#   found fewer than %(limit)s. A NULL position is the index's start: the whole range. Jobs
-#   that become ready behind a position (committed out of order, released keeping their
-#   place) are found by the worker's next sweep from the start (runtime/postgres.py, Positions).
-#   Jobs that were scheduled (not yet due when written) are not in the claim index, so the
-#   scan never walks past waiting jobs of a higher priority; those that have come due are
-#   found by run_at in the scheduled index (few: workers move them to the claim index every
-#   second, see PROMOTE), and take their turn by priority like the others.
+#   priority, run_at and id of the last job it claimed there), not at the index's start, which
+#   holds an entry for every job claimed since the last vacuum (many, under a long snapshot).
+#   In claim order: jobs of a higher priority than the position, then those after it at its
+#   priority, then lower priorities; each branch runs only while those before it found fewer
+#   than %(limit)s. A NULL position is the whole range. Jobs that become ready behind a
+#   position are found by the worker's next sweep from the start (runtime/postgres.py).
+#   Scheduled jobs are not in the claim index, so the scan never walks past waiting jobs;
+#   those come due are found by run_at in the scheduled index (few: see PROMOTE).
 # - turns: the queues take turns (each queue's best job, then each queue's second best, ...;
 #   ties in claim order), so an old backlog in one queue never starves another.
 # - claimed: running, leased for %(lease)s seconds, attempts counting this one, and the claim
@@ -153,8 +130,7 @@ COPY_JOBS_TYPES = (
 #
 # Rows come back tagged by kind in one shape: claimed jobs with every column (JOB_COLUMNS
 # order), settled jobs with their id, claim and new status, the other columns NULL.
-# A failed attempt ends its job: cancelled, a permanent error, or no attempt left. Written once
-# here; the failing statements below use it for the status and every column that follows it.
+# _ENDS: a failed attempt ends its job (cancelled, a permanent error, or no attempt left).
 _ENDS = "(j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)"
 
 _SETTLE = f"""
@@ -209,10 +185,8 @@ _SETTLE = f"""
     ),
 """
 
-# A claimed job's columns (JOB_COLUMNS), as the worker reads them. run_at inside the years
-# Python can hold, in any time zone the connection reads it in (validation.EARLIEST, LATEST):
-# an operator may set '-infinity' (to the front of the queue) or a far year by hand, and a row
-# the worker cannot read would make its claim fail after it committed.
+# A claimed job's columns (JOB_COLUMNS), with run_at clamped to the years Python can hold (an
+# operator may set '-infinity' by hand): a row the worker cannot read fails a committed claim.
 _CLAIMED = """
     j.id, j.queue, j.task, j.payload, j.status, j.priority,
     LEAST(GREATEST(j.run_at, '0001-01-02 00:00:00+00'), '9999-12-30 00:00:00+00') AS run_at,
@@ -308,14 +282,10 @@ CLAIM = f"""
 
 # Extend the leases of a worker's jobs by %(lease)s seconds from now, and record the progress
 # each handler last reported (JSON text without "at", or NULL: none). Touches only unindexed
-# columns, so the update can be HOT. A report is stored with "at", the time it was first written
-# (the database's clock); one equal to the stored report is kept as it is, so "at" says since
-# when the job has been at that point. A stored value that is not a JSON object (written by
-# hand) is replaced like any other: `-` raises on it, which would fail every lease of the
-# statement (and, in the outcomes' statement, every outcome of the batch). A row locked
-# elsewhere (an operator's open transaction, a handler that locked its own job) is skipped, not
-# waited for: the others' leases must not run out behind it, and the next heartbeat tries it
-# again. Returns whether a cancellation of each renewed job was requested.
+# columns, so the update can be HOT. A report equal to the stored one keeps its "at" (since
+# when the job has been there); the jsonb_typeof test keeps a stored non-object, on which `-`
+# raises, from failing the whole statement. A row locked elsewhere is skipped, not waited for:
+# the others' leases must not run out behind it. Returns each renewed job's cancel_requested.
 HEARTBEAT = """
     WITH renewable AS (
         SELECT j.id, mine.progress FROM pgjobs_job AS j
@@ -347,9 +317,8 @@ OWNED = """
     WHERE (j.status = 'running') IS TRUE AND j.worker = %(worker)s
 """
 
-# Which of a worker's claims another session holds locked (an operator's open transaction,
-# say): the rows its outcomes' UPDATE would wait for. Each row is only tried (SKIP LOCKED); the
-# locks taken on the others end with the statement, run outside a transaction.
+# Which of a worker's claims another session holds locked: the rows its outcomes' UPDATE would
+# wait for. Each row is only tried (SKIP LOCKED), outside a transaction.
 LOCKED_ELSEWHERE = """
     WITH free AS (
         SELECT id FROM pgjobs_job WHERE id = ANY(%(ids)s::uuid[])
@@ -359,10 +328,9 @@ LOCKED_ELSEWHERE = """
     WHERE j.id = ANY(%(ids)s::uuid[]) AND j.id NOT IN (SELECT id FROM free)
 """
 
-# Back to ready without spending an attempt, or cancelled when someone asked to cancel the job
-# while it ran: a worker shutting down (%(delay)s NULL: the job keeps its place), or a
-# handler's Retry (due again in %(delay)s seconds). Keeps each handler's last progress report,
-# as SETTLE_AND_CLAIM does (where the attempt got to; the next claim clears it).
+# Back to ready without spending an attempt (cancelled if that was asked): a worker shutting
+# down (%(delay)s NULL: the job keeps its place), or a handler's Retry (due in %(delay)s
+# seconds). Keeps each handler's last progress report, as SETTLE_AND_CLAIM does.
 RELEASE = """
     UPDATE pgjobs_job AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
@@ -387,10 +355,9 @@ RELEASE = """
 
 # ---- every worker's housekeeping --------------------------------------------------------------
 
-# What REAP and ABANDON do to a running job taken back from a worker: ready again after the
-# default backoff (full jitter, as retry.ExponentialBackoff; REAP_BACKOFF then applies a task's
-# own), or failed when no attempts remain, or cancelled when that was asked; the lost attempt
-# joins the error history (%(error)s).
+# What REAP and ABANDON do to a running job taken back: ready again after the default backoff
+# (full jitter; REAP_BACKOFF then applies a task's own), failed when no attempts remain, or
+# cancelled when that was asked; the lost attempt joins the error history (%(error)s).
 _LOST_ENDS = "(j.cancel_requested OR j.attempts >= j.max_attempts)"  # as _ENDS, for a lost attempt
 _TAKEN_BACK = f"""
         status = CASE WHEN j.cancel_requested THEN 'cancelled'
@@ -410,11 +377,9 @@ _TAKEN_BACK = f"""
         )
 """.strip()
 
-# Take back running jobs whose lease expired (_TAKEN_BACK), "lease expired" the cause. SKIP
-# LOCKED: every worker may reap at once. A worker spares its own claims whose handlers it knows
-# are running (%(spared_*)s): a lease that ran out while the row was locked (the handler locked
-# its own job) is renewed by the lease keeper once the lock is gone, and must not be taken by
-# the same worker meanwhile.
+# Take back running jobs whose lease expired (_TAKEN_BACK). SKIP LOCKED: every worker may reap
+# at once. A worker spares its own claims whose handlers are running (%(spared_*)s): a lease
+# that ran out while its row was locked is renewed once the lock is gone.
 REAP = f"""
     WITH expired AS (
         SELECT id FROM pgjobs_job
@@ -433,9 +398,8 @@ REAP = f"""
     RETURNING j.id, j.claims, j.status, j.task, j.attempts
 """
 
-# Jobs taken back (REAP, ABANDON) of tasks with a backoff of their own (`@task(backoff=...)`,
-# computed in Python): due after that backoff instead of the default. Only while nobody claimed
-# them since.
+# Jobs taken back (REAP, ABANDON) of tasks with a `backoff=` of their own: due after it instead
+# of the default, while nobody claimed them since.
 REAP_BACKOFF = """
     UPDATE pgjobs_job AS j SET
         run_at = statement_timestamp() + make_interval(secs => mine.delay),
@@ -446,9 +410,8 @@ REAP_BACKOFF = """
     RETURNING j.id
 """
 
-# Scheduled jobs that have come due join the claim index, oldest first, in bounded batches, so
-# that claims see them in priority order (until then claims find them by run_at). SKIP LOCKED:
-# every worker may do it at once.
+# Scheduled jobs come due join the claim index, oldest first, in bounded batches, so that claims
+# see them in priority order. SKIP LOCKED: every worker may do it at once.
 PROMOTE = """
     UPDATE pgjobs_job AS j SET scheduled = false
     WHERE j.id = ANY (ARRAY(
@@ -478,14 +441,10 @@ ABANDON = f"""
 # ---- queues with controls ---------------------------------------------------------------------
 
 # Claims on a queue with a Queue row take turns: the row is locked first, so the count of
-# running jobs that follows (a statement with a fresh snapshot) sees every claim committed
-# before it. A worker whose turn finds the row locked leaves the queue to the one holding it
-# until its next turn, never waits for it: the holder may be a worker stopped in the middle of
-# its claim (SIGSTOP, a frozen VM), or an operator's open transaction.
-# The queue controls' reads (runtime/controls.py) and a limited queue's claim wait this long at
-# most for a lock on their table (a migration altering it, an operator's LOCK TABLE): past it
-# the controls as last read stand, and the limited queue sits the turn out (runtime/worker.py),
-# instead of every turn waiting out the worker's lock_timeout, the open queues' claims with it.
+# running jobs that follows (a fresh snapshot) sees every claim committed before it. A row
+# locked elsewhere is never waited for: its holder may be a stopped worker or an open
+# transaction. BRIEF_LOCK_TIMEOUT bounds the controls' reads and a limited queue's claim on a
+# locked table: past it the queue sits the turn out, rather than stall every queue's claims.
 BRIEF_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', '100ms', true)"
 LOCK_QUEUE = """
     SELECT paused, max_running FROM pgjobs_queue WHERE name = %(queue)s FOR UPDATE SKIP LOCKED
@@ -502,11 +461,9 @@ def errors_kept(count: int) -> str:
 # ---- the outbox of queues carried by NATS JetStream (transports.py, jetstream/) --------------
 
 # The relay's claim: due rows of the NATS queues, taken per queue as the worker's claim takes
-# them (both indexes, SKIP LOCKED, so several relays never wait for each other or take the
-# same row), and locked until the round's transaction ends. Only the rows whose messages the
-# stream acknowledged are deleted (RELAYED, in the same transaction): the others stay, due
-# again at the next round (JetStream drops the second publish of a message id within its
-# duplicate window), and a relay that dies before its commit leaves every row.
+# them (SKIP LOCKED), locked until the round's transaction ends. Only rows whose messages the
+# stream acknowledged are deleted (RELAYED, same transaction); the others stay for the next
+# round (JetStream drops a repeated message id within its duplicate window).
 RELAY = f"""
     SELECT {_CLAIMED} FROM pgjobs_job AS j
     WHERE j.id = ANY (ARRAY(
@@ -534,12 +491,9 @@ RELAY = f"""
     )) AND j.status = 'ready'
 """
 
-# The outbox rows a relay round is done with (their messages stored by the stream, or the job
-# refused), among those it locked (RELAY).
-# A NATS job's outbox row that an older delivery of it wrote (a retry handed back, whose
-# message's acknowledgement was then lost, so that the message ran again): the delivery that
-# ran after it supersedes it, and it goes (SKIP LOCKED: a row a relay is publishing is left
-# to it, whose message then runs as one more copy).
+# A NATS job's outbox row that an older delivery of it wrote (a retry handed back whose
+# acknowledgement was lost): the delivery that ran after it supersedes it. SKIP LOCKED: a row
+# a relay is publishing is left to it.
 SUPERSEDED = """
     DELETE FROM pgjobs_job
     WHERE id = ANY (ARRAY(
@@ -550,15 +504,15 @@ SUPERSEDED = """
     RETURNING id
 """
 
+# The outbox rows a relay round is done with (stored by the stream, or refused), among those
+# it locked (RELAY).
 RELAYED = """
     DELETE FROM pgjobs_job WHERE id = ANY (%(ids)s::uuid[]) AND status = 'ready' RETURNING id
 """
 
 # A job run from NATS whose attempt failed comes back as a running row held by the consumer,
-# so that the worker's own statement (SETTLE_AND_CLAIM's failed part) decides what follows and
-# writes the error history. No unique_key: it held the key only while in the outbox. Nothing is
-# inserted when a row with this id exists (see JobManager.write_back); its status and claims
-# come back instead.
+# so that SETTLE_AND_CLAIM's failed part decides what follows. No unique_key: it held the key
+# only in the outbox. When a row with this id exists, its status and claims come back instead.
 WRITE_BACK = """
     WITH inserted AS (
         INSERT INTO pgjobs_job AS j

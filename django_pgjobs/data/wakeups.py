@@ -11,8 +11,7 @@ from collections.abc import Iterable
 
 from django_pgjobs.conf import get_settings
 
-#: The one channel every queue is announced on; the queue name travels as the payload, bound
-#: as a parameter (never formatted into SQL).
+#: The one channel every queue is announced on; the queue name is its payload, a bound parameter.
 CHANNEL = "pgjobs"
 
 #: A queue notified this recently by this process is not notified again: busy workers need no
@@ -24,13 +23,8 @@ _last_sent: dict[tuple[str, str], float] = {}
 
 def to_send(db: str, queues: Iterable[str]) -> list[str]:
     """The queues an enqueue about to run on `db` should announce: those this process has not
-    announced in the last COALESCE_SECONDS (none when PGJOBS["NOTIFY"] is off).
-
-    The enqueue's own statement sends them (pg_notify), so PostgreSQL delivers them when the
-    caller's transaction commits and drops them if it rolls back: no extra round trip, and the
-    wake-up arrives the moment the job is visible. A rolled-back transaction still counts as
-    having announced its queues, so a wake-up it suppressed costs at most one poll interval.
-    """
+    announced in the last COALESCE_SECONDS (none when PGJOBS["NOTIFY"] is off). The enqueue's
+    own statement sends them, so they are delivered at commit and dropped on rollback."""
     if not get_settings().NOTIFY:
         return []
     now = time.monotonic()

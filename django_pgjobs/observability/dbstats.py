@@ -51,13 +51,9 @@ class DatabaseStats:
     #: Replication slots holding a horizon: (slot, active, xids behind).
     slots: list[tuple[str, bool, int]] = field(default_factory=list)
     notify_queue_usage: float = 0.0  # pg_notification_queue_usage(): 0 to 1
-    #: Whether pg_stat_activity shows every session (a superuser, or pg_read_all_stats, which
-    #: pg_monitor includes); else other users' sessions hide their state, transaction and
-    #: snapshot, and connections, idle transactions and the oldest snapshot count this user's.
+    #: Whether pg_stat_activity shows every session; else the session figures are this user's.
     sees_all_sessions: bool = True
-    #: Why the database refuses writes ("in recovery": a standby; "read-only":
-    #: default_transaction_read_only set for the database or the server, as failover tools
-    #: fence an old primary); "" when it takes them.
+    #: Why the database refuses writes ("in recovery" or "read-only"); "" when it takes them.
     refuses_writes: str = ""
 
     @property
@@ -66,9 +62,7 @@ class DatabaseStats:
 
 
 #: The locks on the job table that conflict with the ROW EXCLUSIVE lock every claim, heartbeat
-#: and outcome of a worker takes: SHARE (CREATE INDEX, REINDEX), SHARE ROW EXCLUSIVE and
-#: EXCLUSIVE (some ALTER TABLE, LOCK TABLE), ACCESS EXCLUSIVE (VACUUM FULL, CLUSTER, TRUNCATE,
-#: most ALTER TABLE, LOCK TABLE's default). Autovacuum's SHARE UPDATE EXCLUSIVE is not one.
+#: and outcome of a worker takes (CREATE INDEX, most ALTER TABLE, VACUUM FULL, LOCK TABLE...).
 BLOCKING_MODES = {
     "ShareLock": "SHARE",
     "ShareRowExclusiveLock": "SHARE ROW EXCLUSIVE",
@@ -88,8 +82,7 @@ class TableLock:
     pid: int | None  # None: a prepared transaction holds it
     mode: str  # as PostgreSQL's LOCK command names it: "ACCESS EXCLUSIVE"
     granted: bool
-    #: Held: the age of the holder's transaction (the lock is at most that old); queued: how
-    #: long its statement has been waiting.
+    #: Held: the age of the holder's transaction; queued: how long its statement has waited.
     seconds: float
     query: str  # the session's current or last statement (hidden without pg_read_all_stats)
     blocked_by: tuple[int, ...] = ()  # queued: the sessions it waits for
@@ -106,9 +99,8 @@ class TableLock:
 
 
 def table_locks(db: str | None = None) -> list[TableLock]:
-    """The sessions (or prepared transactions) holding or queued for a lock on the job table
-    in one of BLOCKING_MODES, or on the queue controls' table in CONTROLS_BLOCKING_MODES, held
-    ones first, the oldest first (pg_locks: reading it waits for no table lock)."""
+    """The sessions (or prepared transactions) holding or queued for a lock that stops the
+    workers (BLOCKING_MODES, CONTROLS_BLOCKING_MODES), held ones first, the oldest first."""
     with connections[job_database(db)].cursor() as cursor:
         cursor.execute(LOCKS_SQL, [list(BLOCKING_MODES), list(CONTROLS_BLOCKING_MODES)])
         found = cursor.fetchall()
@@ -121,8 +113,7 @@ def table_locks(db: str | None = None) -> list[TableLock]:
 
 
 # pg_blocking_pids() only for the queued requests: it briefly takes the lock manager's locks.
-# A prepared transaction's locks have no pid and no session: their age is the transaction's
-# since it was prepared (pg_prepared_xacts, found by the xid its own lock names).
+# A prepared transaction's locks have no pid: their age is since it was prepared.
 LOCKS_SQL = """
     SELECT CASE WHEN l.relation = to_regclass('pgjobs_job') THEN 'pgjobs_job'
                 ELSE 'pgjobs_queue' END,
@@ -185,8 +176,7 @@ HORIZON_SQL = """
 """
 
 
-#: default_transaction_read_only on for everyone: the server's or the database's setting, not
-#: the report's own role's or session's (a read-only monitoring role is a good idea).
+#: default_transaction_read_only on for everyone: the server's or database's, not the role's.
 _READ_ONLY = """
     SELECT setting = 'on' AND source NOT IN ('user', 'database user', 'client', 'session')
     FROM pg_settings WHERE name = 'default_transaction_read_only'

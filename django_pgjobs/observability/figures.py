@@ -58,22 +58,16 @@ class Figures:
         return [w for w in self.workers if w.stopped]
 
 
-#: The longest the report waits for a lock, in seconds (PGJOBS["HEALTH"]["REPORT_LOCK_SECONDS"]).
-#: Its reads need only ACCESS SHARE, which nothing but an ACCESS EXCLUSIVE lock (held, or queued
-#: ahead of it) holds back, so a wait this long already means the job table is locked: the
-#: report says so rather than wait.
+#: The longest the report waits for a lock, in seconds (PGJOBS["HEALTH"]["REPORT_LOCK_SECONDS"]):
+#: only an ACCESS EXCLUSIVE lock holds its reads back, which the report says rather than wait.
 REPORT_LOCK_SECONDS = 1.0
-#: The longest any one of its statements runs (PGJOBS["HEALTH"]["REPORT_STATEMENT_SECONDS"]): a
-#: dozen cheap queries (see docs/howto/monitoring.md for their costs); a probe that hangs
-#: answers nothing. Raise it for a database too big or busy to answer them in time.
+#: The longest any one of its statements runs (PGJOBS["HEALTH"]["REPORT_STATEMENT_SECONDS"]).
 REPORT_STATEMENT_SECONDS = 5.0
 
 
 def measure(db: str | None = None) -> Figures:
     """Take the figures: a dozen cheap queries, none of which scans the finished history, in
-    one transaction whose statements wait at most REPORT_LOCK_SECONDS for a lock and run at most
-    REPORT_STATEMENT_SECONDS (limited; the DatabaseError of one that ran out of time
-    propagates)."""
+    one `limited` transaction (the DatabaseError of one that ran out of time propagates)."""
     db = stats.job_database(db)
     with limited(db):
         # Before the job table is read: this answers even while the table is locked.
@@ -101,21 +95,16 @@ def measure(db: str | None = None) -> Figures:
 
 @contextmanager
 def limited(db: str) -> Iterator[None]:
-    """A transaction on `db` whose statements wait at most REPORT_LOCK_SECONDS for a lock and
-    run at most REPORT_STATEMENT_SECONDS (report_limits), or less where the role or session
-    asks for less.
-
-    The limits are SET LOCAL (set_config(..., true)): they end with the transaction, so a
-    connection shared by a transaction-mode pooler (PgBouncer) keeps none of them. Nested in a
-    caller's transaction, they are put back as they were when the block ends.
-    """
+    """A transaction on `db` whose statements wait at most REPORT_LOCK_SECONDS for a lock and run at
+    most REPORT_STATEMENT_SECONDS (report_limits), or less where the session asks for less. SET
+    LOCAL, so a pooled connection keeps none of them; nested in a caller's transaction, they are put
+    back when the block ends."""
     nested = connections[db].in_atomic_block
     with transaction.atomic(using=db), connections[db].cursor() as cursor:
         cursor.execute(_LIMIT, [milliseconds(limit) for limit in report_limits()])
         before = [(name, old) for name, old, _new in cursor.fetchall()]
         yield
-        # Only reached without an error; after one, the rollback (to the savepoint, when
-        # nested) has already put them back.
+        # Only reached without an error; after one, the rollback put them back.
         if nested:
             cursor.execute(_RESTORE, [[name for name, _ in before], [old for _, old in before]])
 
@@ -160,7 +149,6 @@ def no_streams(now: datetime) -> list[stats.StreamStats]:
     return []
 
 
-#: The figures of the queues carried by NATS, asked of the server; `now` is the database's clock,
-#: for the ages of messages. apps.py sets it to the seam that asks jetstream/ for them when a
-#: queue uses NATS: observability never imports jetstream/ (nor nats).
+#: The figures of the queues carried by NATS (`now`: the database's clock), set by apps.py, so
+#: that observability never imports jetstream/ (nor nats).
 stream_stats: Callable[[datetime], list[stats.StreamStats]] = no_streams

@@ -1,13 +1,12 @@
 """The health verdict: the report's figures judged against thresholds (PGJOBS["HEALTH"]).
 
 Each reason names the threshold it used and the documentation section that explains what to
-do. Levels follow the monitoring-plugin convention, so the exit code of `jobstats` is a probe:
-0 healthy, 1 warning, 2 critical, and 3 unknown when there is no verdict.
+do. Levels follow the monitoring-plugin convention (0 healthy to 3 unknown): `jobstats` is a probe.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from enum import IntEnum
 
 from django_pgjobs.conf import get_settings
@@ -54,8 +53,7 @@ class Thresholds:
     REPORT_STATEMENT_SECONDS: float = figures.REPORT_STATEMENT_SECONDS
 
 
-#: The workers' lock_timeout (runtime/sessions.py): a lock on the job table held or queued this
-#: long makes their claims, heartbeats and outcomes fail instead of wait.
+#: The workers' lock_timeout: a lock on the job table held or queued this long fails their writes.
 LOCKED_SECONDS = 5.0
 
 THRESHOLD_NAMES = frozenset(field.name for field in fields(Thresholds))
@@ -85,14 +83,7 @@ class Reason:
     doc: str  # where the documentation explains it and what to do
 
     def as_dict(self) -> dict[str, str]:
-        return {
-            "code": self.code,
-            "level": self.level.name.lower(),
-            "summary": self.summary,
-            "detail": self.detail,
-            "threshold": self.threshold,
-            "doc": self.doc,
-        }
+        return {**asdict(self), "level": self.level.name.lower()}
 
 
 @dataclass(frozen=True)
@@ -150,9 +141,8 @@ def judge(report: Figures, previous: Figures | None = None) -> Verdict:
 
 def locked(locks: list[TableLock], waited: bool = False) -> Reason | None:
     """The job table locked against the workers (critical), else the queue controls' table
-    (a warning), or None: once a lock has been held or queued for LOCKED_SECONDS. A younger
-    one is said only when the report itself gave up waiting for it (`waited`), as a warning:
-    without it there is no verdict at all."""
+    (a warning), once a lock has been held or queued for LOCKED_SECONDS; a younger one, as a
+    warning, only when the report itself gave up waiting for it (`waited`). Else None."""
     on_jobs = [lock for lock in locks if lock.table == "pgjobs_job"]
     on_controls = [lock for lock in locks if lock.table == "pgjobs_queue"]
     if reason := _locked(on_jobs, waited, "job_table_locked", "the job table is locked",
@@ -191,8 +181,7 @@ def _behind(report: Figures, previous: Figures | None, limits: Thresholds) -> li
     carried = {stream.queue for stream in report.streams}  # their due jobs are the relay's
     reasons = []
     for q in report.queues:
-        # Running jobs whose lease ran out wait too: their worker is gone, and no live worker
-        # serves the queue to take them back (its reaper would have, within moments).
+        # Running jobs whose lease ran out wait too: no live worker serves the queue to reap them.
         waited = max(q.oldest_due_seconds if q.due else 0.0, q.oldest_expired_seconds)
         if q.paused or not (q.due or q.expired) or q.queue in carried:
             continue
@@ -385,9 +374,8 @@ def _streams(report: Figures, limits: Thresholds) -> list[Reason]:
             )
         if waiting and waiting.paused:
             continue  # its workers fetch nothing on purpose, as for a PostgreSQL queue
-        # As for a PostgreSQL queue, only once they have waited UNSERVED_SECONDS (workers
-        # restarting in a deploy leave messages unserved for a moment). An age that could not be
-        # read counts as old enough.
+        # As for a PostgreSQL queue, only past UNSERVED_SECONDS (a deploy leaves messages
+        # unserved for a moment); an age that could not be read counts as old enough.
         waited = stream.oldest_pending_seconds
         unacked = stream.oldest_unacked_seconds or 0.0
         if stream.queue not in served and (

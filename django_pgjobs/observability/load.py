@@ -1,12 +1,9 @@
 """The queue's share of the database's active time: how much of PostgreSQL's work is the queue's.
 
-From pg_stat_statements (1.9 or later) when it is loaded and installed in the job database:
-the execution time of statements on the queue's tables against all statements', since the
-view's last reset. Otherwise by sampling pg_stat_activity for a moment: the active backends
-that are the queue's against all active ones. A statement is the queue's when it names one of
-its tables, and a backend when it runs such a statement or its application_name is a worker's
-("pgjobs worker …", set by the worker on its own connections), so enqueues on the
-application's connections count too.
+From pg_stat_statements (1.9 or later) when it is installed in the job database: execution time
+of statements naming the queue's tables against all statements'. Otherwise by sampling
+pg_stat_activity for a moment: active backends running such a statement, or named as a worker
+(application_name), against all active ones.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from django_pgjobs.observability.stats import job_database
 #: pg_stat_activity samples taken, and the pause between them, without pg_stat_statements.
 SAMPLES, SAMPLE_INTERVAL = 10, 0.02
 
-#: What the queue's statements name (its tables: pgjobs_job, pgjobs_queuestat, …), and what
-#: its workers call their connections.
+#: What the queue's statements name (its tables), and what its workers call their connections.
 QUEUE_STATEMENT = "pgjobs\\_"
 WORKER_APPLICATION = "pgjobs worker"
 
@@ -82,8 +78,7 @@ def queue_load(db: str | None = None) -> QueueLoad:
             return QueueLoad(share, "pg_stat_statements", since=since)
         queue_seen = active_seen = samples = 0
         for n in range(SAMPLES):
-            # The pause on the server; a new snapshot of the statistics for each sample, even
-            # inside a transaction.
+            # The pause on the server; a new snapshot of the statistics for each sample.
             cursor.execute(
                 "SELECT pg_sleep(%s), pg_stat_clear_snapshot()", [SAMPLE_INTERVAL * bool(n)]
             )

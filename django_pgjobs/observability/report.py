@@ -34,10 +34,8 @@ def collect(db: str | None = None, previous: Report | None = None) -> Report:
 
 
 def locked_out(db: str | None = None) -> health.Reason | None:
-    """After the report ran out of time (a lock_timeout, a statement_timeout): the job table is
-    locked, by whom and for how long; None when it is not (the wait was for something else, or
-    the lock is gone by now), or when that cannot be told either (the database stopped
-    answering meanwhile: the caller says what failed first)."""
+    """After the report ran out of time: the job table is locked, by whom and for how long;
+    None when it is not, or when that cannot be told either (the caller says what failed)."""
     try:
         with limited(job_database(db)):
             return health.locked(dbstats.table_locks(db), waited=True)
@@ -110,10 +108,8 @@ class NoReport:
 
 
 def no_report(error: DatabaseError, db: str | None = None) -> NoReport:
-    """Why the report could not be taken, and how bad that is: the queue cannot work without
-    its database or its tables, or while its job table is locked against the workers
-    (critical); a probe without the right to read the figures, or whose statement ran out of
-    time or was cancelled while the database answers, knows nothing (unknown)."""
+    """Why the report could not be taken, and how bad that is: critical without the database
+    or its tables, or while the job table is locked against the workers; else unknown."""
     first = first_line(error)
     alias = job_database(db)
     if schema.is_not_migrated(error):
@@ -122,8 +118,7 @@ def no_report(error: DatabaseError, db: str | None = None) -> NoReport:
             f"{schema.explained(error)} on the database {alias!r}",
             code="tables_not_migrated",
         )
-    # A statement_timeout, a cancel request, a lock_timeout, a transaction rolled back: the
-    # report's failure, not the database's.
+    # A timeout, a cancel request, a rollback: the report's failure, not the database's.
     if rows.timed_out(error) or rows.rolled_back(error):
         return out_of_time(first, db)
     if getattr(error.__cause__, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
@@ -133,8 +128,7 @@ def no_report(error: DatabaseError, db: str | None = None) -> NoReport:
             "pgjobs tables, and the pg_monitor role to read PostgreSQL's statistics",
             code="report_not_allowed",
         )
-    # Connections refused or lost (class 08, none when refused) and servers shutting down
-    # (57P01-57P03) are OperationalErrors.
+    # Connections refused or lost, and servers shutting down, are OperationalErrors.
     if isinstance(error, OperationalError | InterfaceError):
         return NoReport(
             health.Level.CRITICAL,

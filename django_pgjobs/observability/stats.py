@@ -1,9 +1,7 @@
 """The queues' figures: their depth now, what workers did recently, and which workers are alive.
 
 Depth and age come from the job table's partial indexes; throughput, retries, claim latency and
-who is alive from the workers' QueueStat rows. Every query here reads only live rows (ready,
-running, failed) or the last few minutes of QueueStat rows; none reads the finished history.
-Costs are listed in docs/howto/monitoring.md.
+who is alive from the workers' QueueStat rows. No query reads the finished history.
 """
 
 from __future__ import annotations
@@ -14,10 +12,8 @@ from typing import Any
 
 from django.db import connections, router
 
-# The models are imported inside the three functions that need them, not here, for a reason that
-# is not a cycle: this module, and the figures, health, report and metrics modules built on it,
-# import before Django's app registry is ready (from a project's settings or AppConfig module),
-# as they always have; importing django_pgjobs.models at that point raises AppRegistryNotReady.
+# The models are imported inside the functions that need them: this module and those built on
+# it may be imported before the app registry is ready (AppRegistryNotReady).
 
 #: The windows (seconds) over which worker activity is summed: 1, 5 and 15 minutes.
 WINDOWS = (60, 300, 900)
@@ -39,8 +35,7 @@ class QueueDepth:
     oldest_due_seconds: float  # how long the oldest due job has waited: the latency to watch
     paused: bool = False
     max_running: int | None = None
-    # Running jobs whose lease has run out (their worker gone, until a live worker's reaper
-    # takes them back), and how long ago the first ran out.
+    # Running jobs whose lease has run out (their worker gone), and since when.
     expired: int = 0
     oldest_expired_seconds: float = 0.0
 
@@ -104,12 +99,10 @@ class StreamStats:
     pending: int = 0  # not yet delivered to any worker of the consumer
     ack_pending: int = 0  # delivered and not yet acknowledged: running, or lost with a worker
     redelivered: int = 0  # delivered more than once and not yet acknowledged
-    # How long the oldest message not yet delivered has been due (the job's run_at it carries,
-    # by the database's clock); None when there is none, or it could not be read (age_error).
+    # How long the oldest message not yet delivered has been due; None: none, or unread (age_error).
     oldest_pending_seconds: float | None = None
     age_error: str = ""
-    # The same of the oldest message delivered and not acknowledged (ack_pending): held by a
-    # worker, or by one that died, until a worker fetches it again.
+    # The same of the oldest message delivered and not acknowledged (ack_pending).
     oldest_unacked_seconds: float | None = None
 
 
@@ -218,10 +211,8 @@ def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueD
     return depths
 
 
-# Rows of the longest window only (the index on `at`), each counted in every window it is in.
-# Rows stamped later than the statement's start (the database's clock stepped back since they
-# were written) are left out until it passes them, here and in WORKERS_SQL: they would count a
-# worker that has since died as alive, and a rate over a span that has not happened yet.
+# Rows of the longest window only (the index on `at`), each counted in every window it is in;
+# rows stamped in the future (the clock stepped back) would count a dead worker as alive.
 ACTIVITY_SQL = """
     SELECT s.queue, w.seconds, sum(s.claimed), sum(s.succeeded), sum(s.retried), sum(s.failed),
            least(w.seconds,
@@ -290,8 +281,7 @@ WORKERS_SQL = """
 
 def worker_stats(db: str | None = None) -> list[WorkerStats]:
     """Workers that wrote a QueueStat row in the last 15 minutes: the queues they serve, whether
-    they are alive (wrote a row within the last two of their intervals, and did not stop), and
-    whether they stopped."""
+    they are alive (a row within their last two intervals, and not stopped), and stopped."""
     params = {"intervals": ALIVE_INTERVALS, "slack": ALIVE_SLACK, "longest": max(WINDOWS)}
     with connections[job_database(db)].cursor() as cursor:
         cursor.execute(WORKERS_SQL, params)

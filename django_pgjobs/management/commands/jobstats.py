@@ -1,8 +1,5 @@
 """manage.py jobstats: the health report (queues, workers, the table, the database) and its
-verdict. The exit status is a monitoring plugin's: 0 healthy, 1 warning, 2 critical (the
-database cannot be used, or the pgjobs tables are missing, or the job table has been locked
-against the workers), 3 unknown (the report could not be taken: no permission to read it, it ran
-out of time, a bad command line)."""
+verdict, with a monitoring plugin's exit status (see `help`)."""
 
 from __future__ import annotations
 
@@ -56,8 +53,7 @@ class Command(BaseCommand):
         return parser
 
     def check(self, *args: Any, **kwargs: Any) -> None:
-        # A system check that fails (a broken setting, USE_TZ = False) exits 1 in Django, which
-        # a probe reads as a warning: the report could not be taken, so it is unknown.
+        # A failing check exits 1, a probe's "warning": the report was not taken, so it is unknown.
         try:
             super().check(*args, **kwargs)
         except SystemCheckError as error:
@@ -100,15 +96,12 @@ class Command(BaseCommand):
         """The report, or why it could not be taken (the --traceback option raises instead)."""
         try:
             return reports.collect(previous=previous)
-        except DatabaseError as error:
-            if traceback:
-                raise
-            return no_report(error)
         except Exception as error:
             if traceback:
                 raise
-            # A bug of ours or a broken setting: a probe must read "unknown", not exit 1
-            # ("warning"); the traceback goes to stderr for whoever fixes it.
+            if isinstance(error, DatabaseError):
+                return no_report(error)
+            # A bug or a broken setting: "unknown", not exit 1 ("warning"); the traceback to stderr.
             self.stderr.write("".join(format_exception(error)))
             return NoReport(Level.UNKNOWN, f"jobstats failed: {type(error).__name__}: {error}")
 
@@ -206,16 +199,14 @@ def _age(count: int, seconds: float | None) -> str:
 
 
 def _workers(report: Report) -> str:
-    alive, silent = report.alive, report.silent
+    alive = report.alive
     text = f"workers: {len(alive)} alive"
     if alive:
         text += " (" + "; ".join(f"{w.worker}: {', '.join(w.queues)}" for w in alive) + ")"
-    if silent:
-        gone = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in silent)
-        text += f"; silent in the last {max(WINDOWS) // 60} minutes: {gone}"
-    if report.stopped:
-        ended = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in report.stopped)
-        text += f"; stopped in the last {max(WINDOWS) // 60} minutes: {ended}"
+    for gone, workers in (("silent", report.silent), ("stopped", report.stopped)):
+        if workers:
+            seen = ", ".join(f"{w.worker} {_seconds(w.last_seen_seconds)} ago" for w in workers)
+            text += f"; {gone} in the last {max(WINDOWS) // 60} minutes: {seen}"
     return text
 
 

@@ -36,12 +36,16 @@ def _queue(value: str) -> str:
         raise ArgumentTypeError(str(error)) from None
 
 
+def _number(kind: type[int] | type[float], value: str) -> int | float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a number") from None
+
+
 def _positive(kind: type[int] | type[float]) -> Any:
     def parse(value: str) -> int | float:
-        try:
-            number = kind(value)
-        except ValueError:
-            raise ArgumentTypeError(f"{value!r} is not a number") from None
+        number = _number(kind, value)
         if number <= 0:
             raise ArgumentTypeError(f"must be greater than 0, got {value}")
         return number
@@ -49,17 +53,13 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
-#: The shortest --lease: heartbeats renew leases every lease/3 seconds, so below a second the
-#: lease keeper would renew more than three times a second and lose leases to any statement
-#: that takes a moment. Leases under checks.MIN_LEASE (10 s) are accepted with a warning.
+#: The shortest --lease: heartbeats renew leases every lease/3 seconds, so a shorter lease is
+#: lost to any statement that takes a moment. Under checks.MIN_LEASE it only warns.
 MIN_LEASE = 1.0
 
 
 def _lease(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    seconds = _number(float, value)
     if seconds >= MAX_SECONDS:
         raise ArgumentTypeError(f"must be below {MAX_SECONDS:g} seconds, got {value}")
     if not seconds >= MIN_LEASE:  # NaN too
@@ -72,10 +72,7 @@ def _lease(value: str) -> float:
 
 
 def _grace(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ArgumentTypeError(f"{value!r} is not a number") from None
+    seconds = _number(float, value)
     if not 0 <= seconds < 1e9:
         raise ArgumentTypeError(
             f"must be 0 or more seconds, got {value}: the time running jobs get to finish "
@@ -83,6 +80,10 @@ def _grace(value: str) -> float:
         )
     return seconds
 
+
+#: The options a worker's Options takes under the same names.
+_AS_NAMED = ("concurrency", "batch_size", "lease", "grace", "poll_interval", "listen", "once",
+             "worker_id", "relay")  # fmt: skip
 
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
 _stoppers: list[processes.Stops] = []
@@ -205,8 +206,7 @@ class Command(BaseCommand):
             code = processes.exit_code(exit.code)
             raise
         finally:
-            # Its work is done and its status known: a stop signal now (a second SIGTERM from
-            # an orchestrator) must not turn that status into the signal's.
+            # Its status is known: a stop signal now must not turn it into the signal's.
             for signum in STOP_SIGNALS:
                 with contextlib.suppress(ValueError):  # not the main thread
                     signal.signal(signum, signal.SIG_IGN)
@@ -214,8 +214,7 @@ class Command(BaseCommand):
 
     def execute(self, *args: Any, **options: Any) -> str | None:
         if options.get("reload"):
-            # As runserver's: the checks run as the reloading child starts the worker, where
-            # an error keeps it watching (runtime/processes.py), and not in the parent.
+            # As runserver's: checks run in the reloading child, where an error keeps it watching.
             self.requires_system_checks = []
         return super().execute(*args, **options)
 
@@ -271,8 +270,8 @@ class Command(BaseCommand):
 
     def run(self, options: dict[str, Any]) -> int:
         """Run the supervisor or the worker until stopped; returns the exit code."""
+        queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
         if options["processes"] > 1:
-            queues = options["queues"] or [get_settings().DEFAULT_QUEUE]
             try:
                 refuse_unmigrated(router.db_for_write(Job))
             except WorkerError as error:
@@ -289,27 +288,18 @@ class Command(BaseCommand):
             _serve_metrics(options["metrics_port"], options["metrics_addr"])
         worker = _worker(
             Options(
-                queues=options["queues"] or [get_settings().DEFAULT_QUEUE],
-                concurrency=options["concurrency"],
-                batch_size=options["batch_size"],
-                lease=options["lease"],
-                grace=options["grace"],
-                poll_interval=options["poll_interval"],
-                listen=options["listen"],
-                once=options["once"],
-                worker_id=options["worker_id"],
+                queues=queues,
                 max_jobs=options["max_jobs_per_child"],
                 max_memory_mb=options["max_memory_per_child"],
                 parent_pid=options["supervised_by"],
-                relay=options["relay"],
+                **{name: options[name] for name in _AS_NAMED},
             )
         )
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             worker.signalled(signum)
 
-        # Signal handlers belong to the main thread (under --reload the worker runs on another:
-        # the reloader passes signals on, see runtime/processes.py).
+        # Signal handlers belong to the main thread (under --reload the reloader passes signals on).
         main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS} if main else {}
         _stoppers.append(worker)
