@@ -1,6 +1,7 @@
 """Reads the yield section's CSVs (bench/monitor.py's samples and the per-second series) and
-prints, per signal, how it reads in each case and in each phase of the step run; with
-`--plot FILE`, draws the step run (needs matplotlib). `python bench/yield_report.py DIR`.
+prints, per signal, how it reads in each case and in each phase of the step run, and the step
+runs of several directories side by side; with `--plot FILE`, draws the first one's step run
+(needs matplotlib). `python bench/yield_report.py DIR [DIR ...] [--plot FILE]`.
 
 Phases of the step run: `idle` (before the worker), `queue` (the drain alone, from 2 s after
 the worker started), `oltp` (the drain beside OLTP, from 2 s after OLTP started), `after`
@@ -202,6 +203,140 @@ def report(directory: Path) -> None:
         p99 = f"{row['p99']:.1f}" if row["p99"] is not None else "-"
         print(f"| {row['second'] - origin:+.0f} | {ph} | {row['oltp']} | {p99} | {row['jobs']} | "
               + " | ".join(means) + " |")  # fmt: skip
+    suffering(directory, cases, data)
+
+
+def per_second(directory: Path, cases: list[str], data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every whole second of every case: OLTP fully on or off, the queue draining or not, the
+    OLTP p99 and the signals' means over that second."""
+    out = []
+    for case in cases:
+        ev = events(directory, case)
+        for row in seconds(directory, case):
+            sec = row["second"]
+            inside = [s for s in data[case] if sec <= s["t"] < sec + 1]
+            oltp = ev["oltp_on"] + 1 <= sec and sec + 1 <= ev["oltp_off"]
+            quiet = sec + 1 <= ev["oltp_on"] or sec >= ev["oltp_off"] + 1
+            queue = "worker" in ev and sec >= ev["worker"] + SETTLE and sec + 1 <= ev["end"]
+            if not (oltp or quiet) or not inside:
+                continue
+            means = {}
+            for key in SIGNALS:
+                xs = values(inside, key)
+                means[key] = statistics.mean(xs) if xs else None
+            # Little's law: the application's mean time in a transaction, from how many of its
+            # sessions are in one and how many transactions it commits (a worker would take its
+            # own commits from pg_stat_database's; here pgbench's count and the enqueuer's 50/s).
+            if oltp and means["app_in_xact"] is not None and row["oltp"]:
+                enqueuer = 50 if case != "alone" else 0
+                means["little_ms"] = means["app_in_xact"] / (row["oltp"] + enqueuer) * 1000
+            out.append(dict(means, case=case, second=sec, oltp=oltp, queue=queue,
+                            p99=row["p99"], jobs=row["jobs"]))  # fmt: skip
+    return out
+
+
+def ranks(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2
+        i = j + 1
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 3:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else float("nan")
+
+
+def suffering(directory: Path, cases: list[str], data: dict[str, Any]) -> None:
+    """Per second, across every case: does a signal follow the OLTP p99 (Spearman), tell the
+    seconds OLTP suffered from those it did not, and stay under its level while only the
+    queue runs?"""
+    rows = per_second(directory, cases, data)
+    alone = [r["p99"] for r in rows if r["case"] == "alone" and r["oltp"] and r["p99"]]
+    if not alone:
+        return
+    bar = 3 * statistics.median(alone)
+    on = [r for r in rows if r["oltp"] and r["p99"] is not None]
+    bad = [r for r in on if r["p99"] > bar]
+    fine = [r for r in on if r["p99"] <= bar]
+    queue_only = [r for r in rows if not r["oltp"] and r["queue"]]
+    print()
+    print(
+        f"Per second, all cases: OLTP on {len(on)} s, of which suffering (p99 > 3 × the "
+        f"median second alone, {bar:.1f} ms) {len(bad)} s; the queue alone {len(queue_only)} s."
+    )
+    print("| signal | Spearman with p99 (OLTP on) | suffering vs fine (AUC) | "
+          "suffering vs queue alone (AUC) | queue alone: max | suffering above it | "
+          "fine above it |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for key in [*SIGNALS, "little_ms"]:
+        pairs = [(r[key], r["p99"]) for r in on if r.get(key) is not None]
+        rho = spearman([a for a, _ in pairs], [b for _, b in pairs])
+        b = [r[key] for r in bad if r.get(key) is not None]
+        f = [r[key] for r in fine if r.get(key) is not None]
+        q = [r[key] for r in queue_only if r.get(key) is not None]
+        top = max(q) if q else float("nan")
+        above_bad = sum(x > top for x in b) / len(b) if b and q else float("nan")
+        above_fine = sum(x > top for x in f) / len(f) if f and q else float("nan")
+        print(
+            f"| {key} | {rho:.2f} | {separation(b, f):.2f} | {separation(b, q):.2f} | "
+            f"{top:.3g} | {above_bad:.0%} | {above_fine:.0%} |"
+        )
+
+
+def quantile(xs: list[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def steps(directories: list[Path]) -> None:
+    """The step runs side by side: each signal's 1-s means with the queue alone and beside
+    OLTP (median, p10-p90), their separation, and how long after OLTP started (stopped) the
+    1-s mean first rose above (fell back under, for good) the highest it read before OLTP."""
+    print()
+    print("Step runs, 1-s means: queue alone / beside OLTP, median [p10-p90]; AUC; "
+          "rise / fall (s) past the queue-alone maximum")  # fmt: skip
+    names = [d.name for d in directories]
+    print("| signal | " + " | ".join(names) + " |")
+    print("|---" * (1 + len(names)) + "|")
+    loaded = {d: load(d / "step.csv") for d in directories}
+    for key in [*SIGNALS, "little_ms"]:
+        cells = []
+        for d in directories:
+            rows = [r for r in per_second(d, ["step"], {"step": loaded[d]})
+                    if r.get(key) is not None]  # fmt: skip
+            q = [r[key] for r in rows if r["queue"] and not r["oltp"]]
+            o = [r[key] for r in rows if r["oltp"]]
+            if not o:
+                cells.append("-")
+                continue
+            ev = events(d, "step")
+            before = [v for t, v in rolling(loaded[d], key)
+                      if ev["worker"] + SETTLE <= t < ev["oltp_on"] and v is not None]  # fmt: skip
+            rise = fall = None
+            if before and key != "little_ms":
+                rise, fall = detection(loaded[d], key, ev, max(before))
+            qs = (f"{statistics.median(q):.3g} [{quantile(q, 0.1):.3g}-{quantile(q, 0.9):.3g}]"
+                  if q else "-")  # fmt: skip
+            up = "-" if rise is None else f"{rise:.1f}"
+            down = "-" if fall is None else f"{fall:.1f}"
+            cells.append(
+                f"{qs} / {statistics.median(o):.3g} [{quantile(o, 0.1):.3g}-"
+                f"{quantile(o, 0.9):.3g}]; {separation(o, q):.2f}; {up} / {down}"
+            )
+        print(f"| {key} | " + " | ".join(cells) + " |")
 
 
 def plot(directory: Path, target: Path) -> None:
@@ -302,12 +437,17 @@ def plot(directory: Path, target: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("directory", type=Path)
-    parser.add_argument("--plot", type=Path)
+    parser.add_argument("directories", type=Path, nargs="+")
+    parser.add_argument("--plot", type=Path, help="the first directory's step run, drawn here")
+    parser.add_argument("--steps-only", action="store_true", help="only the step runs' table")
     options = parser.parse_args()
-    report(options.directory)
+    if not options.steps_only:
+        for directory in options.directories:
+            print(f"## {directory}")
+            report(directory)
+    steps(options.directories)
     if options.plot:
-        plot(options.directory, options.plot)
+        plot(options.directories[0], options.plot)
 
 
 if __name__ == "__main__":
