@@ -34,12 +34,18 @@ class Sizes:
     scheduled: int  # W7: delayed jobs of a higher priority in the drained queue
     oltp_seconds: float  # W8: each pgbench run
     memory_jobs: int  # W9
+    yield_seconds: float  # yield: each case's OLTP
+    backlog: int  # yield: enough to last the OLTP window at the drain's rate beside it
+    step: tuple[float, float, float]  # yield's step: OLTP on, off, the end (s after the worker)
+    step_backlog: int  # enough to last the step's whole run
 
 
 FULL = Sizes(3, {1: 8_000, 10: 60_000, 100: 200_000}, 5, 100_000, 5, 100_000, 20_000, 20,
-             1_000_000, (60, 300, 60), 200_000, 30, 1_000_000)  # fmt: skip
+             1_000_000, (60, 300, 60), 200_000, 30, 1_000_000, 30, 500_000, (10, 30, 45),
+             800_000)  # fmt: skip
 QUICK = Sizes(1, {1: 2_000, 10: 10_000, 100: 40_000}, 2, 20_000, 2, 20_000, 4_000, 4,
-              40_000, (10, 10, 15), 200_000, 10, 100_000)  # fmt: skip
+              40_000, (10, 10, 15), 200_000, 10, 100_000, 10, 200_000, (5, 15, 22),
+              400_000)  # fmt: skip
 
 
 @dataclass
@@ -117,9 +123,30 @@ def main() -> None:
         "--naptime", help="the cluster's autovacuum_naptime (default 10s), e.g. 1s: W6 with it"
     )
     parser.add_argument(
-        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w8,w9,heartbeat,nats",
+        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w8,w9,heartbeat,nats,yield",
         help="comma-separated sections to run (the ceiling is always measured for ratios)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-yield",
+        action="store_true",
+        help="yield: pass --no-yield to runjobs (when it has that option)",
+    )
+    parser.add_argument(
+        "--yield-pairs",
+        type=int,
+        default=0,
+        help="yield: N interleaved pairs of the backlog case, runjobs with and without --no-yield",
+    )
+    parser.add_argument(
+        "--oltp-tps",
+        type=float,
+        help="yield: run OLTP at this rate instead of half its maximum measured first",
+    )
+    parser.add_argument(
+        "--yield-out",
+        type=Path,
+        help="yield: where the monitor's CSVs go (default: the run's folder)",
+    )
     options = parser.parse_args()
     sizes = QUICK if options.quick else FULL
     if options.soak_jobs or options.hold_seconds or options.repeat:
@@ -137,7 +164,10 @@ def main() -> None:
     if options.naptime:
         SETTINGS["autovacuum_naptime"] = options.naptime
     with migrated() as (cluster, logs):
-        rows = run(cluster, sizes, sections, logs)
+        # The yield section needs no ceiling: alone, it runs without one.
+        rows = run(cluster, sizes, sections - {"yield"}, logs) if sections - {"yield"} else []
+        if "yield" in sections:
+            rows += _yield_rows(cluster, sizes, logs, options)
         info = {
             "postgres": cluster.version(),
             **{f"pg {k}": v for k, v in cluster.settings([*SETTINGS, "wal_sync_method"]).items()},
@@ -478,6 +508,95 @@ def _oltp_rows(cluster: Any, sizes: Sizes, w3: float, logs: Path) -> list[Row]:
                     note=f"{result.queue_rate / (share * w3):.2f} × the rate",
                 )
             )
+    return rows
+
+
+#: Yield: the steady enqueue beside OLTP, jobs/s (the normal day's whole load on the queue).
+YIELD_RATE = 1_000
+
+
+def _yield_rows(cluster: Any, sizes: Sizes, logs: Path, options: Any) -> list[Row]:
+    """OLTP at half its maximum: alone; beside the queue keeping up with a steady enqueue (the
+    normal day); beside a backlog draining; and a step (OLTP switched on and off during the
+    drain). The monitor's samples and per-second series go to `options.yield_out`."""
+    from bench import workloads
+
+    out = options.yield_out or logs
+    out.mkdir(parents=True, exist_ok=True)
+    say(f"yield: pgbench -i -s {OLTP_SCALE}, its unthrottled maximum")
+    workloads.oltp_init(cluster, OLTP_SCALE)
+    rows = []
+    if options.oltp_tps:
+        limit = options.oltp_tps
+    else:
+        maximum = workloads.oltp_maximum(cluster, OLTP_CLIENTS, sizes.oltp_seconds)
+        limit = maximum / 2
+        rows.append(Row(f"Y OLTP (TPC-B-like, scale {OLTP_SCALE}, {OLTP_CLIENTS} clients) "
+                        "unthrottled, alone", maximum, "tps",
+                        note=f"load {os.getloadavg()[0]:.2f}"))  # fmt: skip
+
+    def case(name: str, backlog: int, rate: float, step: Any = None, no_yield: bool = False) -> Any:
+        say(
+            f"yield {name}: OLTP at {limit:,.0f} tps, backlog {backlog:,}, enqueue {rate:,.0f}/s"
+            f"{' (--no-yield)' if no_yield else ''}; load {os.getloadavg()[0]:.2f}"
+        )
+        return workloads.yield_case(
+            cluster, name, clients=OLTP_CLIENTS, limit=limit, seconds=sizes.yield_seconds,
+            backlog=backlog, rate=rate, out=out, logs=logs, no_yield=no_yield, step=step,
+        )  # fmt: skip
+
+    alone = None
+    cases = [("alone", 0, 0.0, None), ("normal day", 0, YIELD_RATE, None),
+             ("backlog", sizes.backlog, YIELD_RATE, None),
+             ("step", sizes.step_backlog, YIELD_RATE, sizes.step)]  # fmt: skip
+    for name, backlog, rate, step in cases:
+        result = case(name.replace(" ", "-"), backlog, rate, step, options.no_yield)
+        alone = alone or result
+        label = f"Y OLTP at {limit:,.0f} tps, {name}"
+        if step:
+            on, off, end = step
+            label += f" (OLTP from {on:g} s to {off:g} s of {end:g} s)"
+        load = f"load {result.load[0]:.2f} → {result.load[1]:.2f}"
+        ratio = name != "alone"
+        rows += [
+            Row(f"{label}: tps", result.tps, "tps", note=load),
+            Row(f"{label}: p50", result.p50, "ms",
+                note=f"{result.p50 / alone.p50:.2f} × alone" if ratio else ""),
+            Row(f"{label}: p99", result.p99, "ms",
+                note=f"{result.p99 / alone.p99:.2f} × alone" if ratio else ""),
+        ]  # fmt: skip
+        if backlog or rate:
+            rows.append(Row(f"{label}: jobs finished beside OLTP", result.drain, "jobs/s",
+                            note=f"{result.left:,} still due when OLTP stopped"))  # fmt: skip
+        say(f"yield {name}: samples in {result.samples}, per second in {result.series}")
+    if options.yield_pairs:
+        rows += _yield_pairs(case, sizes, options.yield_pairs)
+    return rows
+
+
+def _yield_pairs(case: Any, sizes: Sizes, pairs: int) -> list[Row]:
+    """The backlog case with runjobs' guard on (no flag) and off (--no-yield), interleaved."""
+    from bench import workloads
+
+    results: list[tuple[Any, Any]] = []
+    for n in range(pairs):
+        order = (False, True) if n % 2 == 0 else (True, False)
+        runs = {flag: case(f"backlog-{'off' if flag else 'on'}-{n}", sizes.backlog, YIELD_RATE,
+                           no_yield=flag) for flag in order}  # fmt: skip
+        results.append((runs[False], runs[True]))
+    same = "" if workloads._RUNJOBS_HELP and "--no-yield" in workloads._RUNJOBS_HELP[0] else (
+        "runjobs has no --no-yield: both sides ran the same"
+    )  # fmt: skip
+    rows = []
+    for key, unit in (("p99", "ms"), ("p50", "ms"), ("drain", "jobs/s")):
+        on = [getattr(a, key) for a, _ in results]
+        off = [getattr(b, key) for _, b in results]
+        ratios = [x / y for x, y in zip(on, off, strict=True)]
+        rows.append(Row(
+            f"Y backlog, guard on / --no-yield, {pairs} pairs: {key}", statistics.median(ratios),
+            "×", note=f"on {statistics.median(on):,.2f}, off {statistics.median(off):,.2f} "
+            f"{unit}; pairs {' '.join(f'{r:.2f}' for r in ratios)}{'; ' + same if same else ''}",
+        ))  # fmt: skip
     return rows
 
 

@@ -631,3 +631,154 @@ def memory(cluster: Cluster, count: int, logs: Path) -> Memory:
     if not warm:
         raise RuntimeError("the drain ended before a sample after the warm-up")
     return Memory(warm[0], max(mb for _, mb in samples), warm[-1], count / elapsed)
+
+
+# ---- Yield: OLTP beside a draining backlog, and what a worker could read meanwhile -------------
+
+
+@dataclass
+class Yielded:
+    case: str
+    tps: float  # OLTP's, over its window (nan without OLTP)
+    p50: float  # ms, from each transaction's scheduled start (pgbench -R)
+    p99: float
+    drain: float  # jobs/s the queue finished over the OLTP window
+    left: int  # jobs enqueued but not yet finished when OLTP stopped (0: the backlog ran out)
+    load: tuple[float, float]  # the machine's 1-minute load average before and after
+    events: dict[str, float]  # epoch seconds: worker, oltp_on, oltp_off, end
+    samples: Path  # the monitor's CSV (bench/monitor.py)
+    series: Path  # per second: OLTP transactions, p50, p99; jobs finished
+
+
+_RUNJOBS_HELP: list[str] = []
+
+
+def runjobs_has(option: str, cluster: Cluster) -> bool:
+    """Whether `runjobs --help` lists `option` (read once per process)."""
+    if not _RUNJOBS_HELP:
+        _RUNJOBS_HELP.append(subprocess.run(
+            [sys.executable, "-m", "django", "runjobs", "--help"], cwd=ROOT, text=True,
+            env=worker_env(cluster), capture_output=True, check=True,
+        ).stdout)  # fmt: skip
+    return option in _RUNJOBS_HELP[0].split()
+
+
+class NamedProducer(Producer):
+    """The Producer on a session named "bench enqueuer": an application's enqueues, told apart
+    from pgbench's sessions in pg_stat_activity."""
+
+    def run(self) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('application_name', 'bench enqueuer', false)")
+        super().run()
+
+
+def yield_case(
+    cluster: Cluster, case: str, *, clients: int, limit: float, seconds: float, backlog: int,
+    rate: float, out: Path, logs: Path, no_yield: bool = False,
+    step: tuple[float, float, float] | None = None,
+) -> Yielded:  # fmt: skip
+    """pgbench's TPC-B-like script throttled to `limit` tps for `seconds`, beside `backlog` jobs
+    enqueued first and an enqueuer at `rate` jobs/s, with one default worker (none when both
+    are 0), sampled by bench/monitor.py into `out`/<case>.csv. `step` = (on, off, end): OLTP
+    from `on` to `off` seconds after the worker started, the run ending at `end`. `no_yield`
+    passes --no-yield to runjobs when it has that option."""
+    reset(cluster)
+    for start in range(0, backlog, 50_000):
+        Job.objects.bulk_enqueue(NOOP, (None for _ in range(min(50_000, backlog - start))))
+    with cluster.connect() as conn:
+        conn.execute("VACUUM ANALYZE pgjobs_job")
+        conn.execute("CHECKPOINT")
+    load_before = os.getloadavg()[0]
+    samples, series = out / f"{case}.csv", out / f"{case}-seconds.csv"
+    monitor = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "monitor.py"), "--port", str(cluster.port),
+         "--dbname", cluster.dbname, "--out", str(samples)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    stop = threading.Event()
+    producer = NamedProducer(rate, stop)
+    worker = None
+    events: dict[str, float] = {"monitor": time.time()}
+    prefix = cluster.root / f"yield-{case}"
+    try:
+        time.sleep(2.0)  # the idle baseline: neither OLTP nor the queue
+        if backlog or rate:
+            args = ["--no-yield"] if no_yield and runjobs_has("--no-yield", cluster) else []
+            log = logs / f"yield-{case}.log"
+            worker = start_worker(cluster, args, log)
+            if not wait_for(lambda: "started" in log.read_text(), 30):
+                raise RuntimeError(f"the worker did not start: see {log}")
+            events["worker"] = time.time()
+        if rate:
+            producer.start()
+        origin = events.get("worker", time.time())
+        on, off, end = step or (2.0, 2.0 + seconds, 2.0 + seconds)
+        time.sleep(max(0.0, origin + on - time.time()))
+        events["oltp_on"] = time.time()
+        output = cluster.pgbench(["-n", "-c", str(clients), "-j", str(min(clients, 2)),
+                                  "-T", str(int(off - on)), "-R", f"{limit:.0f}", "-l",
+                                  f"--log-prefix={prefix}"])  # fmt: skip
+        events["oltp_off"] = time.time()
+        time.sleep(max(0.0, origin + end - time.time()))
+        events["end"] = time.time()
+    finally:
+        stop.set()
+        if producer.is_alive():
+            producer.join()
+        monitor.send_signal(signal.SIGTERM)
+        monitor.wait(30)
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(60)
+    transactions = []  # (completed at, latency in ms)
+    for path in cluster.root.glob(f"{prefix.name}.*"):
+        # client_id transaction_no time script_no time_epoch time_us [schedule_lag]
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            transactions.append((int(fields[4]) + int(fields[5]) / 1e6, int(fields[2]) / 1000))
+        path.unlink()
+    with cluster.connect() as conn:
+        finished = dict(conn.execute(
+            "SELECT floor(extract(epoch FROM finished_at))::int8, count(*) FROM pgjobs_job "
+            "WHERE finished_at IS NOT NULL GROUP BY 1"
+        ).fetchall())  # fmt: skip
+        row = conn.execute(
+            "SELECT count(*) FROM pgjobs_job WHERE finished_at >= to_timestamp(%s) "
+            "AND finished_at < to_timestamp(%s)",
+            [events["oltp_on"], events["oltp_off"]],
+        ).fetchone()
+        left = conn.execute(
+            "SELECT count(*) FROM pgjobs_job WHERE created_at <= to_timestamp(%(off)s) "
+            "AND (finished_at IS NULL OR finished_at > to_timestamp(%(off)s))",
+            {"off": events["oltp_off"]},
+        ).fetchone()
+    assert row is not None and left is not None
+    window = events["oltp_off"] - events["oltp_on"]
+    _write_seconds(series, transactions, finished, events)
+    latencies = [ms for _, ms in transactions]
+    return Yielded(
+        case, tps(output), percentile(latencies, 50), percentile(latencies, 99),
+        int(row[0]) / window if worker else float("nan"), int(left[0]),
+        (load_before, os.getloadavg()[0]),
+        events, samples, series,
+    )  # fmt: skip
+
+
+def _write_seconds(
+    path: Path, transactions: list[tuple[float, float]], finished: dict[int, int],
+    events: dict[str, float],
+) -> None:  # fmt: skip
+    """Per second of the run: OLTP transactions completed, their p50 and p99; jobs finished."""
+    by_second: dict[int, list[float]] = {}
+    for at, ms in transactions:
+        by_second.setdefault(int(at), []).append(ms)
+    with path.open("w") as out:
+        out.write("second,oltp_transactions,oltp_p50_ms,oltp_p99_ms,jobs_finished\n")
+        for second in range(int(events["monitor"]), int(events["end"]) + 1):
+            values = by_second.get(second, [])
+            p50, p99 = (percentile(values, 50), percentile(values, 99)) if values else ("", "")
+            out.write(f"{second},{len(values)},{p50},{p99},{finished.get(second, 0)}\n")
+    path.with_suffix(".events").write_text(
+        "\n".join(f"{key} {value:.3f}" for key, value in events.items()) + "\n"
+    )
