@@ -195,7 +195,7 @@ def relay_until(relay: Relay, stopped: threading.Event, once: bool = False) -> N
     """Relay rounds on this thread until `stopped` is set (with `once`, until a round comes
     back short: the outbox is drained), riding out database outages as a worker does."""
     chore, outage = RelayChore(relay), Outage("the relay", prefix="relay: ")
-    # Its sessions as a worker's own (runtime/locks.py): no statement waits long on a lock, a
+    # Its sessions as a worker's own (runtime/sessions.py): no statement waits long on a lock, a
     # database gone from the network is noticed within seconds, no idle_session_timeout.
     lock_waits = locks.LockWaits(relay.jobs.db, f"pgjobs relay {os.getpid()}")
     lock_waits.limit_this_thread()

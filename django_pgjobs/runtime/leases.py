@@ -2,7 +2,7 @@
 and writes their handlers' progress reports about once a second, whatever the worker's main
 loop is doing (waiting, slow, or stuck on the database). It lives as long as the worker: a
 round that fails, whatever it raised, is tried again after a pause, and a logging filter of
-the application's that raises cannot end it (runtime/logs.py, `log_safely`)."""
+the application's that raises cannot end it (runtime/reporting.py, `log_safely`)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ OUTAGE_BACKOFF_MAX = 30.0
 #: VACUUM FULL, a table-rewriting ALTER TABLE) a worker takes back no expired lease. The same
 #: trouble held up every worker's heartbeats, so leases ran out under live handlers; the lease
 #: keepers renew them once they get through, each within its statement's lock_timeout plus its
-#: retry pause (5 s at most each, runtime/locks.py and runtime/leases.py). A reaper that got
+#: retry pause (5 s at most each, runtime/sessions.py and runtime/leases.py). A reaper that got
 #: through first took back the jobs of every other worker: run twice, their outcomes refused.
 REAP_RECOVERY = 15.0
 

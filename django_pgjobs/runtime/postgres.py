@@ -384,7 +384,7 @@ def listen(
             try:
                 connection.autocommit = True
                 # Frozen, this process would hold back the server's notification queue; idle, it
-                # is by design (runtime/locks.py).
+                # is by design (runtime/sessions.py).
                 if not locks.pooled(db):
                     connection.execute(
                         "SELECT set_config('tcp_user_timeout', %s, false), "

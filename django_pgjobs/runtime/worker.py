@@ -124,7 +124,7 @@ class Worker(Stoppable):
                     if outage.failures and outage.database:  # its turn may have written nothing
                         rows.check_writable(self.db)
                     outage.over()
-            except Exception as error:  # the database, or a bug (outages.py): pause, try again
+            except Exception as error:  # the database, or a bug (reporting.Outage): pause, again
                 self.source.failed(error)
                 # With --once, the database's errors end the run at once; another's (a NATS
                 # stream the relay has not made yet) is tried a few times first.

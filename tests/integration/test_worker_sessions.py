@@ -342,7 +342,7 @@ def test_a_prepared_statement_that_no_longer_fits_the_table_is_the_connections_f
     other_connection,
 ):
     """So outcomes that a turn was recording when it met a migration are tried again on a new
-    connection (runtime/settling.py), never taken for a refusal of the batch, which records
+    connection (runtime/postgres.py), never taken for a refusal of the batch, which records
     them one by one and dead-letters those refused again."""
     sessions = LockWaits("default", application_name("host:1:ab"))
     try:
