@@ -47,33 +47,33 @@ class Claims:
     forget a newer claim of the same job). Shared with the threads that renew leases."""
 
     def __init__(self) -> None:
-        self._held: dict[int, Claim] = {}
+        self._kept: dict[int, Claim] = {}
         self._lock = threading.Lock()
 
     def add(self, jobs: Sequence[Job]) -> None:
         """Keep the claims of jobs just taken (their fields are the claims' now)."""
         with self._lock:
             for job in jobs:
-                self._held[id(job)] = Claim.of(job)
+                self._kept[id(job)] = Claim.of(job)
 
     def forget(self, jobs: Sequence[Job]) -> None:
         with self._lock:
             for job in jobs:
-                self._held.pop(id(job), None)
+                self._kept.pop(id(job), None)
 
     def of(self, job: Job) -> Claim:
         """The claim kept for `job` (a Job it never took: the claim its fields say)."""
-        return self._held.get(id(job)) or Claim.of(job)
+        return self._kept.get(id(job)) or Claim.of(job)
 
     def all(self) -> list[Claim]:
         with self._lock:
-            return list(self._held.values())
+            return list(self._kept.values())
 
     def __contains__(self, job: Job) -> bool:
-        return id(job) in self._held
+        return id(job) in self._kept
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._kept)
 
 
 @dataclass(frozen=True)
