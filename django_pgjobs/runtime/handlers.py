@@ -285,14 +285,15 @@ class Deadlines:
             return [(job, kept_outcome(job)) for job, _, _ in abandoned]
 
     def next_in(self) -> float:
-        """Seconds until the next deadline (inf without one)."""
+        """Seconds until the next deadline, or until an abandoned thread still running counts
+        as left behind (abandoned_alive): the worker looks then (inf: neither)."""
+        now = time.monotonic()
         with self._lock:
             deadlines = [deadline for _, deadline, _ in self._running.values()]
-        return min(deadlines, default=float("inf")) - time.monotonic()
-
-    def abandoned(self) -> bool:
-        """Whether an abandoned handler thread may still run."""
-        return bool(self._abandoned)
+            deadlines += [
+                at + LEFT_AFTER for thread, at in self._abandoned if at + LEFT_AFTER > now
+            ]
+        return min(deadlines, default=float("inf")) - now
 
     def abandoned_alive(self) -> int:
         """Abandoned handler threads still running LEFT_AFTER seconds after they were abandoned

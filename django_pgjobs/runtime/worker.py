@@ -226,8 +226,8 @@ class Worker(Stoppable):
     def _fetch_wait(self) -> float:
         """How long a source that waits for jobs itself may wait this turn: not while handlers
         run (their outcomes wait for it), else until the next chore or time limit."""
-        if self.claims or self.handlers.deadlines.abandoned():
-            return 0.0  # an abandoned thread may soon recycle the worker: look again soon
+        if self.claims:
+            return 0.0
         waits = [chore.due_in() for chore in self._chores]
         waits.append(self.handlers.deadlines.next_in())
         return max(0.0, min([self.options.poll_interval, *waits]))
