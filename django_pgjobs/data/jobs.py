@@ -27,7 +27,7 @@ from django_pgjobs.data.records import (
     Position,
     Settled,
     TakenBack,
-    claim,
+    as_claim,
 )
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.status import LIVE, Status
@@ -166,7 +166,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         claiming = bool(queues) and limit >= 1
         if not (claiming or succeeded or failed):
             return Settled(set(), {}, [], {})
-        done, ended = [claim(x) for x in succeeded], [claim(f.job) for f in failed]
+        done, ended = [as_claim(x) for x in succeeded], [as_claim(f.job) for f in failed]
         _one_worker([worker, *(c.worker for c in done), *(c.worker for c in ended)])
         params = turn_params(
             succeeded, failed, queues if claiming else [], worker=worker,
@@ -233,7 +233,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def complete(self, job: Job | Claim, result_json: str | None = None) -> bool:
         """Record success, keeping `result_json` (the return value as JSON text) when given.
         False means the lease ran out and another worker owns the job now."""
-        held = claim(job)
+        held = as_claim(job)
         assert held.worker is not None, "only a claimed job can complete"
         results = {held.id: result_json} if result_json is not None else None
         done = self.settle_and_claim([held], [], [], worker=held.worker, limit=0, results=results)
@@ -244,7 +244,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         owned (the others were reaped and possibly claimed again: their outcome is not ours)."""
         if not jobs:
             return set()
-        worker = _one_worker([claim(job).worker for job in jobs])
+        worker = _one_worker([as_claim(job).worker for job in jobs])
         return self.settle_and_claim(jobs, [], [], worker=worker, limit=0).succeeded
 
     def fail(
@@ -253,7 +253,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """Record a failed attempt: back to ready in `delay` seconds while attempts remain and the
         error is not permanent, else failed (the dead letter). Returns the new status, or None
         when this worker no longer owned the job."""
-        held = claim(job)
+        held = as_claim(job)
         if held.worker is None:
             return None  # never claimed: no worker holds it, so none may record its outcome
         attempt = FailedAttempt(held, failure, permanent, delay)
@@ -270,7 +270,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """The handler asked to run again in `delay` seconds: ready again, attempt not counted,
         keeping the progress it last reported."""
         released = self._own(sql.RELEASE, [job], delay=delay, progress=reports([job]))
-        return claim(job).id in released
+        return as_claim(job).id in released
 
     def heartbeat(self, jobs: Sequence[Job | Claim], lease: float | None = None) -> set[UUID]:
         """Extend the lease of a worker's running jobs by `lease` seconds from now and record
@@ -278,7 +278,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         elsewhere is skipped this time). A cancellation requested meanwhile shows on the Job."""
         lease = get_settings().LEASE if lease is None else lease
         owned = self._own(sql.HEARTBEAT, jobs, lease=lease, progress=reports(jobs))
-        for held in map(claim, jobs):
+        for held in map(as_claim, jobs):
             if owned.get(held.id):
                 held.job.cancel_requested = True
         return set(owned)
@@ -292,7 +292,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         LOCKED_ELSEWHERE): recording their outcomes would wait for it. Never waits itself."""
         if not jobs:
             return set()
-        params = {"ids": [claim(job).id for job in jobs]}
+        params = {"ids": [as_claim(job).id for job in jobs]}
         found = rows.execute(self._write_db(), sql.LOCKED_ELSEWHERE, params)
         return {job_id for (job_id,) in found}
 
@@ -316,8 +316,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         once (SKIP LOCKED). `sparing`: the caller's claims whose handlers are running."""
         params = {
             "limit": limit,
-            "spared_ids": [claim(job).id for job in sparing],
-            "spared_claims": [claim(job).count for job in sparing],
+            "spared_ids": [as_claim(job).id for job in sparing],
+            "spared_claims": [as_claim(job).count for job in sparing],
             **_taking_back(LEASE_EXPIRED),
         }
         return self._taken_back(rows.execute(self._write_db(), sql.REAP, params))
@@ -443,7 +443,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
     def _own(self, statement: str, jobs: Sequence[Job | Claim], **params: Any) -> dict[UUID, bool]:
         """Run a guarded statement over those of `jobs` their worker still owns; returns their
         ids, each with whether a cancellation of it was requested."""
-        claims = [claim(job) for job in jobs]
+        claims = [as_claim(job) for job in jobs]
         if not claims or all(held.worker is None for held in claims):
             return {}  # never claimed: no worker holds them
         params |= {
@@ -471,8 +471,8 @@ def turn_params(
     """The parameters of sql.SETTLE_AND_CLAIM, by name."""
     settings = get_settings()
     positions = [(after or {}).get(queue) for queue in queues]
-    succeeded_claims = [claim(job).key for job in succeeded]
-    failed_claims = [claim(f.job).key for f in failed]
+    succeeded_claims = [as_claim(job).key for job in succeeded]
+    failed_claims = [as_claim(f.job).key for f in failed]
     return {
         "worker": worker,
         "succeeded_ids": [job_id for job_id, _ in succeeded_claims],
@@ -499,7 +499,7 @@ def turn_params(
 def reports(jobs: Sequence[Job | Claim]) -> list[str | None]:
     """Each job's progress report as the statements take it: JSON text without "at" (the
     database adds it), or None for a job without one."""
-    return [_report(claim(job).job.progress) for job in jobs]
+    return [_report(as_claim(job).job.progress) for job in jobs]
 
 
 #: The most a progress report may weigh as JSON (progress() makes them of a few dozen bytes).

@@ -83,7 +83,7 @@ class Claim:
         return (self.id, self.count)
 
 
-def claim(job_or_claim: Job | Claim) -> Claim:
+def as_claim(job_or_claim: Job | Claim) -> Claim:
     """A worker's Claim as it is; a Job as the claim its fields say it has."""
     return job_or_claim if isinstance(job_or_claim, Claim) else Claim.of(job_or_claim)
 

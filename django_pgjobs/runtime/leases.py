@@ -17,8 +17,7 @@ from django.db import DatabaseError, connections
 
 from django_pgjobs.data import rows
 from django_pgjobs.data.jobs import JobManager
-from django_pgjobs.data.records import Claim, ClaimKey
-from django_pgjobs.data.records import claim as as_claim
+from django_pgjobs.data.records import Claim, ClaimKey, as_claim
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.reporting import log_safely
