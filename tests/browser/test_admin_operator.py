@@ -35,6 +35,8 @@ def log_in(page: Any, live_server: Any, django_user_model: Any, path: str) -> No
     page.fill("#id_username", "operator")
     page.fill("#id_password", PASSWORD)
     page.click("input[type=submit]")
+    # The form posts and redirects: a reload before the redirect lands races it in Chromium.
+    page.wait_for_url(lambda url: "/admin/login/" not in url)
 
 
 def expect() -> Any:
