@@ -124,7 +124,7 @@ def main() -> None:
     from django_pgjobs.data import sql
 
     claim_params = {
-        "queues": ["default"], "after_priority": [None], "after_run_at": [None],
+        "queues": ["default"], "rooms": [0], "after_priority": [None], "after_run_at": [None],
         "after_id": [None], "limit": 0, "worker": "bench monitor", "lease": 30.0,
     }  # fmt: skip
     queue = {"queue": QUEUE_APPLICATION}

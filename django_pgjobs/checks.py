@@ -15,7 +15,7 @@ from django.core.checks import CheckMessage, Error, Info, Tags, Warning, registe
 from django.db import connections, router
 
 from django_pgjobs import registry, schema, transports, validation
-from django_pgjobs.conf import get_settings, unknown_keys
+from django_pgjobs.conf import budget_problems, get_settings, unknown_keys
 from django_pgjobs.models import Job, QueueStat
 from django_pgjobs.observability import stats
 from django_pgjobs.observability.health import THRESHOLD_NAMES
@@ -80,6 +80,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         *_positive("MAX_ATTEMPTS", settings.MAX_ATTEMPTS, whole=True),
         *_retention(settings.RETENTION),
         *_health(settings.HEALTH),
+        *budget_problems("PGJOBS['YIELD_BUDGET']", settings.YIELD_BUDGET),
+        *_positive("YIELD_FLOOR", settings.YIELD_FLOOR),
     ]
     messages += [Error(problem, hint=SETTINGS_DOC, id="pgjobs.E020") for problem in problems]
     if not problems:

@@ -52,6 +52,19 @@ class Settings:
     QUEUES: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: The NATS servers of queues whose transport is "nats" (transports.py).
     NATS: Mapping[str, Any] = field(default_factory=dict)
+    #: How much longer the application's transactions may stay open, on average and as a
+    #: multiple of how long they do while the queue holds back, before workers claim fewer jobs
+    #: (docs/explanation/yielding.md); None: never yield. A queue's own:
+    #: QUEUES[name]["YIELD_BUDGET"].
+    YIELD_BUDGET: float | None = 1.05
+    #: Jobs a second each worker still claims from each queue, however much it yields.
+    YIELD_FLOOR: float = 10.0
+
+    def yield_budget(self, queue: str) -> float | None:
+        """The budget `queue` yields with (None: it never yields)."""
+        entry = self.QUEUES.get(queue) or {}
+        budget: float | None = entry.get("YIELD_BUDGET", self.YIELD_BUDGET)
+        return budget
 
     def retention(self) -> dict[str, timedelta | None]:
         """How long jobs of each final status are kept; None keeps them until deleted by hand.
@@ -74,6 +87,20 @@ def get_settings() -> Settings:
     """The current settings: PGJOBS over the defaults."""
     overrides: dict[str, Any] = getattr(django_settings, "PGJOBS", {})
     return Settings(**{key: value for key, value in overrides.items() if key in _NAMES})
+
+
+def budget_problems(where: str, value: Any) -> list[str]:
+    """What is wrong with a yield budget: a number above 1 (how many times longer the
+    application's transactions may stay open), or None (never yield)."""
+    if value is None or (
+        not isinstance(value, bool) and isinstance(value, int | float) and 1 < value <= 1000
+    ):
+        return []
+    return [
+        f"{where} must be a number above 1 and at most 1000 (1.05: the application's "
+        f"transactions may stay open 5% longer than usual), or None to never yield, "
+        f"not {value!r}."
+    ]
 
 
 def unknown_keys() -> list[str]:

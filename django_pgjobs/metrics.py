@@ -176,9 +176,31 @@ def families(report: reports.Report) -> list[Metric]:
         ):
             if s.reachable and (age is not None or not count):
                 waited.add_metric([s.queue, state], age or 0.0)
+    yielding = _gauge(
+        "pgjobs_queue_yielding", "Workers of the queue yielding to the application, at their "
+        "last report.", ["queue"],
+    )  # fmt: skip
+    allowed = _gauge(
+        "pgjobs_queue_allowed_rate", "Jobs/s the queue's yielding workers may claim, together "
+        "(absent while none yields).", ["queue"],
+    )  # fmt: skip
+    claimed = _gauge("pgjobs_queue_claim_rate", "Jobs/s the queue's workers claim.", ["queue"])
+    signal = _gauge(
+        "pgjobs_app_open_transaction_seconds", "The application's open transactions' ages added "
+        "up, smoothed (value), and its baseline (baseline), as the queue's workers read them.",
+        ["queue", "kind"],
+    )  # fmt: skip
+    for y in report.yielding:
+        yielding.add_metric([y.queue], y.yielding)
+        claimed.add_metric([y.queue], y.claimed)
+        if y.allowed is not None:
+            allowed.add_metric([y.queue], y.allowed)
+        for kind, ms in (("value", y.open_ms), ("baseline", y.baseline_ms)):
+            if ms is not None:
+                signal.add_metric([y.queue, kind], ms / 1000)
     return [
         jobs, oldest, workers, paused, expired, oldest_expired, throughput, retry_rate, latency,
-        tuples, sizes, connections, stream, waited,
+        tuples, sizes, connections, stream, waited, yielding, allowed, claimed, signal,
         _single("pgjobs_idle_in_transaction", "Sessions idle in a transaction.",
                 d.idle_in_transaction),
         _single("pgjobs_oldest_snapshot_seconds", "Age of the transaction holding vacuum back.",

@@ -231,6 +231,13 @@ class QueueStat(models.Model):
     retried = models.IntegerField(default=0)
     failed = models.IntegerField(default=0)
     latency_buckets = models.JSONField(default=list)
+    # Yielding to the application (runtime/controls.py): the seconds of the interval the queue
+    # yielded; the rate it was allowed at the report, in jobs/s (None: not yielding); and the
+    # application's open transaction time, smoothed, and its baseline, in ms (None: unmeasured).
+    yielded = models.FloatField(default=0.0, db_default=0.0)  # older workers write none
+    allowed = models.FloatField(null=True, blank=True)
+    open_ms = models.FloatField(null=True, blank=True)
+    baseline_ms = models.FloatField(null=True, blank=True)
 
     class Meta:
         verbose_name = _("queue statistic")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_pgjobs.conf import get_settings
+from django_pgjobs.conf import budget_problems, get_settings
 
 POSTGRES = "postgres"
 NATS = "nats"
@@ -25,7 +25,7 @@ RETENTIONS = ("limits", "interest", "workqueue")
 #: Keys of a queue's entry in PGJOBS["QUEUES"], with the defaults of a NATS queue.
 QUEUE_KEYS = frozenset(
     {"TRANSPORT", "STREAM", "SUBJECT", "CONSUMER", "RETENTION", "MAX_AGE",
-     "DUPLICATE_WINDOW", "REPLICAS", "MAX_ACK_PENDING"}
+     "DUPLICATE_WINDOW", "REPLICAS", "MAX_ACK_PENDING", "YIELD_BUDGET"}
 )  # fmt: skip
 #: Keys of PGJOBS["NATS"].
 NATS_KEYS = frozenset({"SERVERS", "CONNECT_TIMEOUT", "PUBLISH_TIMEOUT", "RELAY_BATCH", "OPTIONS"})
@@ -154,6 +154,8 @@ def _queue_problems(queue: str, entry: Mapping[str, Any]) -> list[str]:
     transport = entry.get("TRANSPORT", POSTGRES)
     if transport not in TRANSPORTS:
         found.append(f"{where}['TRANSPORT'] must be one of {TRANSPORTS}, not {transport!r}.")
+    if "YIELD_BUDGET" in entry:
+        found += budget_problems(f"{where}['YIELD_BUDGET']", entry["YIELD_BUDGET"])
     if transport != NATS:
         return found
     for key in ("STREAM", "CONSUMER"):

@@ -155,14 +155,18 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         lease: float | None = None,
         results: Mapping[UUID, str] | None = None,
         after: Mapping[str, Position] | None = None,
+        rooms: Mapping[str, int] | None = None,
     ) -> Settled:
         """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs
-        from `queues` in one statement: one round trip and one commit per turn.
+        from `queues` in one statement: one round trip and one commit per turn. A queue in
+        `rooms` gives at most that many of them (none for 0).
 
         `succeeded` keep their return values in `results` (job id → JSON text); each of `failed`
         is recorded as by `fail`. A queue's claim starts after its Position in `after`, else at
         the start. Returns what this worker still owned of the outcomes, and the claimed jobs.
         """
+        if rooms is not None:
+            queues = [queue for queue in queues if rooms.get(queue, limit) > 0]
         claiming = bool(queues) and limit >= 1
         if not (claiming or succeeded or failed):
             return Settled(set(), {}, [], {})
@@ -171,7 +175,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         params = turn_params(
             succeeded, failed, queues if claiming else [], worker=worker,
             limit=limit if claiming else 0, lease=lease, results=results or {},
-            after=after,
+            after=after, rooms=rooms,
         )  # fmt: skip
         db = self._write_db()
         statement = sql.SETTLE_AND_CLAIM if succeeded or failed else sql.CLAIM
@@ -467,6 +471,7 @@ def turn_params(
     lease: float | None,
     results: Mapping[UUID, str],
     after: Mapping[str, Position] | None = None,
+    rooms: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The parameters of sql.SETTLE_AND_CLAIM, by name."""
     settings = get_settings()
@@ -488,6 +493,7 @@ def turn_params(
         "failed_progress": reports([f.job for f in failed]),
         "errors_kept": sql.errors_kept(settings.ERRORS_KEPT),
         "queues": list(queues),
+        "rooms": [min(limit, (rooms or {}).get(queue, limit)) for queue in queues],
         "after_priority": [p.priority if p else None for p in positions],
         "after_run_at": [p.run_at if p else None for p in positions],
         "after_id": [p.id if p else None for p in positions],

@@ -111,15 +111,16 @@ COPY_JOBS_TYPES = (
 # - failed: each failed attempt is cancelled (if a cancellation was requested), back to ready
 #   after its delay (attempts left and not permanent), or failed: the dead letter. Its error
 #   joins the job's history, of which the last %(errors_kept)s entries are kept.
-# - due: per queue, a range scan of the claim index in its own order that stops after
-#   %(limit)s rows; SKIP LOCKED, so concurrent workers never wait for each other or take the
+# - due: per queue, a range scan of the claim index in its own order that stops after its
+#   room (%(rooms)s: %(limit)s, or fewer for a queue that yields, runtime/controls.py) rows;
+#   SKIP LOCKED, so concurrent workers never wait for each other or take the
 #   same job (one scan ordered across queues would read and sort every ready row).
 #   A queue's scan starts after the position its worker's claims got to (%(after_*)s: the
 #   priority, run_at and id of the last job it claimed there), not at the index's start, which
 #   holds an entry for every job claimed since the last vacuum (many, under a long snapshot).
 #   In claim order: jobs of a higher priority than the position, then those after it at its
 #   priority, then lower priorities; each branch runs only while those before it found fewer
-#   than %(limit)s. A NULL position is the whole range. Jobs that become ready behind a
+#   than its room. A NULL position is the whole range. Jobs that become ready behind a
 #   position are found by the worker's next sweep from the start (runtime/postgres.py).
 #   Scheduled jobs are not in the claim index, so the scan never walks past waiting jobs;
 #   those come due are found by run_at in the scheduled index (few: see PROMOTE).
@@ -198,16 +199,16 @@ _CLAIMED = """
 _CLAIM = f"""
     due AS (
         SELECT d.id, d.priority, d.run_at, q.turn_of
-        FROM unnest(%(queues)s::text[], %(after_priority)s::int2[],
+        FROM unnest(%(queues)s::text[], %(rooms)s::int4[], %(after_priority)s::int2[],
                     %(after_run_at)s::timestamptz[], %(after_id)s::uuid[])
-             WITH ORDINALITY AS q(name, priority, run_at, id, turn_of)
+             WITH ORDINALITY AS q(name, room, priority, run_at, id, turn_of)
         CROSS JOIN LATERAL (
             SELECT * FROM (
                 SELECT id, priority, run_at FROM pgjobs_job
                 WHERE status = 'ready' AND NOT scheduled AND queue = q.name
                   AND run_at <= statement_timestamp() AND priority > q.priority
                 ORDER BY priority DESC, run_at, id
-                LIMIT %(limit)s
+                LIMIT q.room
                 FOR UPDATE SKIP LOCKED
             ) AS higher_priorities
             UNION ALL
@@ -217,7 +218,7 @@ _CLAIM = f"""
                   AND run_at <= statement_timestamp() AND priority = q.priority
                   AND (run_at, id) > (q.run_at, q.id)
                 ORDER BY run_at, id
-                LIMIT %(limit)s
+                LIMIT q.room
                 FOR UPDATE SKIP LOCKED
             ) AS following
             UNION ALL
@@ -227,20 +228,21 @@ _CLAIM = f"""
                   AND run_at <= statement_timestamp()
                   AND priority < COALESCE(q.priority, 32767)
                 ORDER BY priority DESC, run_at, id
-                LIMIT %(limit)s
+                LIMIT q.room
                 FOR UPDATE SKIP LOCKED
             ) AS lower_priorities
-            LIMIT %(limit)s
+            LIMIT q.room
         ) AS d
         UNION ALL
         SELECT s.id, s.priority, s.run_at, q.turn_of
-        FROM unnest(%(queues)s::text[]) WITH ORDINALITY AS q(name, turn_of)
+        FROM unnest(%(queues)s::text[], %(rooms)s::int4[])
+             WITH ORDINALITY AS q(name, room, turn_of)
         CROSS JOIN LATERAL (
             SELECT id, priority, run_at FROM pgjobs_job
             WHERE status = 'ready' AND scheduled AND queue = q.name
               AND run_at <= statement_timestamp()
             ORDER BY run_at, id
-            LIMIT %(limit)s
+            LIMIT q.room
             FOR UPDATE SKIP LOCKED
         ) AS s
     ),

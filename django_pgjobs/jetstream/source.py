@@ -74,6 +74,8 @@ class NatsSource:
     """A worker's jobs from the durable consumers of `queues`' streams."""
 
     queues_are = "NATS queues"
+    #: Its claims are fetches from NATS: they take nothing from the job database.
+    yields = False
 
     def __init__(self, queues: Sequence[NatsQueue], bridge: Bridge) -> None:
         self.queues, self.bridge = list(queues), bridge

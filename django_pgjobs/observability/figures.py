@@ -34,6 +34,11 @@ class Figures:
     load: QueueLoad | None = None  # the queue's share of the database's active time
     #: Sessions holding or queued for a lock on the job table that stops the workers.
     locks: list[dbstats.TableLock] = field(default_factory=list)
+    #: How each queue yields to the application.
+    yielding: list[stats.QueueYield] = field(default_factory=list)
+
+    def yielding_of(self, queue: str) -> stats.QueueYield | None:
+        return next((y for y in self.yielding if y.queue == queue), None)
 
     def activity_of(self, queue: str, window: int) -> stats.QueueActivity | None:
         return next((a for a in self.activity if a.queue == queue and a.window == window), None)
@@ -76,6 +81,7 @@ def measure(db: str | None = None) -> Figures:
             cursor.execute("SELECT now()")
             (now,) = cursor.fetchone()
         activity, workers = stats.activity_stats(db), stats.worker_stats(db)
+        yielding = stats.yield_stats(db)
         seen = {a.queue for a in activity} | {queue for w in workers for queue in w.queues}
         queues = stats.queue_depths(db, also=seen)
         table, database = dbstats.table_stats(db), dbstats.database_stats(db)
@@ -90,6 +96,7 @@ def measure(db: str | None = None) -> Figures:
         streams=stream_stats(now),  # a network call to NATS: outside the transaction
         load=load,
         locks=locks,
+        yielding=yielding,
     )
 
 

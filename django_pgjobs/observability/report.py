@@ -80,6 +80,7 @@ def as_dict(report: Report) -> dict[str, Any]:
         "streams": [asdict(stream) for stream in report.streams],
         "load": None if report.load is None else asdict(report.load),
         "locks": [asdict(lock) for lock in report.locks],
+        "yielding": [asdict(y) for y in report.yielding],
     }
 
 

@@ -86,6 +86,39 @@ class WorkerStats:
 
 
 @dataclass(frozen=True)
+class QueueYield:
+    """How a queue yields to the application (runtime/controls.py), from the last report of each
+    live worker that serves it."""
+
+    queue: str
+    workers: int
+    yielding: int  # of them, those yielding at their last report
+    yielded: float  # the share of the time their last reports cover that they yielded
+    allowed: float | None  # jobs/s the yielding ones may claim, together; None: none yields
+    claimed: float  # jobs/s they all claimed
+    open_ms: float | None  # the application's open transaction time, smoothed
+    baseline_ms: float | None  # and its baseline: None until measured
+
+    def describe(self) -> str:
+        """One line: whether the queue yields, how much, and why."""
+        signal = ""
+        if self.open_ms is not None and self.baseline_ms is not None:
+            signal = (
+                f"the application's open transactions add up to {self.open_ms:.1f} ms against "
+                f"a baseline of {self.baseline_ms:.1f} ms"
+            )
+        elif self.open_ms is not None:
+            signal = "no baseline measured yet"
+        if not self.yielding:
+            return f"not yielding ({signal})" if signal else "not yielding"
+        workers = "" if self.workers == 1 else f"{self.yielding} of {self.workers} workers, "
+        return (
+            f"yielding ({workers}{self.yielded:.0%} of the last minute): {signal}; "
+            f"allowed {self.allowed or 0:,.0f} jobs/s, claiming {self.claimed:,.0f} jobs/s"
+        )
+
+
+@dataclass(frozen=True)
 class StreamStats:
     """A queue carried by NATS JetStream (transports.py): its stream and durable consumer, as
     the server reports them; its outbox is the queue's due jobs in QueueDepth."""
@@ -289,3 +322,44 @@ def worker_stats(db: str | None = None) -> list[WorkerStats]:
             WorkerStats(worker, list(queues), float(seen), bool(alive), bool(stopped))
             for worker, queues, seen, alive, stopped in cursor.fetchall()
         ]
+
+
+# Each live worker's last report per queue, in the last minute (rows of seconds = 0 say it
+# stopped); the queue's figures are their sums (jobs/s) and averages (the signal: one database).
+YIELD_SQL = """
+    WITH recent AS (
+        SELECT * FROM pgjobs_queuestat
+        WHERE at > now() - make_interval(secs => %(window)s) AND at <= statement_timestamp()
+    ), latest AS (
+        SELECT DISTINCT ON (worker, queue) * FROM recent
+        WHERE seconds > 0 AND worker NOT IN (SELECT worker FROM recent WHERE seconds = 0)
+        ORDER BY worker, queue, at DESC
+    )
+    SELECT queue, count(*), count(allowed), sum(yielded) / sum(seconds), sum(allowed),
+           sum(claimed / seconds), avg(open_ms), avg(baseline_ms)
+    FROM latest GROUP BY queue ORDER BY queue
+"""
+
+
+def yield_stats(db: str | None = None) -> list[QueueYield]:
+    """Per queue served in the last minute, how it yields to the application."""
+    with connections[job_database(db)].cursor() as cursor:
+        cursor.execute(YIELD_SQL, {"window": min(WINDOWS)})
+        found = cursor.fetchall()
+    return [
+        QueueYield(
+            queue,
+            int(workers),
+            int(yielding),
+            min(1.0, float(yielded or 0)),
+            _float(allowed),
+            float(claimed or 0),
+            _float(open_ms),
+            _float(baseline_ms),
+        )
+        for queue, workers, yielding, yielded, allowed, claimed, open_ms, baseline_ms in found
+    ]
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)

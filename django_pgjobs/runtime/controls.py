@@ -1,5 +1,6 @@
 """A worker's view of its queues' controls (Queue rows: paused, max_running), read every
-second, and how one turn's claim is shared between open queues and limited ones."""
+second; how one turn's claim is shared between open queues and limited ones; and how fast the
+queues that yield to the application may claim (Yielding, Gauge)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from django.db import DatabaseError, connections, transaction
 
 from django_pgjobs.data import rows, sql
 from django_pgjobs.errors import first_line
-from django_pgjobs.models import Queue
+from django_pgjobs.models import Job, Queue
+from django_pgjobs.observability.load import QUEUE_STATEMENT, WORKER_APPLICATION
+from django_pgjobs.runtime.chores import Chore
 from django_pgjobs.runtime.reporting import log_safely
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,80 @@ class QueueControls:
         self._next_at = 0.0
         self._turns = 0
         self._stale = False  # the last read found the table locked
+        # Queues that yield to the application, by name (yield_to); the others never do.
+        self.yielding: dict[str, Yielding] = {}
+        self.gauge: Gauge | None = None
+        #: How many jobs each queue may take this turn (admit).
+        self.rooms: dict[str, int] = {}
+
+    def yield_to(self, db: str, budgets: dict[str, float | None], floor: float) -> Gauge:
+        """Let the queues with a budget (`budgets`, by queue; None: never yield) yield to the
+        application; returns the chore that reads its transactions."""
+        by_budget: dict[float, list[str]] = {}
+        for queue in self.queues:
+            budget = budgets.get(queue)
+            if budget is not None:
+                by_budget.setdefault(budget, []).append(queue)
+        groups = [Yielding(budget, floor, queues) for budget, queues in by_budget.items()]
+        self.yielding = {queue: group for group in groups for queue in group.queues}
+        self.gauge = Gauge(db, groups)
+        return self.gauge
+
+    def admit(self, wanted: int) -> int:
+        """How many of `wanted` jobs this turn's claim may take: each queue's share in `rooms`
+        (what its yielding allows, or all), and their sum (at most `wanted`)."""
+        groups: dict[int, int] = {}
+        free = 0
+        self.rooms = {}
+        for queue in [*self.open, *self.limited]:
+            group = self.yielding.get(queue)
+            if group is None:
+                self.rooms[queue] = free = wanted
+            else:
+                if id(group) not in groups:
+                    groups[id(group)] = group.room(wanted)
+                self.rooms[queue] = groups[id(group)]
+        if not groups:
+            return wanted
+        return min(wanted, free + sum(groups.values()))
+
+    def took(self, jobs: Sequence[Job], wanted: int) -> None:
+        """Count the jobs a claim of `wanted` took against the yielding of their queues."""
+        counts: dict[str, int] = {}
+        for job in jobs:
+            counts[job.queue] = counts.get(job.queue, 0) + 1
+        for queue, count in counts.items():
+            if (group := self.yielding.get(queue)) is not None:
+                group.took(count)
+        if wanted and self.gauge is not None:
+            self.gauge.wanted(dry=len(jobs) < wanted)
+
+    def yield_figures(self) -> dict[str, dict[str, float | None]]:
+        """What each yielding queue's QueueStat row says of it since the last report."""
+        gauge = self.gauge
+        if gauge is None:
+            return {}
+        ms = {
+            "open_ms": None if gauge.signal is None else gauge.signal * 1000,
+            "baseline_ms": None if gauge.baseline is None else gauge.baseline * 1000,
+        }
+        return {
+            queue: {"yielded": group.yielded, "allowed": group.rate, **ms}
+            for queue, group in self.yielding.items()
+        }
+
+    def reported(self) -> None:
+        for group in self.yielding.values():
+            group.yielded = 0.0
+
+    def next_in(self, wanted: int) -> float:
+        """Seconds until a claim of up to `wanted` may take anything (0: now)."""
+        queues = [*self.open, *self.limited]
+        if not queues or any(queue not in self.yielding for queue in queues):
+            return 0.0
+        if self.gauge is not None:
+            self.gauge.wanted()  # held back: the worker still wants jobs
+        return min(self.yielding[queue].next_in(wanted) for queue in queues)
 
     def read_if_due(self, db: str) -> bool:
         """Read the controls when a second has passed; True when a queue was resumed (so the
@@ -86,3 +163,302 @@ class QueueControls:
         total = len(self.open) + len(self.limited)
         self._turns += 1
         return (wanted * len(self.open) + self._turns % total) // total
+
+
+# ---- yielding to the application ------------------------------------------------------------
+
+#: pg_stat_activity is read every SAMPLE seconds while the worker claims from a queue that
+#: yields; each WINDOW of the database's clock is judged at its end, so that every worker's
+#: windows line up.
+SAMPLE, WINDOW = 0.05, 1.0
+#: Every PROBE_EVERY windows, every worker holds its yielding queues at their floor for one
+#: window (the same one: the database's clock), and its end (PROBE_FROM onwards, once the jobs
+#: claimed before have finished) measures the baseline afresh. A baseline learned while the
+#: queue loads the database would excuse that load. The baseline is the median of the last
+#: PROBES_KEPT probes.
+PROBE_EVERY, PROBE_FROM, PROBES_KEPT = 30, 0.4, 5
+#: The weight of a window in which the worker kept up in the normal day's average, and how
+#: many windows that average is kept after the worker last kept up (the probes' then).
+NORMAL, NORMAL_KEPT = 0.1, 600
+#: A window (or a probe) that saw fewer of the application's open transactions than this says
+#: nothing of their baseline.
+SEEN_AT_LEAST = 10
+#: Transactions open longer than this are not the short ones customers wait on (a report, a
+#: migration, a psql session left open): the signal leaves them out.
+LONG_TRANSACTION = 5.0
+#: The weight of a window in the smoothed signal: a sample sees a dozen transactions, and one
+#: window's sum swings by a third from the next.
+SMOOTHING = 0.5
+#: Over the budget, the allowed rate shrinks by DECREASE; under half of the budget's margin it
+#: grows by INCREASE, and by the floor in every window under the budget: the additive part is
+#: what brings many workers to equal shares, as it does TCP's flows.
+DECREASE, INCREASE = 0.85, 1.1
+#: Seconds the signal may exceed the budget by before it counts: an application with a few
+#: short transactions has a baseline of a few microseconds, and the sampling's noise.
+SLACK = 0.0001
+#: Windows over the budget in a row before a worker starts yielding: one is the noise's now and
+#: then.
+STARTS_AFTER = 2
+#: Windows the limit must go unused (the worker wanted no more than it allowed) before it is
+#: lifted.
+UNUSED_WINDOWS = 3
+#: Tokens a yielding queue group may save up (seconds of its rate), and the fewest a claim waits
+#: for (seconds of its rate): one job per turn would cost a statement per job.
+BURST, CHUNK = 0.1, 0.02
+
+# The application's open transactions (and the sessions this role may not read: state NULL).
+# The queue's own are left out as jobstats' share of the queue leaves them out
+# (observability/load.py): named as a worker, or in a statement on the queue's tables.
+OPEN_TRANSACTIONS = """
+    SELECT extract(epoch FROM clock_timestamp())::float8,
+           coalesce(array_agg(extract(epoch FROM clock_timestamp() - xact_start)::float8)
+                    FILTER (WHERE state IS NOT NULL), '{}'),
+           count(*) FILTER (WHERE state IS NULL)
+    FROM pg_stat_activity
+    WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()
+      AND datname = current_database()
+      AND (state IS NULL
+           OR state <> 'idle' AND xact_start IS NOT NULL
+              AND xact_start > clock_timestamp() - make_interval(secs => %(long)s)
+              AND coalesce(application_name, '') NOT LIKE %(worker)s
+              AND coalesce(query, '') NOT LIKE %(queue)s)
+"""
+
+
+class Yielding:
+    """How many jobs a second a worker claims from the queues that yield with `budget`, at least
+    `floor` (docs/explanation/yielding.md): no limit until the application's open transactions
+    add up to more than `budget` times their baseline, then a rate that shrinks while they do
+    and grows back while they do not, lifted once the worker no longer uses it all."""
+
+    def __init__(self, budget: float, floor: float, queues: Sequence[str]) -> None:
+        self.budget, self.floor, self.queues = budget, floor * len(queues), list(queues)
+        self.rate: float | None = None  # jobs/s; None: not yielding
+        self.probing = False
+        self.tokens = 0.0
+        self.since: float | None = None  # time.time() it started yielding
+        self.yielded = 0.0  # seconds spent yielding, since the last report
+        self._filled = time.monotonic()
+        self._took = 0  # in this window
+        self._held = False  # in this window, the worker wanted more than it allowed
+        self._unused = 0
+        self._over = 0  # windows over the budget in a row
+
+    def limit(self) -> float | None:
+        """The rate allowed now (jobs/s), None for none."""
+        return self.floor if self.probing else self.rate
+
+    def room(self, wanted: int) -> int:
+        """How many of `wanted` jobs may be claimed now."""
+        rate = self.limit()
+        if rate is None:
+            return wanted
+        now = time.monotonic()
+        self.tokens = min(self.tokens + rate * (now - self._filled), max(1.0, rate * BURST))
+        self._filled = now
+        room = min(wanted, int(self.tokens + 1e-9))  # 0.05 s at 100/s is 5 tokens, not 4.99
+        if room < wanted:
+            self._held = True
+        return room if room >= min(wanted, max(1.0, rate * CHUNK)) else 0
+
+    def next_in(self, wanted: int) -> float:
+        """Seconds until `room(wanted)` has a claim's worth."""
+        rate = self.limit()
+        if rate is None:
+            return 0.0
+        need = min(wanted, max(1.0, rate * CHUNK))
+        return max(0.0, (need - self.tokens) / rate)
+
+    def took(self, count: int) -> None:
+        self._took += count
+        if self.limit() is not None:
+            self.tokens -= count
+
+    def over(self, baseline: float, share: float = 1.0) -> float:
+        """The most the signal may be without yielding more (with `share` of the budget). The
+        signal adds up the open transactions' ages: at a steady load, when each stays open k
+        times as long, there are k times as many open, each k times as old: k² in all."""
+        return baseline * (1 + (self.budget - 1) * share) ** 2 + SLACK
+
+    def judge(self, signal: float, baseline: float | None) -> str | None:
+        """A window ended with the smoothed `signal` and the `baseline` (None: not measured
+        yet). Returns "started" or "stopped" when the worker starts or stops yielding."""
+        took, held = self._took, self._held
+        self._took, self._held = 0, False
+        import os  # EXPERIMENT
+
+        if os.environ.get("PGJOBS_FIXED_RATE"):
+            self.rate = float(os.environ["PGJOBS_FIXED_RATE"])
+            return None
+        if self.rate is not None:
+            self.yielded += WINDOW
+        over = baseline is not None and signal > self.over(baseline)
+        self._over = self._over + 1 if over else 0
+        if over and (self.rate is not None or self._over >= STARTS_AFTER):
+            started = self.rate is None
+            demand = took / WINDOW
+            self.rate = max(self.floor, min(self.rate or demand, demand) * DECREASE)
+            self._unused = 0
+            if started:
+                self.since = time.time()
+                return "started"
+            return None
+        if self.rate is None:
+            return None
+        calm = baseline is None or signal < self.over(baseline, share=0.5)
+        self.rate = self.rate * (INCREASE if calm else 1.0) + self.floor
+        self._unused = 0 if held else self._unused + 1
+        if self._unused >= UNUSED_WINDOWS:
+            self.rate, self.since = None, None
+            return "stopped"
+        return None
+
+
+class Gauge(Chore):
+    """The application's open transactions, as yielding reads them: sampled every SAMPLE seconds
+    while the worker wants jobs, their ages added up per sample (the seconds they have been
+    open, in all: at a steady load it grows with how long each stays open), averaged per WINDOW
+    of the database's clock, smoothed, and judged against a baseline.
+
+    The baseline is the application's normal day: the signal while the worker keeps up (its
+    claims come back short: no backlog), averaged. A worker that has not kept up for
+    PROBE_EVERY windows (a backlog from its start, or a long one) measures it instead in
+    probes: every worker holds its yielding queues at their floor for the same window, and the
+    end of it is the application with the queue quiet (a little less than its normal day)."""
+
+    def __init__(self, db: str, groups: Sequence[Yielding]) -> None:
+        super().__init__()
+        self.db, self.groups = db, list(groups)
+        self.signal: float | None = None  # smoothed; seconds
+        self.normal: float | None = None  # while the worker kept up, averaged
+        self.quiet: float | None = None  # in the probes: their median
+        self.hidden = 0  # sessions of other roles this one may not read, in the last sample
+        self._kept_up_at: int | None = None  # the last window in which it kept up
+        self._probes: list[float] = []
+        self._window: int | None = None
+        self._probe_at: int | None = None  # the next window that probes
+        self._sums: list[float] = []  # per sample, in this window
+        self._probed: list[float] = []  # per sample, in this window's part that probes
+        self._seen = 0  # open transactions seen in this window
+        self._dry = False  # in this window, a claim came back short
+        self._wanted_at = 0.0
+
+    @property
+    def baseline(self) -> float | None:
+        """The normal day, or the probes' quiet when that is higher (the application grew slower
+        by itself: holding the queue back would not help it) or the normal day is unknown."""
+        known = [value for value in (self.normal, self.quiet) if value is not None]
+        return max(known) if known else None
+
+    def wanted(self, dry: bool = False) -> None:
+        """The worker claimed jobs of a yielding queue (`dry`: fewer than it asked for), or was
+        held back: sample (again)."""
+        self._dry = self._dry or dry
+        now = time.monotonic()
+        if now - self._wanted_at > SAMPLE:
+            self._wanted_at = now
+            self.next_at = min(self.next_at, now)
+
+    def run(self) -> float:
+        if time.monotonic() - self._wanted_at > 1.0:  # an idle worker loads nothing: no reads
+            self.pause()
+            return float("inf")
+        self.sample()
+        return SAMPLE
+
+    def sample(self) -> None:
+        params: dict[str, float | str] = {
+            "long": LONG_TRANSACTION,
+            "worker": f"{WORKER_APPLICATION}%",
+            "queue": f"%{QUEUE_STATEMENT}%",
+        }
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(OPEN_TRANSACTIONS, params)
+            epoch, ages, self.hidden = cursor.fetchone()
+        self.seen(epoch, ages)
+
+    def seen(self, epoch: float, ages: Sequence[float]) -> None:
+        """One sample: the database's clock (epoch seconds) and the open transactions' ages."""
+        window, into = divmod(epoch, WINDOW)
+        window = int(window)
+        if window != self._window:
+            if self._window is not None and window == self._window + 1:
+                self._close(self._window)
+            self._start(window)
+        self._sums.append(sum(ages))
+        self._seen += len(ages)
+        if self.probing() and into >= PROBE_FROM * WINDOW:
+            self._probed.append(sum(ages))
+
+    def probing(self) -> bool:
+        return self._window is not None and self._window == self._probe_at
+
+    def pause(self) -> None:
+        """The worker claims nothing: the window in progress is dropped (it would be judged
+        against a gap)."""
+        self._window = self._probe_at = None
+        for group in self.groups:
+            group.probing = False
+
+    def _start(self, window: int) -> None:
+        kept_up = self._kept_up_at is not None and window - self._kept_up_at < PROBE_EVERY
+        if kept_up:
+            self._probe_at = None
+        elif self._probe_at is None or self._probe_at < window or self.baseline is None:
+            # With no baseline, a probe as soon as the application is seen; then every
+            # PROBE_EVERY windows, all workers together.
+            now = self.baseline is None and (self._window is None or self._seen >= SEEN_AT_LEAST)
+            self._probe_at = window if now else window + (-window % PROBE_EVERY)
+        self._window, self._sums, self._probed, self._seen = window, [], [], 0
+        self._dry = False
+        for group in self.groups:
+            group.probing = self.probing()
+
+    def _close(self, window: int) -> None:
+        mean = sum(self._sums) / len(self._sums)
+        present = self._seen >= SEEN_AT_LEAST
+        if self.probing():
+            if self._probed and present:
+                self._quiet(sum(self._probed) / len(self._probed))
+            return
+        if present and all(group.rate == group.floor for group in self.groups):
+            self._quiet(mean)  # held at the floor all window long: as good as a probe
+        if present and self._dry and all(group.rate is None for group in self.groups):
+            self._kept_up_at = window
+            self.normal = _average(self.normal, mean, NORMAL)
+        elif self._kept_up_at is not None and window - self._kept_up_at > NORMAL_KEPT:
+            self.normal = None  # long ago: the probes say what is usual now
+        self.signal = _average(self.signal, mean, SMOOTHING)
+        for group in self.groups:
+            change = group.judge(self.signal, self.baseline)
+            if change:
+                _said(group, change, self.signal, self.baseline)
+        logger.debug(
+            "yielding: open transactions %.2f ms (this window %.2f ms, %d seen%s), baseline %s "
+            "ms, allowed %s jobs/s",
+            self.signal * 1e3, mean * 1e3, self._seen, ", kept up" if self._dry else "",
+            "?" if self.baseline is None else f"{self.baseline * 1e3:.2f}",
+            ", ".join("-" if g.rate is None else f"{g.rate:.0f}" for g in self.groups),
+        )  # fmt: skip
+
+    def _quiet(self, value: float) -> None:
+        self._probes = [*self._probes[-(PROBES_KEPT - 1) :], value]
+        self.quiet = sorted(self._probes)[(len(self._probes) - 1) // 2]  # the lower median
+
+
+def _average(average: float | None, value: float, weight: float) -> float:
+    """An exponential average with `value` given `weight`; `value` itself when it is the first."""
+    return value if average is None else weight * value + (1 - weight) * average
+
+
+def _said(group: Yielding, change: str, signal: float, baseline: float | None) -> None:
+    queues = ", ".join(group.queues)
+    if change == "started":
+        log_safely(
+            logger.info,
+            "yielding to the application (queues %s): its open transactions add up to %.1f ms, "
+            "over %g × their baseline of %.1f ms; claiming at most %.0f jobs/s",
+            queues, signal * 1000, group.budget, (baseline or 0) * 1000, group.rate or 0,
+        )  # fmt: skip
+    else:
+        log_safely(logger.info, "no longer yielding to the application (queues %s)", queues)

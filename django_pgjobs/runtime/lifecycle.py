@@ -44,6 +44,7 @@ class Options:
     max_memory_mb: float | None = None  # recycle when resident memory passes this
     parent_pid: int | None = None  # a supervisor's: stop when it is gone
     relay: bool = True  # publish the outbox of NATS queues (transports.py), if there are any
+    yielding: bool = True  # queues with a budget yield to the application (runtime/controls.py)
 
 
 class Exit(IntEnum):

@@ -49,6 +49,7 @@ class PostgresSource:
     """A worker's jobs from the job table."""
 
     queues_are = "queues"
+    yields = True
 
     def __init__(self) -> None:
         self.chores: list[Chore] = []
@@ -192,9 +193,9 @@ class PostgresSource:
     def _claim_limited(self, wanted: int, into: list[Job]) -> None:
         """Claim up to `wanted` jobs from the queues with a limit, into `into` (which keeps
         what was claimed if a later queue's claim fails)."""
-        start = len(into)
-        for queue_name in self.seat.controls.limited:
-            room = wanted - (len(into) - start)
+        start, controls = len(into), self.seat.controls
+        for queue_name in controls.limited:
+            room = min(wanted - (len(into) - start), controls.rooms.get(queue_name, wanted))
             if room > 0:
                 try:
                     into += self.jobs.claim_limited(
@@ -260,6 +261,7 @@ class PostgresSource:
                 lease=self.seat.lease,
                 results=_results(done),
                 after=self.positions.for_turn() if limit > 0 else None,
+                rooms=self.seat.controls.rooms,
             )
             if limit > 0:
                 self.positions.turned(settled.claimed, time.monotonic() - started)

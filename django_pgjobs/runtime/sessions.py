@@ -3,9 +3,10 @@ uses or no worker serves, a connection pool smaller than its handler threads."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -140,6 +141,23 @@ def keep_alive(db: str) -> bool:
 def application_name(worker: str) -> str:
     """What the worker's own connections are called (jobstats counts them as the queue's)."""
     return f"pgjobs worker {worker}"
+
+
+@contextlib.contextmanager
+def named_connections(db: str, worker: str) -> Iterator[None]:
+    """Name the connections this process makes to `db` meanwhile after `worker`, its handlers'
+    included, unless the project's OPTIONS name them: jobstats and yielding tell the queue's
+    sessions from the application's by their name. A startup parameter, so behind a pooler
+    too."""
+    options = connections.settings[db].setdefault("OPTIONS", {})
+    if "application_name" in options:
+        yield
+        return
+    options["application_name"] = application_name(worker)
+    try:
+        yield
+    finally:
+        options.pop("application_name", None)
 
 
 class LockWaits:

@@ -104,6 +104,8 @@ class Source(Protocol):
     chores: list[Chore]
     #: What the worker's first line calls its queues ("queues", "NATS queues").
     queues_are: str
+    #: Whether its claims load the job database, so that its queues yield to the application.
+    yields: bool
 
     def attach(self, seat: Seat) -> None:
         """Serve the worker at `seat` (once, when the worker is made)."""

@@ -74,7 +74,17 @@ class Worker(Stoppable):
             self._announcer, self.poll_now, lambda: self._stopping, lambda: self._deadline,
         )  # fmt: skip
         source.attach(seat)
-        self._chores = [*source.chores, *chores, Reporter(options.stats_interval, self._report)]
+        yielding = []
+        if options.yielding and source.yields:
+            settings = get_settings()
+            budgets = {queue: settings.yield_budget(queue) for queue in options.queues}
+            yielding.append(self.controls.yield_to(self.db, budgets, settings.YIELD_FLOOR))
+        self._chores = [
+            *source.chores,
+            *chores,
+            *yielding,
+            Reporter(options.stats_interval, self._report),
+        ]
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -220,8 +230,10 @@ class Worker(Stoppable):
         due = self._poll_now or time.monotonic() >= self._next_poll
         if self._stopping or free <= 0 or not due or not self.source.can_claim():
             return 0
-        self._poll_now = False
-        return min(free, self.options.batch_size)
+        wanted = self.controls.admit(min(free, self.options.batch_size))
+        if wanted:  # else a queue yields: claimed once it may (_wait_time)
+            self._poll_now = False
+        return wanted
 
     def _fetch_wait(self) -> float:
         """How long a source that waits for jobs itself may wait this turn: not while handlers
@@ -241,6 +253,7 @@ class Worker(Stoppable):
         for job in jobs:
             self.handlers.submit(job)
         self.activity.claimed(jobs)
+        self.controls.took(jobs, wanted)
         longer = [job for job in jobs if self.lease_of(job) > self.lease]
         if longer:  # tasks with a lease of their own get it at once
             self.source.renew(longer)
@@ -288,9 +301,14 @@ class Worker(Stoppable):
     def _report(self, seconds: float, stopping: bool = False) -> None:
         """Write what this worker did per queue since the last report (QueueStat rows), and
         log it in one line; `stopping`: the last report, which also says the worker stopped."""
-        QueueStat.objects.using(self.db).bulk_create(
-            self.activity.rows(self.id, seconds, self.options.queues, stopping)
-        )
+        written = self.activity.rows(self.id, seconds, self.options.queues, stopping)
+        yielding = self.controls.yield_figures()
+        for row in written:
+            if row.seconds:
+                for name, value in yielding.get(row.queue, {}).items():
+                    setattr(row, name, value)
+        QueueStat.objects.using(self.db).bulk_create(written)
+        self.controls.reported()
         activity, self.activity = self.activity, ActivityTally()  # kept until written
         log_activity(activity, seconds, len(self.claims))
 
@@ -305,8 +323,9 @@ class Worker(Stoppable):
             waits.append(self._deadline - time.monotonic())
         elif not self.source.can_claim():  # no claim: the leases are renewed here before long
             waits.append(RETRY_PAUSE)
-        elif self.free_slots() > 0:
-            waits.append(self._next_poll - time.monotonic())
+        elif (free := self.free_slots()) > 0:
+            held = self.controls.next_in(min(free, self.options.batch_size))
+            waits.append(max(self._next_poll - time.monotonic(), held))
         return max(0.0, min(waits))
 
     # ---- shutdown --------------------------------------------------------------------------

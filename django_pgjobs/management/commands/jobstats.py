@@ -12,6 +12,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser, SystemCheckError
 from django.db import DatabaseError
 
+from django_pgjobs.conf import get_settings
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability.health import Level
 from django_pgjobs.observability.report import NoReport, Report, no_report
@@ -158,6 +159,7 @@ def render(report: Report) -> str:
                 f"{_latency(a.latency(0.5)):>7} {_latency(a.latency(0.95)):>7}"
             )
     lines += _streams(report)
+    lines += _yielding(report)
     lines += ["", _workers(report), *_table(report), *_database(report), ""]
     lines.append(f"verdict: {report.verdict.status.upper()}")
     for reason in report.verdict.reasons:
@@ -189,6 +191,20 @@ def _streams(report: Report) -> list[str]:
         if s.age_error:
             lines.append(f"{'':<20} the ages could not be read: {s.age_error}")
     return lines
+
+
+def _yielding(report: Report) -> list[str]:
+    """One line per queue served: whether it yields to the application, how much and why."""
+    settings = get_settings()
+    lines = []
+    for q in report.queues:
+        if not report.serving(q.queue):
+            continue
+        if settings.yield_budget(q.queue) is None:
+            lines.append(f"{q.queue:<20} never yields (YIELD_BUDGET None)")
+        elif (y := report.yielding_of(q.queue)) is not None:
+            lines.append(f"{q.queue:<20} {y.describe()}")
+    return ["", "yielding to the application", *lines] if lines else []
 
 
 def _age(count: int, seconds: float | None) -> str:

@@ -20,7 +20,7 @@ from django_pgjobs.conf import get_settings
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.models import Job
 from django_pgjobs.runtime import processes, sessions
-from django_pgjobs.runtime.lifecycle import STOP_SIGNALS, Exit, Options
+from django_pgjobs.runtime.lifecycle import STOP_SIGNALS, Exit, Options, worker_id
 from django_pgjobs.runtime.processes import Supervisor
 from django_pgjobs.runtime.reporting import WorkerError, log_safely
 from django_pgjobs.runtime.worker import Worker, refuse_unmigrated
@@ -83,7 +83,7 @@ def _grace(value: str) -> float:
 
 #: The options a worker's Options takes under the same names.
 _AS_NAMED = ("concurrency", "batch_size", "lease", "grace", "poll_interval", "listen", "once",
-             "worker_id", "relay")  # fmt: skip
+             "worker_id", "relay", "yielding")  # fmt: skip
 
 #: How to stop what runs now (the worker, or the supervisor), for --reload.
 _stoppers: list[processes.Stops] = []
@@ -154,6 +154,9 @@ class Command(BaseCommand):
         parser.add_argument("--no-relay", dest="relay", action="store_false",
                             help="leave the outbox of NATS queues to other runjobs or relayjobs "
                                  "processes")  # fmt: skip
+        parser.add_argument("--no-yield", dest="yielding", action="store_false",
+                            help="claim at full speed, whatever the application's transactions "
+                                 "(by default queues yield to them: YIELD_BUDGET)")  # fmt: skip
         parser.add_argument(
             "--processes",
             "-p",
@@ -286,6 +289,12 @@ class Command(BaseCommand):
                 _stoppers.remove(supervisor)
         if options["metrics_port"]:
             _serve_metrics(options["metrics_port"], options["metrics_addr"])
+        ident = options["worker_id"] or worker_id()  # a new one for each run of --reload
+        with sessions.named_connections(router.db_for_write(Job), ident):
+            return self.work(queues, {**options, "worker_id": ident})
+
+    def work(self, queues: list[str], options: dict[str, Any]) -> int:
+        """Run this process's worker until it stops; its exit status."""
         worker = _worker(
             Options(
                 queues=queues,
@@ -339,6 +348,8 @@ def _child_args(options: dict[str, Any]) -> list[str]:
         args.append("--no-listen")
     if not options["relay"]:
         args.append("--no-relay")
+    if not options["yielding"]:
+        args.append("--no-yield")
     if options.get("settings"):
         args.append(f"--settings={options['settings']}")
     return args
