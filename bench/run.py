@@ -32,7 +32,7 @@ class Sizes:
     soak_jobs: int
     hold: tuple[float, float, float]  # before, hold, after (seconds)
     scheduled: int  # W7: delayed jobs of a higher priority in the drained queue
-    oltp_seconds: float  # W8: each pgbench run
+    oltp_seconds: float  # yield: the pgbench run that measures its maximum
     memory_jobs: int  # W9
     yield_seconds: float  # yield: each case's OLTP
     backlog: int  # yield: enough to last the OLTP window at the drain's rate beside it
@@ -123,19 +123,19 @@ def main() -> None:
         "--naptime", help="the cluster's autovacuum_naptime (default 10s), e.g. 1s: W6 with it"
     )
     parser.add_argument(
-        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w8,w9,heartbeat,nats,yield",
+        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w9,heartbeat,nats,yield",
         help="comma-separated sections to run (the ceiling is always measured for ratios)",
     )  # fmt: skip
     parser.add_argument(
-        "--no-yield",
-        action="store_true",
-        help="yield: pass --no-yield to runjobs (when it has that option)",
-    )
-    parser.add_argument(
         "--yield-pairs",
         type=int,
-        default=0,
-        help="yield: N interleaved pairs of the backlog case, runjobs with and without --no-yield",
+        default=3,
+        help="yield: interleaved pairs (and runs) of each case whose figure is a median",
+    )
+    parser.add_argument(
+        "--yield-parts",
+        default="pairs,step,four,saturated,idle",
+        help="yield: which of its parts to run (bench/yielding.py)",
     )
     parser.add_argument(
         "--oltp-tps",
@@ -167,7 +167,9 @@ def main() -> None:
         # The yield section needs no ceiling: alone, it runs without one.
         rows = run(cluster, sizes, sections - {"yield"}, logs) if sections - {"yield"} else []
         if "yield" in sections:
-            rows += _yield_rows(cluster, sizes, logs, options)
+            from bench import yielding
+
+            rows += yielding.rows(cluster, sizes, logs, options, Row, say)
         info = {
             "postgres": cluster.version(),
             **{f"pg {k}": v for k, v in cluster.settings([*SETTINGS, "wal_sync_method"]).items()},
@@ -275,7 +277,7 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
                         f"in {added['notifies']:.0%} of them"))  # fmt: skip
 
     w3: float | None = None
-    if sections & {"w3", "w4", "w6", "w7", "w8"}:
+    if sections & {"w3", "w4", "w6", "w7"}:
         startup = workloads.startup_cpu(cluster, logs)
         say("W3 drain, default settings, 1 process")
         runs = [
@@ -428,10 +430,6 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
             f"{value / w3:.2f} × W3; {_cause(backlog)}",
         ))  # fmt: skip
 
-    if "w8" in sections:
-        assert w3 is not None
-        rows.extend(_oltp_rows(cluster, sizes, w3, logs))
-
     if "w9" in sections:
         say(f"W9 worker memory over {sizes.memory_jobs:,} jobs")
         mem = workloads.memory(cluster, sizes.memory_jobs, logs)
@@ -458,145 +456,6 @@ def run(cluster: Any, sizes: Sizes, sections: set[str], logs: Path) -> list[Row]
         samples = workloads.soak(cluster, rate, jobs=None, seconds=before + hold + after,
                                  hold=(before, hold), logs=logs)  # fmt: skip
         rows.extend(_hold_rows(samples, before, hold))
-    return rows
-
-
-#: W8: pgbench's TPC-B-like script at this scale from this many clients.
-OLTP_SCALE, OLTP_CLIENTS = 10, 4
-
-
-def _oltp_rows(cluster: Any, sizes: Sizes, w3: float, logs: Path) -> list[Row]:
-    from bench import workloads
-
-    say(f"W8 OLTP: pgbench -i -s {OLTP_SCALE}, its unthrottled maximum")
-    workloads.oltp_init(cluster, OLTP_SCALE)
-    maximum = workloads.oltp_maximum(cluster, OLTP_CLIENTS, sizes.oltp_seconds)
-    limit = maximum / 2
-    rows = [Row(f"W8 OLTP (TPC-B-like, scale {OLTP_SCALE}, {OLTP_CLIENTS} clients) unthrottled, "
-                "alone", maximum, "tps")]  # fmt: skip
-    alone = None
-    for share in (0.0, 0.5, 1.0):
-        say(f"W8 OLTP at {limit:,.0f} tps beside the queue at {share:.0%} of W3")
-        runs = sorted(
-            (workloads.oltp(cluster, OLTP_CLIENTS, limit, sizes.oltp_seconds, share * w3, logs)
-             for _ in range(sizes.repeat)), key=lambda r: r.p99,
-        )  # fmt: skip
-        result = runs[len(runs) // 2]
-        alone = alone or result
-        label = (
-            "alone" if not share else f"beside the queue at {share:.0%} of W3 ({share * w3:,.0f}/s)"
-        )
-        check = share == 0.5
-        rows += [
-            Row(f"W8 OLTP at {limit:,.0f} tps, {label}: tps", result.tps, "tps",
-                target="≥ 0.97 × the rate" if check else "",
-                met=result.tps >= 0.97 * limit if check else None,
-                note=f"{result.tps / alone.tps:.2f} × alone" if share else ""),
-            Row(f"W8 OLTP, {label}: p50", result.p50, "ms",
-                note=f"{result.p50 / alone.p50:.2f} × alone" if share else ""),
-            Row(f"W8 OLTP, {label}: p99", result.p99, "ms",
-                target="≤ 1.5 × alone" if check else "",
-                met=result.p99 <= 1.5 * alone.p99 if check else None,
-                note=f"{result.p99 / alone.p99:.2f} × alone" if share else ""),
-        ]  # fmt: skip
-        if share:
-            rows.append(
-                Row(
-                    f"W8 queue finished beside OLTP, {share:.0%} of W3",
-                    result.queue_rate,
-                    "jobs/s",
-                    note=f"{result.queue_rate / (share * w3):.2f} × the rate",
-                )
-            )
-    return rows
-
-
-#: Yield: the steady enqueue beside OLTP, jobs/s (the normal day's whole load on the queue).
-YIELD_RATE = 1_000
-
-
-def _yield_rows(cluster: Any, sizes: Sizes, logs: Path, options: Any) -> list[Row]:
-    """OLTP at half its maximum: alone; beside the queue keeping up with a steady enqueue (the
-    normal day); beside a backlog draining; and a step (OLTP switched on and off during the
-    drain). The monitor's samples and per-second series go to `options.yield_out`."""
-    from bench import workloads
-
-    out = options.yield_out or logs
-    out.mkdir(parents=True, exist_ok=True)
-    say(f"yield: pgbench -i -s {OLTP_SCALE}, its unthrottled maximum")
-    workloads.oltp_init(cluster, OLTP_SCALE)
-    rows = []
-    if options.oltp_tps:
-        limit = options.oltp_tps
-    else:
-        maximum = workloads.oltp_maximum(cluster, OLTP_CLIENTS, sizes.oltp_seconds)
-        limit = maximum / 2
-        rows.append(Row(f"Y OLTP (TPC-B-like, scale {OLTP_SCALE}, {OLTP_CLIENTS} clients) "
-                        "unthrottled, alone", maximum, "tps",
-                        note=f"load {os.getloadavg()[0]:.2f}"))  # fmt: skip
-
-    def case(name: str, backlog: int, rate: float, step: Any = None, no_yield: bool = False) -> Any:
-        say(
-            f"yield {name}: OLTP at {limit:,.0f} tps, backlog {backlog:,}, enqueue {rate:,.0f}/s"
-            f"{' (--no-yield)' if no_yield else ''}; load {os.getloadavg()[0]:.2f}"
-        )
-        return workloads.yield_case(
-            cluster, name, clients=OLTP_CLIENTS, limit=limit, seconds=sizes.yield_seconds,
-            backlog=backlog, rate=rate, out=out, logs=logs, no_yield=no_yield, step=step,
-        )  # fmt: skip
-
-    alone = None
-    cases = [("alone", 0, 0.0, None), ("normal day", 0, YIELD_RATE, None),
-             ("backlog", sizes.backlog, YIELD_RATE, None),
-             ("step", sizes.step_backlog, YIELD_RATE, sizes.step)]  # fmt: skip
-    for name, backlog, rate, step in cases:
-        result = case(name.replace(" ", "-"), backlog, rate, step, options.no_yield)
-        alone = alone or result
-        label = f"Y OLTP at {limit:,.0f} tps, {name}"
-        if step:
-            on, off, end = step
-            label += f" (OLTP from {on:g} s to {off:g} s of {end:g} s)"
-        load = f"load {result.load[0]:.2f} → {result.load[1]:.2f}"
-        ratio = name != "alone"
-        rows += [
-            Row(f"{label}: tps", result.tps, "tps", note=load),
-            Row(f"{label}: p50", result.p50, "ms",
-                note=f"{result.p50 / alone.p50:.2f} × alone" if ratio else ""),
-            Row(f"{label}: p99", result.p99, "ms",
-                note=f"{result.p99 / alone.p99:.2f} × alone" if ratio else ""),
-        ]  # fmt: skip
-        if backlog or rate:
-            rows.append(Row(f"{label}: jobs finished beside OLTP", result.drain, "jobs/s",
-                            note=f"{result.left:,} still due when OLTP stopped"))  # fmt: skip
-        say(f"yield {name}: samples in {result.samples}, per second in {result.series}")
-    if options.yield_pairs:
-        rows += _yield_pairs(case, sizes, options.yield_pairs)
-    return rows
-
-
-def _yield_pairs(case: Any, sizes: Sizes, pairs: int) -> list[Row]:
-    """The backlog case with runjobs' guard on (no flag) and off (--no-yield), interleaved."""
-    from bench import workloads
-
-    results: list[tuple[Any, Any]] = []
-    for n in range(pairs):
-        order = (False, True) if n % 2 == 0 else (True, False)
-        runs = {flag: case(f"backlog-{'off' if flag else 'on'}-{n}", sizes.backlog, YIELD_RATE,
-                           no_yield=flag) for flag in order}  # fmt: skip
-        results.append((runs[False], runs[True]))
-    same = "" if workloads._RUNJOBS_HELP and "--no-yield" in workloads._RUNJOBS_HELP[0] else (
-        "runjobs has no --no-yield: both sides ran the same"
-    )  # fmt: skip
-    rows = []
-    for key, unit in (("p99", "ms"), ("p50", "ms"), ("drain", "jobs/s")):
-        on = [getattr(a, key) for a, _ in results]
-        off = [getattr(b, key) for _, b in results]
-        ratios = [x / y for x, y in zip(on, off, strict=True)]
-        rows.append(Row(
-            f"Y backlog, guard on / --no-yield, {pairs} pairs: {key}", statistics.median(ratios),
-            "×", note=f"on {statistics.median(on):,.2f}, off {statistics.median(off):,.2f} "
-            f"{unit}; pairs {' '.join(f'{r:.2f}' for r in ratios)}{'; ' + same if same else ''}",
-        ))  # fmt: skip
     return rows
 
 

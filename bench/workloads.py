@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -514,15 +515,7 @@ def soak(
     return samples
 
 
-# ---- W8: OLTP beside the queue ----------------------------------------------------------------
-
-
-@dataclass
-class Oltp:
-    tps: float
-    p50: float  # ms, from the transaction's scheduled start (pgbench -R)
-    p99: float
-    queue_rate: float  # jobs/s the worker finished meanwhile
+# ---- Yield: OLTP beside the queue ---------------------------------------------------------------
 
 
 def oltp_init(cluster: Cluster, scale: int) -> None:
@@ -535,47 +528,6 @@ def oltp_maximum(cluster: Cluster, clients: int, seconds: float) -> float:
     output = cluster.pgbench(["-n", "-c", str(clients), "-j", str(min(clients, 2)),
                               "-T", str(int(seconds))])  # fmt: skip
     return tps(output)
-
-
-def oltp(
-    cluster: Cluster, clients: int, limit: float, seconds: float, queue_rate: float, logs: Path
-) -> Oltp:
-    """pgbench's TPC-B-like script throttled to `limit` tps, beside an enqueuer at `queue_rate`
-    jobs/s and one default worker (none when 0); per-transaction latencies from pgbench's log."""
-    reset(cluster)
-    stop = threading.Event()
-    worker = None
-    if queue_rate:
-        worker = start_worker(cluster, [], logs / "oltp.log", BENCH_RETENTION="5")
-        wait_for(lambda: "started" in (logs / "oltp.log").read_text(), 30)
-    producer = Producer(queue_rate, stop)
-    if queue_rate:
-        producer.start()
-        time.sleep(2.0)  # the queue in its steady state before OLTP starts
-    prefix = cluster.root / f"oltp-{queue_rate:.0f}"
-    with cluster.connect(user="bench_monitor") as conn:
-        done_before = producer.enqueued - _backlog(conn)
-        began = time.perf_counter()
-        try:
-            output = cluster.pgbench(["-n", "-c", str(clients), "-j", str(min(clients, 2)),
-                                      "-T", str(int(seconds)), "-R", f"{limit:.0f}", "-l",
-                                      f"--log-prefix={prefix}"])  # fmt: skip
-        finally:
-            elapsed = time.perf_counter() - began
-            done = producer.enqueued - _backlog(conn) - done_before
-            stop.set()
-            if queue_rate:
-                producer.join()
-    if worker is not None:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(60)
-    latencies = []
-    for path in cluster.root.glob(f"{prefix.name}.*"):
-        # client_id transaction_no time script_no time_epoch time_us [schedule_lag]
-        latencies += [int(line.split()[2]) / 1000 for line in path.read_text().splitlines()]
-        path.unlink()
-    return Oltp(tps(output), percentile(latencies, 50), percentile(latencies, 99),
-                done / elapsed)  # fmt: skip
 
 
 def _backlog(conn: Any) -> int:
@@ -648,6 +600,9 @@ class Yielded:
     events: dict[str, float]  # epoch seconds: worker, oltp_on, oltp_off, end
     samples: Path  # the monitor's CSV (bench/monitor.py)
     series: Path  # per second: OLTP transactions, p50, p99; jobs finished
+    #: Jobs/s finished over the OLTP window, per queue; and jobs finished per worker.
+    queues: dict[str, float] = field(default_factory=dict)
+    workers: dict[str, int] = field(default_factory=dict)
 
 
 _RUNJOBS_HELP: list[str] = []
@@ -674,18 +629,23 @@ class NamedProducer(Producer):
 
 
 def yield_case(
-    cluster: Cluster, case: str, *, clients: int, limit: float, seconds: float, backlog: int,
-    rate: float, out: Path, logs: Path, no_yield: bool = False,
-    step: tuple[float, float, float] | None = None,
+    cluster: Cluster, case: str, *, clients: int, limit: float | None, seconds: float,
+    backlog: int, rate: float, out: Path, logs: Path, no_yield: bool = False,
+    step: tuple[float, float, float] | None = None, workers: Sequence[Sequence[str]] = ((),),
+    queues: Sequence[str] = ("default",), env: dict[str, str] | None = None,
 ) -> Yielded:  # fmt: skip
-    """pgbench's TPC-B-like script throttled to `limit` tps for `seconds`, beside `backlog` jobs
-    enqueued first and an enqueuer at `rate` jobs/s, with one default worker (none when both
-    are 0), sampled by bench/monitor.py into `out`/<case>.csv. `step` = (on, off, end): OLTP
-    from `on` to `off` seconds after the worker started, the run ending at `end`. `no_yield`
-    passes --no-yield to runjobs when it has that option."""
+    """pgbench's TPC-B-like script throttled to `limit` tps (None: as fast as it goes) for
+    `seconds`, beside `backlog` jobs in each of `queues` enqueued first and an enqueuer at `rate`
+    jobs/s into the first, with a `runjobs --queue ...` per entry of `workers` (its other
+    arguments; none when `backlog` and `rate` are both 0), sampled by bench/monitor.py into
+    `out`/<case>.csv. `step` = (on, off, end): OLTP from `on` to `off` seconds after the workers
+    started, the run ending at `end`. `no_yield` passes --no-yield to runjobs when it has that
+    option; `env`, to the workers."""
     reset(cluster)
-    for start in range(0, backlog, 50_000):
-        Job.objects.bulk_enqueue(NOOP, (None for _ in range(min(50_000, backlog - start))))
+    for queue in queues:
+        for start in range(0, backlog, 50_000):
+            nones = (None for _ in range(min(50_000, backlog - start)))
+            Job.objects.bulk_enqueue(NOOP, nones, queue=queue)
     with cluster.connect() as conn:
         conn.execute("VACUUM ANALYZE pgjobs_job")
         conn.execute("CHECKPOINT")
@@ -698,17 +658,19 @@ def yield_case(
     )  # fmt: skip
     stop = threading.Event()
     producer = NamedProducer(rate, stop)
-    worker = None
+    running: list[subprocess.Popen[bytes]] = []
     events: dict[str, float] = {"monitor": time.time()}
     prefix = cluster.root / f"yield-{case}"
     try:
         time.sleep(2.0)  # the idle baseline: neither OLTP nor the queue
         if backlog or rate:
             args = ["--no-yield"] if no_yield and runjobs_has("--no-yield", cluster) else []
-            log = logs / f"yield-{case}.log"
-            worker = start_worker(cluster, args, log)
-            if not wait_for(lambda: "started" in log.read_text(), 30):
-                raise RuntimeError(f"the worker did not start: see {log}")
+            args += [f"--queue={queue}" for queue in queues]
+            for n, more in enumerate(workers):
+                log = logs / f"yield-{case}-{n}.log"
+                running.append(start_worker(cluster, [*args, *more], log, **(env or {})))
+                if not wait_for(lambda log=log: "started" in log.read_text(), 30):
+                    raise RuntimeError(f"the worker did not start: see {log}")
             events["worker"] = time.time()
         if rate:
             producer.start()
@@ -716,8 +678,9 @@ def yield_case(
         on, off, end = step or (2.0, 2.0 + seconds, 2.0 + seconds)
         time.sleep(max(0.0, origin + on - time.time()))
         events["oltp_on"] = time.time()
+        throttle = [] if limit is None else ["-R", f"{limit:.0f}"]
         output = cluster.pgbench(["-n", "-c", str(clients), "-j", str(min(clients, 2)),
-                                  "-T", str(int(off - on)), "-R", f"{limit:.0f}", "-l",
+                                  "-T", str(int(off - on)), *throttle, "-l",
                                   f"--log-prefix={prefix}"])  # fmt: skip
         events["oltp_off"] = time.time()
         time.sleep(max(0.0, origin + end - time.time()))
@@ -728,8 +691,9 @@ def yield_case(
             producer.join()
         monitor.send_signal(signal.SIGTERM)
         monitor.wait(30)
-        if worker is not None:
+        for worker in running:
             worker.send_signal(signal.SIGTERM)
+        for worker in running:
             worker.wait(60)
     transactions = []  # (completed at, latency in ms)
     for path in cluster.root.glob(f"{prefix.name}.*"):
@@ -753,15 +717,26 @@ def yield_case(
             "AND (finished_at IS NULL OR finished_at > to_timestamp(%(off)s))",
             {"off": events["oltp_off"]},
         ).fetchone()
+        window = {"on": events["oltp_on"], "off": events["oltp_off"]}
+        per_queue = dict(conn.execute(
+            "SELECT queue, count(*) FROM pgjobs_job WHERE finished_at >= to_timestamp(%(on)s) "
+            "AND finished_at < to_timestamp(%(off)s) GROUP BY queue", window,
+        ).fetchall())  # fmt: skip
+        # A worker's children claim under their own ids: the jobs each process finished.
+        per_worker = dict(conn.execute(
+            "SELECT worker, count(*) FROM pgjobs_job WHERE finished_at >= to_timestamp(%(on)s) "
+            "AND finished_at < to_timestamp(%(off)s) GROUP BY worker", window,
+        ).fetchall())  # fmt: skip
     assert row is not None and left is not None
-    window = events["oltp_off"] - events["oltp_on"]
     _write_seconds(series, transactions, finished, events)
     latencies = [ms for _, ms in transactions]
+    span = events["oltp_off"] - events["oltp_on"]
     return Yielded(
         case, tps(output), percentile(latencies, 50), percentile(latencies, 99),
-        int(row[0]) / window if worker else float("nan"), int(left[0]),
-        (load_before, os.getloadavg()[0]),
-        events, samples, series,
+        int(row[0]) / span if running else float("nan"), int(left[0]),
+        (load_before, os.getloadavg()[0]), events, samples, series,
+        {queue: count / span for queue, count in per_queue.items()},
+        {str(worker): int(count) for worker, count in per_worker.items()},
     )  # fmt: skip
 
 

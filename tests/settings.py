@@ -97,6 +97,8 @@ if os.environ.get("PGJOBS_TEST_TIMEOUT"):  # PGJOBS["TIMEOUT"], seconds
 if os.environ.get("PGJOBS_TEST_PERIODIC"):
     PGJOBS["PERIODIC"] = json.loads(os.environ["PGJOBS_TEST_PERIODIC"])
 # The NATS tests' runjobs and relayjobs processes: the queues NATS carries, and its server.
+if os.environ.get("PGJOBS_TEST_YIELD"):  # the yielding crash tests' YIELD_* settings
+    PGJOBS.update(json.loads(os.environ["PGJOBS_TEST_YIELD"]))
 if os.environ.get("PGJOBS_TEST_QUEUES"):
     PGJOBS["QUEUES"] = json.loads(os.environ["PGJOBS_TEST_QUEUES"])
     PGJOBS["NATS"] = json.loads(os.environ.get("PGJOBS_TEST_NATS_SETTINGS", "{}"))

@@ -1,5 +1,6 @@
-"""The health report's charts: throughput, claim latency (p50, p95), retries and failures per
-queue over the last hour and the last day, from the QueueStat rows workers write.
+"""The health report's charts: throughput, claim latency (p50, p95), retries, failures and
+yielding (the rate claimed, and the rate allowed while yielding) per queue over the last hour
+and the last day, from the QueueStat rows workers write.
 
 Drawn on the server as inline SVG (no script), coloured with the admin's CSS variables so that
 they read in its light and dark themes; each chart has a table of its numbers.
@@ -40,7 +41,8 @@ _HISTOGRAM = ", ".join(
 )
 SERIES_SQL = f"""
     SELECT queue, floor(EXTRACT(EPOCH FROM at) / %(step)s)::bigint AS slot,
-           sum(succeeded), sum(retried), sum(failed), {_HISTOGRAM}
+           sum(succeeded), sum(retried), sum(failed), sum(claimed),
+           sum(allowed * seconds) FILTER (WHERE allowed IS NOT NULL), {_HISTOGRAM}
     FROM pgjobs_queuestat
     WHERE at > %(since)s AND at <= %(now)s
     GROUP BY 1, 2
@@ -137,8 +139,8 @@ def windows(db: str | None = None) -> list[dict[str, Any]]:
 
 
 def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> list[Any]:
-    """The four charts of one window from its rows (queue, slot, succeeded, retried, failed,
-    histogram...)."""
+    """The five charts of one window from its rows (queue, slot, succeeded, retried, failed,
+    claimed, allowed jobs while yielding, histogram...)."""
     last = math.floor(now.timestamp() / step)
     slots = list(range(last - span // step + 1, last + 1))
     by_queue: dict[str, dict[int, tuple[Any, ...]]] = {}
@@ -149,6 +151,9 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
         "latency": Chart(_("Claim latency, p50 and p95 (dashed)"), "s", slots, step),
         "retries": Chart(_("Retries"), _("per point"), slots, step),
         "failures": Chart(_("Failures (dead letters)"), _("per point"), slots, step),
+        "yielding": Chart(
+            _("Claimed, and allowed while yielding (dashed)"), _("jobs/s"), slots, step
+        ),
     }
     for number, (queue, by_slot) in enumerate(sorted(by_queue.items())):
         colour = COLOURS[number % len(COLOURS)]
@@ -160,6 +165,13 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
             ("failures", [None if f is None else float(f[2]) for f in at]),
         ):
             made[name].series.append({**line, "values": values})
+        made["yielding"].series += [
+            {**line, "values": [None if f is None else f[3] / step for f in at]},
+            {
+                **line, "name": f"{queue} allowed", "dashed": True,
+                "values": [None if f is None or f[4] is None else f[4] / step for f in at],
+            },
+        ]  # fmt: skip
         for quantile, dashed in ((0.5, False), (0.95, True)):
             made["latency"].series.append({
                 **line, "name": f"{queue} p{round(quantile * 100)}", "dashed": dashed,
@@ -169,4 +181,4 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
 
 
 def latency(figures: tuple[Any, ...], quantile: float) -> float | None:
-    return latency_quantile([int(n) for n in figures[3:]], quantile)
+    return latency_quantile([int(n) for n in figures[5:]], quantile)

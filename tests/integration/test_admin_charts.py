@@ -35,11 +35,12 @@ def test_the_report_draws_throughput_latency_retries_and_failures_per_queue(admi
     hour, day = admin_client.get(REPORT).context["charts"]
     assert [d["chart"].title for d in hour["charts"]] == [
         "Throughput", "Claim latency, p50 and p95 (dashed)", "Retries", "Failures (dead letters)",
+        "Claimed, and allowed while yielding (dashed)",
     ]  # fmt: skip
     throughput = hour["charts"][0]["chart"]
     assert [s["name"] for s in throughput.series] == ["emails", "reports"]
     assert max(v for v in throughput.series[0]["values"] if v is not None) == 120
-    assert content.count("<svg viewBox") == 8
+    assert content.count("<svg viewBox") == 10
     assert "<script" not in content.split('id="charts-1"')[1].split("Queues now")[0]
     # The numbers: on hover (<title>) and in a table.
     assert "emails · " in text and " · 120 jobs/min</title>" in text
@@ -76,3 +77,24 @@ def test_queue_names_in_the_charts_are_escaped(admin_client):
 
 def test_axes_are_rounded_up_to_one_two_or_five_times_a_power_of_ten():
     assert [charts.nice(v) for v in (0, 0.03, 1, 1.2, 3, 7, 120)] == [1, 0.05, 1, 2, 5, 10, 200]
+
+
+def test_the_yielding_chart_draws_the_rate_claimed_and_the_rate_allowed_while_yielding(
+    admin_client,
+):
+    # Two workers in one minute: one claimed 6,000 jobs yielding at 100 jobs/s allowed for 60 s,
+    # the other 1,200 without yielding.
+    stat(1, claimed=6000, allowed=100.0, yielded=60.0, open_ms=4.0, baseline_ms=2.0)
+    QueueStat.objects.create(
+        at=timezone.now() - timedelta(minutes=1), seconds=60, worker="web-2:8", queue="emails",
+        claimed=1200,
+    )  # fmt: skip
+    stat(1, queue="reports", claimed=60)
+    hour = admin_client.get(REPORT).context["charts"][0]
+    chart = hour["charts"][4]["chart"]
+    named = {s["name"]: s for s in chart.series}
+    assert set(named) == {"emails", "emails allowed", "reports", "reports allowed"}
+    assert max(v for v in named["emails"]["values"] if v is not None) == 120  # 7,200 a minute
+    assert max(v for v in named["emails allowed"]["values"] if v is not None) == 100
+    assert named["emails allowed"]["dashed"] and not named["emails"]["dashed"]
+    assert all(v is None for v in named["reports allowed"]["values"])  # never yielded

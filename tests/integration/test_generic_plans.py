@@ -27,7 +27,8 @@ SAMPLES: dict[str, Any] = {
     "headers": None, "id": uuid.uuid4(), "ids": [uuid.uuid4()], "lease": 60.0, "limit": 100,
     "max_attempts": 3, "payload": "{}", "permanent": [False], "priority": 0,
     "progress": [None], "queue": "default", "queues": ["default"], "reason": "gone",
-    "results": [None], "rooms": [100], "run_at": None, "spared_claims": [1], "spared_ids": [uuid.uuid4()],
+    "results": [None], "rooms": [100], "run_at": None, "spared_claims": [1],
+    "spared_ids": [uuid.uuid4()],
     "succeeded_claims": [1], "succeeded_ids": [uuid.uuid4()], "succeeded_progress": [None],
     "summaries": ["boom"], "task": "tests.tasks.noop", "unique_key": None, "worker": "w1",
 }  # fmt: skip
