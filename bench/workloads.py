@@ -603,6 +603,8 @@ class Yielded:
     #: Jobs/s finished over the OLTP window, per queue; and jobs finished per worker.
     queues: dict[str, float] = field(default_factory=dict)
     workers: dict[str, int] = field(default_factory=dict)
+    #: OLTP's transactions: (completed at, epoch seconds; latency, ms).
+    transactions: list[tuple[float, float]] = field(default_factory=list)
 
 
 _RUNJOBS_HELP: list[str] = []
@@ -736,7 +738,7 @@ def yield_case(
         int(row[0]) / span if running else float("nan"), int(left[0]),
         (load_before, os.getloadavg()[0]), events, samples, series,
         {queue: count / span for queue, count in per_queue.items()},
-        {str(worker): int(count) for worker, count in per_worker.items()},
+        {str(worker): int(count) for worker, count in per_worker.items()}, transactions,
     )  # fmt: skip
 
 

@@ -52,14 +52,18 @@ def _seconds(series: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(rows))
 
 
-def p99_between(series: Path, start: float, end: float) -> float:
-    """The largest per-second OLTP p99 from `start` to `end` (epoch seconds)."""
-    values = [
-        float(row["oltp_p99_ms"])
-        for row in _seconds(series)
-        if start <= int(row["second"]) < end and row["oltp_p99_ms"]
-    ]
-    return max(values) if values else float("nan")
+def p99_within(
+    transactions: list[tuple[float, float]], start: float, end: float, target: float
+) -> float | None:
+    """Seconds from `start` until the p99 of every transaction completed from then to `end`
+    is at most `target` (ms), in steps of a second; None if never."""
+    from bench.workloads import percentile
+
+    for after in range(int(end - start)):
+        later = [ms for at, ms in transactions if start + after <= at < end]
+        if len(later) >= 100 and percentile(later, 99) <= target:
+            return float(after)
+    return None
 
 
 def jobs_per_second(series: Path, start: float, end: float) -> float:
@@ -160,11 +164,8 @@ def _step(case: Any, sizes: Any, runs: int, row: Any) -> list[Any]:
         result = case(f"step-{n}", backlog=sizes.step_backlog, step=sizes.step)
         events, series = result.events, result.series
         before = jobs_per_second(series, events["worker"] + 1, events["oltp_on"])
-        target = 1.5 * normal.p99
-        on_after.append(settled_after(
-            series, events["oltp_on"], events["oltp_off"] - 1,
-            lambda r, target=target: not r["oltp_p99_ms"] or float(r["oltp_p99_ms"]) <= target,
-        ))  # fmt: skip
+        on_after.append(p99_within(result.transactions, events["oltp_on"],
+                                   events["oltp_off"], 1.5 * normal.p99))  # fmt: skip
         off_after.append(settled_after(
             series, events["oltp_off"], events["end"] - 1,
             lambda r, before=before: int(r["jobs_finished"]) >= 0.9 * before,

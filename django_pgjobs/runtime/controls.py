@@ -55,7 +55,7 @@ class QueueControls:
     def admit(self, wanted: int) -> int:
         """How many of `wanted` jobs this turn's claim may take: each queue's share in `rooms`
         (what its yielding allows, or all), and their sum (at most `wanted`)."""
-        groups: dict[int, int] = {}
+        groups: dict[Yielding, int] = {}  # each group's room, shared by its queues
         free = 0
         self.rooms = {}
         for queue in [*self.open, *self.limited]:
@@ -63,9 +63,9 @@ class QueueControls:
             if group is None:
                 self.rooms[queue] = free = wanted
             else:
-                if id(group) not in groups:
-                    groups[id(group)] = group.room(wanted)
-                self.rooms[queue] = groups[id(group)]
+                if group not in groups:
+                    groups[group] = group.room(wanted)
+                self.rooms[queue] = groups[group]
         if not groups:
             return wanted
         return min(wanted, free + sum(groups.values()))
@@ -243,6 +243,7 @@ class Yielding:
         self._held = False  # in this window, the worker wanted more than it allowed
         self._unused = 0
         self._over = 0  # windows over the budget in a row
+        self.usual: float | None = None  # jobs/s it claimed while it kept up, averaged
 
     def limit(self) -> float | None:
         """The rate allowed now (jobs/s), None for none."""
@@ -280,16 +281,14 @@ class Yielding:
         times as long, there are k times as many open, each k times as old: k² in all."""
         return baseline * (1 + (self.budget - 1) * share) ** 2 + SLACK
 
-    def judge(self, signal: float, baseline: float | None) -> str | None:
+    def judge(self, signal: float, baseline: float | None, kept_up: bool = False) -> str | None:
         """A window ended with the smoothed `signal` and the `baseline` (None: not measured
-        yet). Returns "started" or "stopped" when the worker starts or stops yielding."""
+        yet); `kept_up`: the worker's claims came back short in it (no backlog). Returns
+        "started" or "stopped" when the worker starts or stops yielding."""
         took, held = self._took, self._held
         self._took, self._held = 0, False
-        import os  # EXPERIMENT
-
-        if os.environ.get("PGJOBS_FIXED_RATE"):
-            self.rate = float(os.environ["PGJOBS_FIXED_RATE"])
-            return None
+        if kept_up and self.rate is None:
+            self.usual = _average(self.usual, took / WINDOW, NORMAL)
         if self.rate is not None:
             self.yielded += WINDOW
         over = baseline is not None and signal > self.over(baseline)
@@ -297,7 +296,10 @@ class Yielding:
         if over and (self.rate is not None or self._over >= STARTS_AFTER):
             started = self.rate is None
             demand = took / WINDOW
-            self.rate = max(self.floor, min(self.rate or demand, demand) * DECREASE)
+            # Never below the rate of its normal day: yielding slows a backlog's drain, and
+            # must not leave the worker behind what is enqueued every day.
+            lowest = max(self.floor, self.usual or 0.0)
+            self.rate = max(lowest, min(self.rate or demand, demand) * DECREASE)
             self._unused = 0
             if started:
                 self.since = time.time()
@@ -332,7 +334,7 @@ class Gauge(Chore):
         self.signal: float | None = None  # smoothed; seconds
         self.normal: float | None = None  # while the worker kept up, averaged
         self.quiet: float | None = None  # in the probes: their median
-        self.hidden = 0  # sessions of other roles this one may not read, in the last sample
+        self.hidden = 0  # sessions of other roles this one may not read, when first seen
         self._kept_up_at: int | None = None  # the last window in which it kept up
         self._probes: list[float] = []
         self._window: int | None = None
@@ -374,7 +376,14 @@ class Gauge(Chore):
         }
         with connections[self.db].cursor() as cursor:
             cursor.execute(OPEN_TRANSACTIONS, params)
-            epoch, ages, self.hidden = cursor.fetchone()
+            epoch, ages, hidden = cursor.fetchone()
+        if hidden and not self.hidden:
+            log_safely(
+                logger.warning,
+                "%d sessions of other database roles are hidden from this worker's role: it "
+                "cannot yield to them (GRANT pg_read_all_stats TO the workers' role)", hidden,
+            )  # fmt: skip
+        self.hidden = self.hidden or hidden
         self.seen(epoch, ages)
 
     def seen(self, epoch: float, ages: Sequence[float]) -> None:
@@ -430,7 +439,7 @@ class Gauge(Chore):
             self.normal = None  # long ago: the probes say what is usual now
         self.signal = _average(self.signal, mean, SMOOTHING)
         for group in self.groups:
-            change = group.judge(self.signal, self.baseline)
+            change = group.judge(self.signal, self.baseline, kept_up=self._dry)
             if change:
                 _said(group, change, self.signal, self.baseline)
         logger.debug(

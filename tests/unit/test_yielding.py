@@ -253,3 +253,14 @@ def test_without_yielding_queues_the_claim_is_untouched():
     assert queues.admit(100) == 100
     assert queues.next_in(100) == 0
     assert queues.gauge is not None and queues.gauge.groups == []
+
+
+def test_it_never_yields_below_the_rate_of_its_normal_day():
+    # A worker keeping up with 1,000 jobs a second; then the application gets busier by itself.
+    group = Yielding(1.1, 10, ["default"])
+    for _ in range(5):
+        group.took(1000)
+        group.judge(BASE, BASE, kept_up=True)
+    for _ in range(50):
+        window(group, BASE * 10, 1000)
+    assert group.rate == pytest.approx(1000)
