@@ -189,10 +189,13 @@ LONG_TRANSACTION = 5.0
 #: The weight of a window in the smoothed signal: a sample sees a dozen transactions, and one
 #: window's sum swings by a third from the next.
 SMOOTHING = 0.5
-#: Over the budget, the allowed rate shrinks by DECREASE; under half of the budget's margin it
-#: grows by INCREASE, and by the floor in every window under the budget: the additive part is
-#: what brings many workers to equal shares, as it does TCP's flows.
-DECREASE, INCREASE = 0.85, 1.1
+#: Over the budget, the allowed rate shrinks by as much as the signal is over it (limit /
+#: signal), between DECREASE and DECREASE_MOST. Under half of the budget's margin it grows by
+#: INCREASE (INCREASE_QUIET when the signal is under the baseline itself: the application is
+#: quieter than usual), and by the floor in every window under the budget: the additive part
+#: is what brings many workers to equal shares, as it does TCP's flows.
+DECREASE, DECREASE_MOST = 0.9, 0.5
+INCREASE, INCREASE_QUIET = 1.1, 1.5
 #: Seconds the signal may exceed the budget by before it counts: an application with a few
 #: short transactions has a baseline of a few microseconds, and the sampling's noise.
 SLACK = 0.0001
@@ -291,15 +294,20 @@ class Yielding:
             self.usual = _average(self.usual, took / WINDOW, NORMAL)
         if self.rate is not None:
             self.yielded += WINDOW
-        over = baseline is not None and signal > self.over(baseline)
+        limit = None if baseline is None else self.over(baseline)
+        over = limit is not None and signal > limit
         self._over = self._over + 1 if over else 0
-        if over and (self.rate is not None or self._over >= STARTS_AFTER):
+        far = limit is not None and signal > 2 * limit  # not the noise's: at once
+        if over and (self.rate is not None or self._over >= STARTS_AFTER or far):
+            assert limit is not None
             started = self.rate is None
             demand = took / WINDOW
-            # Never below the rate of its normal day: yielding slows a backlog's drain, and
-            # must not leave the worker behind what is enqueued every day.
+            # As much less as it is over, as Gradient2 does, within bounds. Never below the
+            # rate of its normal day: yielding slows a backlog's drain, and must not leave the
+            # worker behind what is enqueued every day.
+            factor = min(DECREASE, max(DECREASE_MOST, limit / signal))
             lowest = max(self.floor, self.usual or 0.0)
-            self.rate = max(lowest, min(self.rate or demand, demand) * DECREASE)
+            self.rate = max(lowest, min(self.rate or demand, demand) * factor)
             self._unused = 0
             if started:
                 self.since = time.time()
@@ -307,8 +315,13 @@ class Yielding:
             return None
         if self.rate is None:
             return None
-        calm = baseline is None or signal < self.over(baseline, share=0.5)
-        self.rate = self.rate * (INCREASE if calm else 1.0) + self.floor
+        if baseline is None or signal < baseline:  # quieter than its baseline: hurry back
+            growth = INCREASE_QUIET
+        elif signal < self.over(baseline, share=0.5):
+            growth = INCREASE
+        else:
+            growth = 1.0
+        self.rate = self.rate * growth + self.floor
         self._unused = 0 if held else self._unused + 1
         if self._unused >= UNUSED_WINDOWS:
             self.rate, self.since = None, None

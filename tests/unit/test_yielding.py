@@ -11,6 +11,7 @@ import pytest
 from django_pgjobs.runtime import controls
 from django_pgjobs.runtime.controls import (
     DECREASE,
+    DECREASE_MOST,
     PROBE_EVERY,
     PROBE_FROM,
     SAMPLE,
@@ -62,7 +63,16 @@ def test_it_starts_yielding_after_windows_over_the_budget_in_a_row():
     results = [window(group, over, 5000) for _ in range(STARTS_AFTER)]
     assert results[:-1] == [None] * (STARTS_AFTER - 1)
     assert results[-1] == "started"
-    assert group.rate == pytest.approx(5000 * DECREASE)
+    limit = group.over(BASE)
+    assert group.rate == pytest.approx(5000 * limit / over)  # as much less as it was over
+
+
+def test_a_signal_far_over_the_budget_starts_at_once_and_at_most_halves_the_rate():
+    group = Yielding(1.1, 10, ["default"])
+    assert window(group, BASE * 100, 5000) == "started"
+    assert group.rate == pytest.approx(5000 * DECREASE_MOST)
+    window(group, group.over(BASE) * 1.01, int(group.rate))
+    assert group.rate == pytest.approx(5000 * DECREASE_MOST * DECREASE)  # a little over: -10%
 
 
 def test_one_window_over_the_budget_is_not_enough():
