@@ -56,7 +56,7 @@ class Settings:
     #: multiple of how long they do while the queue holds back, before workers claim fewer jobs
     #: (docs/explanation/yielding.md); None: never yield. A queue's own:
     #: QUEUES[name]["YIELD_BUDGET"].
-    YIELD_BUDGET: float | None = 1.05
+    YIELD_BUDGET: float | None = 1.15
     #: Jobs a second each worker still claims from each queue, however much it yields.
     YIELD_FLOOR: float = 10.0
 
@@ -97,8 +97,8 @@ def budget_problems(where: str, value: Any) -> list[str]:
     ):
         return []
     return [
-        f"{where} must be a number above 1 and at most 1000 (1.05: the application's "
-        f"transactions may stay open 5% longer than usual), or None to never yield, "
+        f"{where} must be a number above 1 and at most 1000 (1.15: the application's "
+        f"transactions may stay open 15% longer than usual), or None to never yield, "
         f"not {value!r}."
     ]
 

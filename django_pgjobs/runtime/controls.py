@@ -186,16 +186,17 @@ SEEN_AT_LEAST = 10
 #: Transactions open longer than this are not the short ones customers wait on (a report, a
 #: migration, a psql session left open): the signal leaves them out.
 LONG_TRANSACTION = 5.0
-#: The weight of a window in the smoothed signal: a sample sees a dozen transactions, and one
-#: window's sum swings by a third from the next.
-SMOOTHING = 0.5
+#: The weight of a window in the smoothed signal: one window's sum swings by a third from the
+#: next, the smoothed signal by a tenth.
+SMOOTHING = 0.3
 #: Over the budget, the allowed rate shrinks by as much as the signal is over it (limit /
 #: signal), between DECREASE and DECREASE_MOST. Under half of the budget's margin it grows by
-#: INCREASE (INCREASE_QUIET when the signal is under the baseline itself: the application is
-#: quieter than usual), and by the floor in every window under the budget: the additive part
-#: is what brings many workers to equal shares, as it does TCP's flows.
+#: INCREASE (INCREASE_QUIET when the signal is under QUIET times the baseline: the application
+#: mostly went away; a window's noise is a third of it), and by the floor in every window under
+#: the budget: the additive part is what brings many workers to equal shares, as it does TCP's
+#: flows.
 DECREASE, DECREASE_MOST = 0.9, 0.5
-INCREASE, INCREASE_QUIET = 1.1, 1.5
+INCREASE, INCREASE_QUIET, QUIET = 1.2, 1.5, 0.5
 #: Seconds the signal may exceed the budget by before it counts: an application with a few
 #: short transactions has a baseline of a few microseconds, and the sampling's noise.
 SLACK = 0.0001
@@ -315,7 +316,7 @@ class Yielding:
             return None
         if self.rate is None:
             return None
-        if baseline is None or signal < baseline:  # quieter than its baseline: hurry back
+        if baseline is None or signal < baseline * QUIET:  # the application mostly went away
             growth = INCREASE_QUIET
         elif signal < self.over(baseline, share=0.5):
             growth = INCREASE
