@@ -113,7 +113,7 @@ class QueueYield:
             return f"not yielding ({signal})" if signal else "not yielding"
         workers = "" if self.workers == 1 else f"{self.yielding} of {self.workers} workers, "
         return (
-            f"yielding ({workers}{self.yielded:.0%} of the last minute): {signal}; "
+            f"yielding ({workers}{self.yielded:.0%} of their last reports' time): {signal}; "
             f"allowed {self.allowed or 0:,.0f} jobs/s, claiming {self.claimed:,.0f} jobs/s"
         )
 

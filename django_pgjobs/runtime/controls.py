@@ -217,7 +217,8 @@ OPEN_TRANSACTIONS = """
     SELECT extract(epoch FROM clock_timestamp())::float8,
            coalesce(array_agg(extract(epoch FROM clock_timestamp() - xact_start)::float8)
                     FILTER (WHERE state IS NOT NULL), '{}'),
-           count(*) FILTER (WHERE state IS NULL)
+           count(*) FILTER (WHERE state IS NULL
+                            AND NOT pg_has_role(current_user, 'pg_read_all_stats', 'USAGE'))
     FROM pg_stat_activity
     WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()
       AND datname = current_database()
@@ -394,7 +395,7 @@ class Gauge(Chore):
         if hidden and not self.hidden:
             log_safely(
                 logger.warning,
-                "%d sessions of other database roles are hidden from this worker's role: it "
+                "sessions of other database roles (%d) are hidden from this worker's role: it "
                 "cannot yield to them (GRANT pg_read_all_stats TO the workers' role)", hidden,
             )  # fmt: skip
         self.hidden = self.hidden or hidden
@@ -425,13 +426,15 @@ class Gauge(Chore):
 
     def _start(self, window: int) -> None:
         kept_up = self._kept_up_at is not None and window - self._kept_up_at < PROBE_EVERY
-        if kept_up:
+        # Probes only while the application is there: with nothing to yield to, a probe would
+        # only slow the queue (a drain's first second, at its floor).
+        present = self._window is not None and self._seen >= SEEN_AT_LEAST
+        if kept_up or not present:
             self._probe_at = None
-        elif self._probe_at is None or self._probe_at < window or self.baseline is None:
-            # With no baseline, a probe as soon as the application is seen; then every
-            # PROBE_EVERY windows, all workers together.
-            now = self.baseline is None and (self._window is None or self._seen >= SEEN_AT_LEAST)
-            self._probe_at = window if now else window + (-window % PROBE_EVERY)
+        elif self.baseline is None:
+            self._probe_at = window  # none yet: at once
+        elif self._probe_at is None or self._probe_at < window:
+            self._probe_at = window + (-window % PROBE_EVERY)  # all workers together
         self._window, self._sums, self._probed, self._seen = window, [], [], 0
         self._dry = False
         for group in self.groups:

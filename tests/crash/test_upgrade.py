@@ -75,8 +75,9 @@ def _forget_0012(database: str) -> None:
 
 
 def test_an_install_whose_0008_built_the_scheduled_indexes_keeps_them(old_install):
-    # An earlier release's 0008 built what 0012 builds now: the same schema, 0012 not recorded.
-    assert manage(old_install, "migrate").returncode == 0
+    # An earlier release's 0008 built what 0012 builds now: the same schema, 0012 not recorded
+    # (nor anything after it).
+    assert manage(old_install, "migrate", "pgjobs", "0012").returncode == 0
     built = _indexes(old_install)
     _forget_0012(old_install)
 
@@ -87,7 +88,7 @@ def test_an_install_whose_0008_built_the_scheduled_indexes_keeps_them(old_instal
 
 
 def test_scheduled_indexes_stopped_part_way_are_finished_by_the_next_migrate(old_install):
-    assert manage(old_install, "migrate").returncode == 0
+    assert manage(old_install, "migrate", "pgjobs", "0012").returncode == 0
     with psycopg.connect(**{**connection_kwargs(), "dbname": old_install}, autocommit=True) as db:
         db.execute(
             "INSERT INTO pgjobs_job (id, queue, task, payload, max_attempts) "

@@ -107,7 +107,7 @@ def test_jobstats_and_the_gauges_say_how_each_queue_yields():
         text, report = _jobstats(), json.loads(_jobstats("--json"))
     assert "yielding to the application" in text
     line = next(x for x in text.splitlines() if x.startswith("default ") and "yielding" in x)
-    assert "1 of 2 workers" in line and "30% of the last minute" in line
+    assert "1 of 2 workers" in line and "30% of their last reports' time" in line
     assert "allowed 2,500 jobs/s, claiming 3,000 jobs/s" in line
     assert "4.1 ms against a baseline of 2.0 ms" in line
     assert "emails               never yields" in text

@@ -160,8 +160,8 @@ def test_the_first_probe_comes_once_the_application_is_seen_and_measures_the_bas
     gauge = Gauge("default", [group])
     ages = [0.0002] * 12  # 12 open transactions, 2.4 ms in all
     start = quiet_windows_start() + 3 * WINDOW
-    at = run(gauge, start, WINDOW, [])  # the first window probes: nothing of the application
-    assert gauge.baseline is None
+    at = run(gauge, start, WINDOW, [])  # nothing of the application: no probe
+    assert gauge.probing() is False
     at = run(gauge, at, WINDOW, ages)  # the application seen: the next window probes
     assert gauge.probing() is False
     at = run(gauge, at, WINDOW * PROBE_FROM, [0.005] * 12)  # the jobs claimed before, finishing
@@ -194,10 +194,10 @@ def test_while_the_worker_keeps_up_its_normal_day_is_the_baseline_and_nothing_pr
     group = Yielding(1.1, 10, ["default"])
     gauge = Gauge("default", [group])
     at = quiet_windows_start() + WINDOW
-    for n in range(3 * PROBE_EVERY):
+    for _ in range(3 * PROBE_EVERY):
         gauge.wanted(dry=True)
         at = run(gauge, at, WINDOW, [0.0003] * 10)
-        assert gauge.probing() == (n == 0)  # with no baseline at all, the first window probes
+        assert not gauge.probing()
     assert gauge.normal == pytest.approx(0.003)
     assert gauge.baseline == pytest.approx(0.003)
     assert group.rate is None
@@ -274,3 +274,13 @@ def test_it_never_yields_below_the_rate_of_its_normal_day():
     for _ in range(50):
         window(group, BASE * 10, 1000)
     assert group.rate == pytest.approx(1000)
+
+
+def test_nothing_probes_while_the_application_is_not_there():
+    # A drain with no application beside it: a probe would only hold its first second back.
+    group = Yielding(1.1, 10, ["default"])
+    gauge = Gauge("default", [group])
+    at = quiet_windows_start()
+    for _ in range(2 * PROBE_EVERY):
+        at = run(gauge, at, WINDOW, [])
+        assert not gauge.probing() and group.limit() is None
