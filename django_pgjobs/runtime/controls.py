@@ -171,6 +171,9 @@ class QueueControls:
 #: yields; each WINDOW of the database's clock is judged at its end, so that every worker's
 #: windows line up.
 SAMPLE, WINDOW = 0.05, 1.0
+#: Until a window has seen the application, only every SAMPLE_ABSENT seconds: a drain with
+#: nothing beside it pays for a few reads a second, not twenty.
+SAMPLE_ABSENT = 0.25
 #: Every PROBE_EVERY windows, every worker holds its yielding queues at their floor for one
 #: window (the same one: the database's clock), and its end (PROBE_FROM onwards, once the jobs
 #: claimed before have finished) measures the baseline afresh. A baseline learned while the
@@ -358,6 +361,7 @@ class Gauge(Chore):
         self._probed: list[float] = []  # per sample, in this window's part that probes
         self._seen = 0  # open transactions seen in this window
         self._dry = False  # in this window, a claim came back short
+        self._present = False  # the last window saw the application
         self._wanted_at = 0.0
 
     @property
@@ -381,7 +385,7 @@ class Gauge(Chore):
             self.pause()
             return float("inf")
         self.sample()
-        return SAMPLE
+        return SAMPLE if self._present else SAMPLE_ABSENT
 
     def sample(self) -> None:
         params: dict[str, float | str] = {
@@ -428,7 +432,7 @@ class Gauge(Chore):
         kept_up = self._kept_up_at is not None and window - self._kept_up_at < PROBE_EVERY
         # Probes only while the application is there: with nothing to yield to, a probe would
         # only slow the queue (a drain's first second, at its floor).
-        present = self._window is not None and self._seen >= SEEN_AT_LEAST
+        present = self._present = self._window is not None and self._seen >= self._enough()
         if kept_up or not present:
             self._probe_at = None
         elif self.baseline is None:
@@ -440,9 +444,14 @@ class Gauge(Chore):
         for group in self.groups:
             group.probing = self.probing()
 
+    def _enough(self) -> float:
+        """The open transactions a window must see to say something: SEEN_AT_LEAST over a
+        window of samples, fewer when it was sampled less often."""
+        return SEEN_AT_LEAST * len(self._sums) * SAMPLE / WINDOW
+
     def _close(self, window: int) -> None:
         mean = sum(self._sums) / len(self._sums)
-        present = self._seen >= SEEN_AT_LEAST
+        present = self._seen >= self._enough()
         if self.probing():
             if self._probed and present:
                 self._quiet(sum(self._probed) / len(self._probed))

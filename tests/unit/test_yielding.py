@@ -284,3 +284,13 @@ def test_nothing_probes_while_the_application_is_not_there():
     for _ in range(2 * PROBE_EVERY):
         at = run(gauge, at, WINDOW, [])
         assert not gauge.probing() and group.limit() is None
+
+
+def test_it_reads_a_few_times_a_second_until_the_application_is_seen():
+    gauge = Gauge("default", [Yielding(1.1, 10, ["default"])])
+    gauge.sample = lambda: None  # type: ignore[method-assign]  # no database here
+    gauge.wanted()
+    assert gauge.run() == controls.SAMPLE_ABSENT
+    at = run(gauge, quiet_windows_start() + WINDOW, WINDOW, [0.0002] * 3)  # 60 seen
+    run(gauge, at, controls.SAMPLE, [])  # the next window: the last one saw it
+    assert gauge.run() == SAMPLE
