@@ -90,7 +90,10 @@ if django.VERSION >= (6, 1):
 # The admin tests log users in by the dozen; the default hasher's cost is meant for production.
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05}
+# Workers yield to the application only in the tests about it, which set a budget: elsewhere
+# the tests' own sessions, holding transactions on purpose, would read as an application to
+# yield to, and slow every other test's workers.
+PGJOBS = {"BACKOFF_BASE": 0.01, "BACKOFF_MAX": 0.05, "YIELD_BUDGET": None}
 # The schedules of the periodic crash tests' runjobs processes.
 if os.environ.get("PGJOBS_TEST_TIMEOUT"):  # PGJOBS["TIMEOUT"], seconds
     PGJOBS["TIMEOUT"] = float(os.environ["PGJOBS_TEST_TIMEOUT"])

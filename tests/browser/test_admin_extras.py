@@ -37,6 +37,9 @@ def worker_history() -> None:
             claimed=300 if busy else 40, succeeded=290 if busy else 40,
             retried=12 if busy else 0, failed=3 if busy and minute % 3 == 0 else 0,
             latency_buckets=[0, 0, 5, 20, 200, 60, 15] if busy else [30, 10],
+            # Yielding to the application through the burst, at 5 jobs/s.
+            yielded=60.0 if busy else 0.0, allowed=5.0 if busy else None,
+            open_ms=4.2 if busy else 1.9, baseline_ms=2.0,
         )  # fmt: skip
         QueueStat.objects.create(
             at=now - timedelta(minutes=minute, seconds=20), seconds=60, worker="web-2:9:b",
@@ -52,7 +55,12 @@ def test_the_health_report_draws_its_charts_with_their_numbers_in_both_themes(
 
     hour = page.locator("#charts-1")
     expect()(hour.locator("h2")).to_have_text("Last hour")
-    expect()(hour.locator("figure")).to_have_count(4)
+    expect()(hour.locator("figure")).to_have_count(5)
+    yielding = hour.locator("figure").nth(4)
+    expect()(yielding.locator("figcaption")).to_contain_text("allowed while yielding")
+    expect()(yielding.locator("polyline")).to_have_count(3)  # claimed ×2, emails' allowed
+    yielding.scroll_into_view_if_needed()
+    yielding.screenshot(path=shots_dir(tmp_path) / "admin-health-yielding.png")
     throughput = hour.locator("figure").first
     expect()(throughput.locator("polyline")).to_have_count(2)  # a line per queue
     expect()(throughput.locator("circle title").first).to_contain_text("jobs/min")

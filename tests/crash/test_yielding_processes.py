@@ -21,7 +21,7 @@ from tests.conftest import connection_kwargs, wait_until
 pytestmark = pytest.mark.django_db(transaction=True)
 
 YIELDING = "yielding to the application"
-ENV = {"PGJOBS_TEST_YIELD": json.dumps({"YIELD_FLOOR": 20})}
+ENV = {"PGJOBS_TEST_YIELD": json.dumps({"YIELD_BUDGET": 1.15, "YIELD_FLOOR": 20})}
 
 
 class Application:

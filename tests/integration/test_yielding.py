@@ -71,7 +71,8 @@ def test_each_queue_takes_at_most_its_room_in_one_claim():
 def test_a_yielding_worker_claims_at_its_rate_and_a_never_yield_queue_beside_it_at_full_speed():
     Job.objects.bulk_enqueue("tests.tasks.noop", [None] * 400, queue="slow")
     Job.objects.bulk_enqueue("tests.tasks.noop", [None] * 400, queue="urgent")
-    with override_settings(PGJOBS={"QUEUES": {"urgent": {"YIELD_BUDGET": None}}}):
+    settings = {"YIELD_BUDGET": 1.15, "QUEUES": {"urgent": {"YIELD_BUDGET": None}}}
+    with override_settings(PGJOBS=settings):
         worker = Worker(Options(queues=["slow", "urgent"], concurrency=4, listen=False))
     group = worker.controls.yielding["slow"]
     assert "urgent" not in worker.controls.yielding
@@ -103,7 +104,8 @@ def test_jobstats_and_the_gauges_say_how_each_queue_yields():
     )  # fmt: skip
     QueueStat.objects.create(seconds=10, worker="w2", queue="default", claimed=10_000)
     QueueStat.objects.create(seconds=10, worker="w1", queue="emails", claimed=10)
-    with override_settings(PGJOBS={"QUEUES": {"emails": {"YIELD_BUDGET": None}}}):
+    settings = {"YIELD_BUDGET": 1.15, "QUEUES": {"emails": {"YIELD_BUDGET": None}}}
+    with override_settings(PGJOBS=settings):
         text, report = _jobstats(), json.loads(_jobstats("--json"))
     assert "yielding to the application" in text
     line = next(x for x in text.splitlines() if x.startswith("default ") and "yielding" in x)
