@@ -177,8 +177,8 @@ SAMPLE_ABSENT = 0.25
 #: Every PROBE_EVERY windows, every worker holds its yielding queues at their floor for one
 #: window (the same one: the database's clock), and its end (PROBE_FROM onwards, once the jobs
 #: claimed before have finished) measures the baseline afresh. A baseline learned while the
-#: queue loads the database would excuse that load. The baseline is the median of the last
-#: PROBES_KEPT probes.
+#: queue loads the database would excuse that load. The quiet level is the lower median of the
+#: last PROBES_KEPT probes (a window held at the floor counts as one).
 PROBE_EVERY, PROBE_FROM, PROBES_KEPT = 30, 0.4, 5
 #: The weight of a window in which the worker kept up in the normal day's average, and how
 #: many windows that average is kept after the worker last kept up (the probes' then).
@@ -236,8 +236,9 @@ OPEN_TRANSACTIONS = """
 class Yielding:
     """How many jobs a second a worker claims from the queues that yield with `budget`, at least
     `floor` (docs/explanation/yielding.md): no limit until the application's open transactions
-    add up to more than `budget` times their baseline, then a rate that shrinks while they do
-    and grows back while they do not, lifted once the worker no longer uses it all."""
+    add up to more than their baseline × budget² (each open `budget` times as long), then a rate
+    that shrinks while they do and grows back while they do not, lifted once the worker no
+    longer uses it all."""
 
     def __init__(self, budget: float, floor: float, queues: Sequence[str]) -> None:
         self.budget, self.floor, self.queues = budget, floor * len(queues), list(queues)
