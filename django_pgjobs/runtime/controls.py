@@ -245,7 +245,6 @@ class Yielding:
         self.rate: float | None = None  # jobs/s; None: not yielding
         self.probing = False
         self.tokens = 0.0
-        self.since: float | None = None  # time.time() it started yielding
         self.yielded = 0.0  # seconds spent yielding, since the last report
         self._filled = time.monotonic()
         self._took = 0  # in this window
@@ -316,7 +315,6 @@ class Yielding:
             self.rate = max(lowest, min(self.rate or demand, demand) * factor)
             self._unused = 0
             if started:
-                self.since = time.time()
                 return "started"
             return None
         if self.rate is None:
@@ -330,7 +328,7 @@ class Yielding:
         self.rate = self.rate * growth + self.floor
         self._unused = 0 if held else self._unused + 1
         if self._unused >= UNUSED_WINDOWS:
-            self.rate, self.since = None, None
+            self.rate = None
             return "stopped"
         return None
 
