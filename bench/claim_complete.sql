@@ -1,15 +1,16 @@
 -- The raw claim (the seed's UPDATE over a FOR UPDATE SKIP LOCKED subquery) of :batch jobs,
 -- then their guarded completion in one UPDATE: two transactions, like a worker's claim + settle.
--- `NOT scheduled` is part of the claim index's predicate (migration 0008): without it the claim
--- cannot use that index, and each one read and sorted the whole table (the ceilings measured
--- from 0008 until this line was added were that plan's).
+-- `NOT scheduled` and `limit_key IS NULL` are part of the claim index's predicate (migrations
+-- 0012 and 0015): without them the claim cannot use that index, and each one read and sorted
+-- the whole table (the ceilings measured from 0008 until `NOT scheduled` was added were that
+-- plan's).
 WITH claimed AS (
     UPDATE pgjobs_job AS j
     SET status = 'running', attempts = j.attempts + 1, worker = 'pgbench-' || :client_id,
         leased_until = statement_timestamp() + interval '30 seconds'
     WHERE j.id IN (
         SELECT id FROM pgjobs_job
-        WHERE status = 'ready' AND NOT scheduled AND queue = 'default'
+        WHERE status = 'ready' AND NOT scheduled AND limit_key IS NULL AND queue = 'default'
           AND run_at <= statement_timestamp()
         ORDER BY priority DESC, run_at, id
         LIMIT :batch

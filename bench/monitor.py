@@ -81,7 +81,7 @@ PK_PROBE = "SELECT id FROM pgjobs_job WHERE id = '00000000-0000-0000-0000-000000
 # the entries of jobs claimed since the last vacuum (a worker's claim starts past them).
 HEAD_PROBE = """
     SELECT id FROM pgjobs_job
-    WHERE status = 'ready' AND NOT scheduled AND queue = 'default'
+    WHERE status = 'ready' AND NOT scheduled AND limit_key IS NULL AND queue = 'default'
       AND run_at <= statement_timestamp()
     ORDER BY priority DESC, run_at, id LIMIT 1
 """

@@ -15,6 +15,7 @@ from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.queues import QueueQuerySet
 from django_pgjobs.data.sql import CLAIM_ORDER
 from django_pgjobs.ids import uuid7
+from django_pgjobs.limits import validate_rate
 from django_pgjobs.status import FINISHED, LIVE, Status
 from django_pgjobs.validation import MAX_PRIORITY, MIN_PRIORITY
 
@@ -59,6 +60,10 @@ class Job(models.Model):
     progress = models.JSONField(null=True, blank=True)
     #: Context carried from the enqueue, as message headers are (e.g. a W3C `traceparent`).
     headers = models.JSONField(null=True, blank=True)
+    #: The job's task has limits (@task rate_limit, concurrency_limit, limit_by): the value
+    #: they are held per ("" for the whole task). Such jobs wait in an index of their own, by
+    #: task and key, out of the claim index's way, and are claimed a key at a time (limits.py).
+    limit_key = models.CharField(max_length=200, null=True, blank=True, editable=False)
 
     objects: ClassVar[JobManager] = JobManager()
 
@@ -75,7 +80,20 @@ class Job(models.Model):
             models.Index(
                 fields=["queue", *CLAIM_ORDER],
                 name="pgjobs_job_claim_idx",
-                condition=Q(status=Status.READY, scheduled=False),
+                condition=Q(status=Status.READY, scheduled=False, limit_key__isnull=True),
+            ),
+            # Due jobs of limited tasks, by task and key, each key's in claim order: a claim
+            # finds the keys with due jobs by skipping from one to the next (data/sql.py).
+            models.Index(
+                fields=["queue", "task", "limit_key", *CLAIM_ORDER],
+                name="pgjobs_job_keyed_idx",
+                condition=Q(status=Status.READY, scheduled=False, limit_key__isnull=False),
+            ),
+            # How many of a key's jobs run: a concurrency limit counts them at each claim.
+            models.Index(
+                fields=["task", "limit_key"],
+                name="pgjobs_job_keyed_running_idx",
+                condition=Q(status=Status.RUNNING, limit_key__isnull=False),
             ),
             # Jobs waiting for their run_at, by run_at: the due ones come first.
             models.Index(
@@ -187,8 +205,9 @@ _UNSUPPORTED_FEATURE = frozenset(f"models.W{n:03d}" for n in (27, 36, 37, 38, 39
 
 
 class Queue(models.Model):
-    """A queue's controls, shared by every worker: paused, and how many of its jobs may run at
-    once across all workers. A queue without a row runs unpaused and unlimited."""
+    """A queue's controls, shared by every worker: paused, how many of its jobs may run at once
+    and how many may start per second across all workers. A queue without a row runs unpaused
+    and unlimited."""
 
     name = models.CharField(max_length=100, primary_key=True)
     paused = models.BooleanField(default=False, db_default=False)
@@ -197,6 +216,18 @@ class Queue(models.Model):
         blank=True,
         help_text=_("Most jobs of this queue running at once; empty for no limit."),
     )
+    rate_limit = models.CharField(
+        max_length=20,
+        null=True,
+        blank=True,
+        validators=[validate_rate],
+        help_text=_(
+            "Most jobs of this queue started per second, minute or hour, by all workers "
+            'together, as "10/s", "100/m" or "1000/h"; empty for no limit.'
+        ),
+    )
+    #: When the rate limit's bucket is full again (the database's clock; limits.py).
+    full_at = models.DateTimeField(null=True, blank=True, editable=False)
     updated_at = models.DateTimeField(db_default=Now(), auto_now=True)
 
     objects = QueueQuerySet.as_manager()
@@ -267,6 +298,25 @@ class Schedule(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class Bucket(models.Model):
+    """A limited task's rate limit, for one limit key: when its bucket of starts is full again
+    (the database's clock). Written by the claims that take its starts; a row whose bucket is
+    full says no more than no row, and the pruner deletes those (limits.py)."""
+
+    id = models.BigAutoField(primary_key=True)
+    task = models.CharField(max_length=200)
+    key = models.CharField(max_length=200)
+    full_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["task", "key"], name="pgjobs_bucket_task_key"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task} [{self.key}]"
 
 
 class DeadLetter(Job):

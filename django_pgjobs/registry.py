@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Never, overload
 from django.apps import apps
 from django.conf import settings
 
-from django_pgjobs import validation
+from django_pgjobs import limits, validation
 from django_pgjobs.cron import check_cron
 from django_pgjobs.errors import CelerySpelling, EnqueueError, UnknownTask, celery_spelling
 from django_pgjobs.validation import MAX_SECONDS, check_queue
@@ -45,11 +45,23 @@ class Task:
     redact: frozenset[str] = field(default_factory=frozenset)
     #: A cron expression: run periodically, in TIME_ZONE, with an empty payload (periodic.py).
     cron: str | None = None
+    #: Flow control, held by all workers together (limits.py): starts per second, jobs
+    #: running at once, and what they are held per (a payload argument's name, or a function
+    #: of the payload returning a string; its values also take turns).
+    rate_limit: limits.Rate | None = None
+    concurrency_limit: int | None = None
+    limit_by: limits.LimitBy | None = None
     #: Registered after start-up (see _starting_up), from a module a worker may never import.
     late: bool = field(default=False, compare=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.func(*args, **kwargs)
+
+    @property
+    def limited(self) -> bool:
+        """Whether its jobs are claimed under flow control (each with a limit key)."""
+        return not (self.rate_limit is None and self.concurrency_limit is None
+                    and self.limit_by is None)  # fmt: skip
 
     @cached_property  # asked at every run of the task's jobs; func never changes
     def is_async(self) -> bool:
@@ -158,9 +170,6 @@ _CELERY_OPTIONS = {
     ),
     "soft_time_limit": _TIMEOUT,
     "time_limit": _TIMEOUT,
-    "rate_limit": (
-        "pgjobs has no rate_limit yet: cap a queue with Queue.max_running (docs/howto/controls.md)"
-    ),
 }
 
 
@@ -182,6 +191,9 @@ def task(
     permanent_errors: Collection[type[BaseException]] = (),
     redact: Collection[str] = (),
     cron: str | None = None,
+    rate_limit: str | None = None,
+    concurrency_limit: int | None = None,
+    limit_by: limits.LimitBy | None = None,
 ) -> Callable[[Callable[..., Any]], Task]: ...
 def task(
     func: Callable[..., Any] | None = None,
@@ -197,6 +209,9 @@ def task(
     permanent_errors: Collection[type[BaseException]] = (),
     redact: Collection[str] = (),
     cron: str | None = None,
+    rate_limit: str | None = None,
+    concurrency_limit: int | None = None,
+    limit_by: limits.LimitBy | None = None,
     **celery: Never,
 ) -> Task | Callable[[Callable[..., Any]], Task]:
     """Register a function as a task, by default under its dotted path ``module.function``.
@@ -239,6 +254,9 @@ def task(
             raise ValueError(f"@task: {error}") from None
         if cron is not None:
             check_cron(cron, "@task(cron=...)")
+        rate = (
+            None if rate_limit is None else limits.parse_rate(rate_limit, "@task(rate_limit=...)")
+        )
         registered = Task(
             func=func,
             name=named,
@@ -251,6 +269,11 @@ def task(
             permanent_errors=tuple(permanent_errors),
             redact=frozenset(redact),
             cron=cron,
+            rate_limit=rate,
+            concurrency_limit=(
+                None if concurrency_limit is None else limits.check_concurrency(concurrency_limit)
+            ),
+            limit_by=None if limit_by is None else limits.check_limit_by(limit_by, func),
         )
         existing = _registry.get(registered.name)
         if (existing is None or existing.late) and not _starting_up():

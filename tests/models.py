@@ -17,6 +17,20 @@ class Execution(models.Model):
         return f"run of job n={self.n} in pid {self.pid}"
 
 
+class LimitedRun(models.Model):
+    """One row per run of a limited task's handler (tests/tasks.py), written by the handler: its
+    limit key, when it started and when it ended (the database's clock)."""
+
+    key = models.CharField(max_length=200, db_index=True)
+    n = models.IntegerField()
+    pid = models.IntegerField()
+    started = models.DateTimeField(db_default=Now())
+    ended = models.DateTimeField(null=True)
+
+    def __str__(self) -> str:
+        return f"run of {self.key} n={self.n} in pid {self.pid}"
+
+
 class ChaosExecution(models.Model):
     """The chaos suite's ledger: one row per handler execution, written by the handler itself over
     its own autocommit connection. `ok` is False when the handler then raised or died."""

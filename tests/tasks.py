@@ -95,6 +95,35 @@ def record(n: int, seconds: float = 0.0) -> None:
     time.sleep(seconds)
 
 
+def _limited_run(key: str, n: int, seconds: float) -> None:
+    """Write a LimitedRun row, take `seconds`, then write when it ended."""
+    import os
+    import time
+
+    from django.db.models.functions import Now
+
+    from tests.models import LimitedRun
+
+    run = LimitedRun.objects.create(key=key, n=n, pid=os.getpid())
+    time.sleep(seconds)
+    LimitedRun.objects.filter(pk=run.pk).update(ended=Now())
+
+
+@task(queue="limited", rate_limit="20/s", max_attempts=5)
+def rated(n: int, seconds: float = 0.0) -> None:
+    _limited_run("", n, seconds)
+
+
+@task(queue="limited", concurrency_limit=2, limit_by="customer_id", max_attempts=5)
+def export(customer_id: str, n: int, seconds: float = 0.0) -> None:
+    _limited_run(customer_id, n, seconds)
+
+
+@task(queue="limited", limit_by="customer_id", max_attempts=5)
+def per_customer(customer_id: str, n: int, seconds: float = 0.0) -> None:
+    _limited_run(customer_id, n, seconds)
+
+
 @task(max_attempts=5)
 def until_cancelled(n: int, timeout: float = 30.0) -> None:
     """Write ledger row n, then wait for a cancellation request; when it comes, write row -n

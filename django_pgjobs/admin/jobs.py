@@ -61,7 +61,7 @@ else:
 TRIES = "attempts_display"
 PROGRESS = "progress_display"
 TIMES = ("run_at_display", "created_at_display", "started_at_display", "finished_at_display")
-LEASE = ("worker", "leased_until_display", "cancel_requested", "unique_key")
+LEASE = ("worker", "leased_until_display", "cancel_requested", "unique_key", "limit_key")
 
 
 class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):

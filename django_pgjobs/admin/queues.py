@@ -1,4 +1,5 @@
-"""The admin's Queues (pause, resume, per-queue limits) and the health report page.
+"""The admin's Queues (pause, resume, per-queue limits: max_running, rate_limit) and the health
+report page.
 
 Pausing needs the pgjobs.pause_queue permission, in the list's editable column as in the
 actions, which change queues through Queue.objects and log every queue they changed.
@@ -44,8 +45,8 @@ else:
 
 
 class QueueAdmin(MigrateFirst, ModelAdmin):
-    list_display = ["name", "paused", "max_running", "updated"]
-    list_editable = ["paused", "max_running"]
+    list_display = ["name", "paused", "max_running", "rate_limit", "updated"]
+    list_editable = ["paused", "max_running", "rate_limit"]
     search_fields = ["name"]
     ordering = ["name"]
     actions = ["pause", "resume"]
@@ -167,7 +168,7 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
 
 
 #: The list's editable columns, whose Save is judged against what the page showed.
-GUARDED = ("paused", "max_running")
+GUARDED = ("paused", "max_running", "rate_limit")
 #: The hidden input beside each of them: the value the page showed.
 SHOWN = "{}-shown"
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
-from django_pgjobs import registry, schema, validation
+from django_pgjobs import limits, registry, schema, validation
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows, sql, wakeups
@@ -22,6 +22,7 @@ from django_pgjobs.data.records import NewJob
 from django_pgjobs.errors import EnqueueError, PayloadMismatch
 from django_pgjobs.ids import uuid7, uuid7_batch
 from django_pgjobs.status import Status
+from django_pgjobs.transports import POSTGRES, transport_of
 
 logger = logging.getLogger("django_pgjobs.enqueue")
 
@@ -35,14 +36,15 @@ NEW_JOB: dict[str, Any] = {
     "status": Status.READY.value, "attempts": 0, "leased_until": None, "worker": None,
     "last_error": "", "errors": [], "finished_at": None, "started_at": None,
     "cancel_requested": False, "result": None, "claims": 0, "scheduled": False,
-    "progress": None, "headers": None,
+    "progress": None, "headers": None, "limit_key": None,
 }  # fmt: skip
 
 
 def new_job(task_or_name: Task | str, payload: dict[str, Any] | None, **options: Any) -> NewJob:
     """A job to insert, its options (those of `options_of`) and its payload checked: see there."""
     task, job = options_of(task_or_name, **options)
-    return job._replace(payload_json=payload_texts(task, [payload])[0])
+    text = payload_texts(task, [payload])[0]
+    return job._replace(payload_json=text, limit_key=limit_keys(task, [payload])[0])
 
 
 def options_of(
@@ -70,10 +72,17 @@ def options_of(
         )
     if run_at is not None and delay is not None:
         raise EnqueueError("Pass run_at or delay, not both.")
+    # An empty name is an error, not "the default queue" (`_first`, not `or`).
+    queue = validation.check_queue(_first(queue, task.queue, settings.DEFAULT_QUEUE))
+    if task.limited and transport_of(queue) != POSTGRES:
+        raise EnqueueError(
+            f"task {task.name!r} has limits, which the claim in PostgreSQL holds, but queue "
+            f"{queue!r} is carried by {transport_of(queue)}: enqueue it to a queue of "
+            "PostgreSQL's (queue=...), or drop its limits."
+        )
     return task, NewJob(
         id=uuid7(),
-        # An empty name is an error, not "the default queue" (`_first`, not `or`).
-        queue=validation.check_queue(_first(queue, task.queue, settings.DEFAULT_QUEUE)),
+        queue=queue,
         task=validation.check_task_name(task.name),
         payload_json="{}",
         priority=validation.check_priority(
@@ -119,6 +128,21 @@ def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list
     return texts
 
 
+def limit_keys(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list[str | None]:
+    """Each payload's limit key (limits.key_of); the EnqueueError names the payload's position
+    when there are several."""
+    if not task.limited:
+        return [None] * len(payloads)
+    keys = []
+    for index, payload in enumerate(payloads):
+        try:
+            keys.append(limits.key_of(task, payload or {}))
+        except EnqueueError as error:
+            where = f"payloads[{index}]: " if len(payloads) > 1 else ""
+            raise EnqueueError(where + str(error)) from error.__cause__
+    return keys
+
+
 def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> Job | None:
     """Insert one job (one statement); `payload` is the checked payload its JSON was made from
     (the returned Job holds it). None when its unique_key is held by a live job."""
@@ -128,14 +152,14 @@ def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> J
         "id": job.id, "queue": job.queue, "task": job.task, "payload": job.payload_json,
         "priority": job.priority, "run_at": job.run_at, "delay": job.delay or 0.0,
         "max_attempts": job.max_attempts, "unique_key": job.unique_key,
-        "channel": wakeups.CHANNEL if wake_up else None,
+        "limit_key": job.limit_key, "channel": wakeups.CHANNEL if wake_up else None,
     }  # fmt: skip
     with _sending(job, 1) as headers, schema.migrated():  # a missing table: run migrate
         found = rows.execute(db, statement, params | {"headers": _text(headers)}, binary=True)
     if not found:
         return None  # its unique_key is held by a live job
     ((_, run_at, created_at, scheduled, *_),) = found
-    columns = _columns(job, run_at, created_at, scheduled, headers)
+    columns = _columns(job, run_at, created_at, scheduled, headers) | {"limit_key": job.limit_key}
     return next(rows.new_jobs(model, db, columns, [job.id], [payload]))
 
 
@@ -145,10 +169,12 @@ def insert_many(
     options: NewJob,
     payloads: Sequence[dict[str, Any]],
     texts: Sequence[str],
+    keys: Sequence[str | None],
     batch_size: int,
 ) -> list[Job]:
     """Insert one job of `options` (never with a unique_key) per payload, `batch_size` rows per
-    COPY, in one transaction (the caller's, else its own); `texts` are the payloads' JSON."""
+    COPY, in one transaction (the caller's, else its own); `texts` are the payloads' JSON and
+    `keys` their limit keys."""
     if not payloads:
         return []
     ids = uuid7_batch(len(payloads))
@@ -174,9 +200,12 @@ def insert_many(
                     *(created_at, _text(headers)),
                 )
                 records = (
-                    (job.id, queue, task, text, *rest)
-                    for job, text in zip(_kept(jobs, made), texts[start:end], strict=True)
-                )
+                    (job.id, queue, task, text, *rest, key)
+                    for job, text, key in zip(
+                        _kept(_keyed(jobs, keys[start:end]), made), texts[start:end],
+                        keys[start:end], strict=True,
+                    )
+                )  # fmt: skip
                 rows.copy(db, sql.COPY_JOBS, sql.COPY_JOBS_TYPES, records)
     return made
 
@@ -205,6 +234,13 @@ def _due(job: NewJob) -> str:
     if job.run_at is not None:
         return "run_at"
     return "delay" if job.delay else "now"
+
+
+def _keyed(jobs: Iterator[Job], keys: Sequence[str | None]) -> Iterator[Job]:
+    """Each of `jobs` with its limit key."""
+    for job, key in zip(jobs, keys, strict=True):
+        job.limit_key = key
+        yield job
 
 
 def _kept(jobs: Iterator[Job], into: list[Job]) -> Iterator[Job]:

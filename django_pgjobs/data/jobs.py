@@ -16,6 +16,7 @@ from uuid import UUID
 
 from django.db import connections, models, router, transaction
 
+from django_pgjobs import limits as limits_module
 from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
@@ -24,12 +25,14 @@ from django_pgjobs.data.records import (
     Claim,
     FailedAttempt,
     Failure,
+    Keyed,
     Position,
     Settled,
     TakenBack,
     as_claim,
 )
 from django_pgjobs.errors import EnqueueError
+from django_pgjobs.limits import LOCK_CLASS, TaskLimits
 from django_pgjobs.status import LIVE, Status
 from django_pgjobs.validation import json_text
 
@@ -124,8 +127,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         checked = [{} if payload is None else payload for payload in payloads]
         with enqueue.collector_paused(len(checked)):
             texts = enqueue.payload_texts(registered, checked)
+            keys = enqueue.limit_keys(registered, checked)
             db = self._write_db()
-            jobs = enqueue.insert_many(self.model, db, options, checked, texts, batch_size)
+            jobs = enqueue.insert_many(self.model, db, options, checked, texts, keys, batch_size)
         signals.send(signals.job_enqueued, self.model, jobs=jobs)
         return jobs
 
@@ -208,13 +212,56 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             unread,
         )
 
-    def claim_limited(
-        self, queue: str, *, worker: str, limit: int, lease: float | None = None
-    ) -> list[Job]:
-        """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
-        paused or another session holds its row (never waited for), and never more than its
-        `max_running` jobs running at once across all workers."""
+    def claim_keyed(
+        self,
+        queue: str,
+        limits: TaskLimits,
+        *,
+        worker: str,
+        limit: int,
+        lease: float | None = None,
+        after: tuple[str, str] = ("", ""),
+    ) -> Keyed:
+        """Claim up to `limit` due jobs of limited tasks (those with a limit key) from `queue`
+        under their tasks' `limits`, the keys taking turns from the one after `after` (the
+        `cursor` of the previous claim). Runs in a transaction of its own, unless in one."""
         db = self._write_db()
+        with transaction.atomic(using=db):
+            keys = rows.execute(db, sql.LOCK_KEYS, {
+                "queue": queue, "after_task": after[0], "after_key": after[1],
+                "limit": limit, "locking": limits.locking, "lock_class": LOCK_CLASS,
+            }, binary=True)  # fmt: skip
+            if not keys:
+                return Keyed([], None, after)
+            found = rows.execute(db, sql.CLAIM_KEYED, {
+                "queue": queue, "worker": worker, "limit": limit,
+                "lease": get_settings().LEASE if lease is None else lease,
+                "tasks": [task for task, _ in keys], "keys": [key for _, key in keys],
+                "limited": list(limits.tasks), "concurrency": list(limits.concurrency),
+                "every": list(limits.every), "burst": list(limits.burst),
+            }, binary=True)  # fmt: skip
+            wait = found[0][-1]
+            claimed = rows.load_jobs(self.model, db, (row[:-1] for row in found if row[0]))
+        claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
+        return Keyed(claimed, wait, tuple(keys[-1]))
+
+    def claim_limited(
+        self,
+        queue: str,
+        *,
+        worker: str,
+        limit: int,
+        lease: float | None = None,
+        limits: TaskLimits | None = None,
+        after: tuple[str, str] = ("", ""),
+    ) -> Keyed:
+        """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
+        paused or another session holds its row (never waited for), never more than its
+        `max_running` jobs running at once across all workers, nor more starts than its
+        `rate_limit`. With `limits`, its limited tasks' jobs too, as `claim_keyed`, in up to
+        half of the room."""
+        db = self._write_db()
+        nothing = Keyed([], None, after)
         with transaction.atomic(using=db), connections[db].cursor() as cursor:
             cursor.execute(sql.BRIEF_LOCK_TIMEOUT)
             cursor.execute(sql.LOCK_QUEUE, {"queue": queue})
@@ -222,17 +269,33 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             if controls is None:
                 cursor.execute(sql.QUEUE_CONTROLLED, {"queue": queue})
                 if cursor.fetchone()[0]:
-                    return []  # locked elsewhere: this queue's turn is another worker's
-            paused, max_running = controls or (False, None)
+                    return nothing  # locked elsewhere: this queue's turn is another worker's
+                controls = (False, None, None, None, None)
+            paused, max_running, rate_text, full_at, now = controls
             if paused:
-                return []
+                return nothing
             if max_running is not None:
                 cursor.execute(sql.COUNT_RUNNING, {"queue": queue})
                 (running,) = cursor.fetchone()
                 limit = min(limit, max_running - running)
+            rate = limits_module.rate_or_none(rate_text)
+            if rate is not None:
+                limit = min(limit, rate.starts(full_at, now))
             if limit < 1:
-                return []
-            return self.claim([queue], worker=worker, limit=limit, lease=lease)
+                return nothing
+            keyed = nothing
+            if limits:
+                keyed = self.claim_keyed(
+                    queue, limits, worker=worker, limit=limit - limit // 2, lease=lease, after=after
+                )
+            claimed = keyed.claimed + self.claim(
+                [queue], worker=worker, limit=limit - len(keyed.claimed), lease=lease
+            )
+            if rate is not None and claimed:
+                cursor.execute(
+                    sql.SPEND_QUEUE_RATE, {"queue": queue, "seconds": rate.interval * len(claimed)}
+                )
+            return keyed._replace(claimed=claimed)
 
     def complete(self, job: Job | Claim, result_json: str | None = None) -> bool:
         """Record success, keeping `result_json` (the return value as JSON text) when given.

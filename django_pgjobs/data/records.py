@@ -113,6 +113,16 @@ class TakenBack(NamedTuple):
     ready: tuple[tuple[UUID, int, str, int], ...] = ()
 
 
+class Keyed(NamedTuple):
+    """What a claim of limited tasks' jobs took (JobManager.claim_keyed)."""
+
+    claimed: list[Job]
+    #: Seconds until a key its rate held back may start a job again; None: none was held back.
+    wait: float | None
+    #: The last key it looked at: the next claim's keys start after it.
+    cursor: tuple[str, str]
+
+
 class Position(NamedTuple):
     """Where a worker's claims in one queue got to: the claim order's key of the last job it
     claimed there, after which its next claim there starts."""
@@ -138,3 +148,4 @@ class NewJob(NamedTuple):
     delay: float | None
     max_attempts: int
     unique_key: str | None
+    limit_key: str | None = None  # its task's limits are held per this value (limits.py)

@@ -26,6 +26,7 @@ JOB_COLUMNS = (
     "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts",
     "leased_until", "worker", "last_error", "errors", "created_at", "finished_at", "unique_key",
     "started_at", "cancel_requested", "result", "claims", "scheduled", "progress", "headers",
+    "limit_key",
 )  # fmt: skip
 
 #: The claim's ORDER BY within one queue, and the claim index's columns after `queue`.
@@ -60,10 +61,10 @@ _WAKE_UP = ", pg_notify(%(channel)s, %(queue)s)"
 _INSERT_JOB = """
     INSERT INTO pgjobs_job AS j
         (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
-         headers)
+         headers, limit_key)
     VALUES (
         %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s, {due},
-        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb
+        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb, %(limit_key)s
     ){unique}
     RETURNING j.id, j.run_at, j.created_at, j.scheduled{wake_up}
 """
@@ -93,11 +94,12 @@ NEW_JOBS_TIMES = """
 # as its column's type: COPY_JOBS_TYPES, in the order of COPY_JOBS's columns.
 COPY_JOBS = """
     COPY pgjobs_job (id, queue, task, payload, priority, run_at, scheduled, max_attempts,
-                     created_at, headers)
+                     created_at, headers, limit_key)
     FROM STDIN (FORMAT BINARY)
 """
 COPY_JOBS_TYPES = (
     "uuid", "text", "text", "jsonb", "int2", "timestamptz", "bool", "int4", "timestamptz", "jsonb",
+    "text",
 )  # fmt: skip
 
 # ---- one turn of a worker: settle, then claim -------------------------------------------
@@ -193,8 +195,19 @@ _CLAIMED = """
     LEAST(GREATEST(j.run_at, '0001-01-02 00:00:00+00'), '9999-12-30 00:00:00+00') AS run_at,
     j.attempts, j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors, j.created_at,
     j.finished_at, j.unique_key, j.started_at, j.cancel_requested, j.result, j.claims,
-    j.scheduled, j.progress, j.headers
+    j.scheduled, j.progress, j.headers, j.limit_key
 """
+
+# The claim of the jobs `turns` chose (`claimed`, above); CLAIM_KEYED's too.
+_TAKE_TURNS = f"""claimed AS (
+        UPDATE pgjobs_job AS j
+        SET status = 'running', attempts = j.attempts + 1, claims = j.claims + 1,
+            worker = %(worker)s, scheduled = false, progress = NULL,
+            started_at = statement_timestamp(),
+            leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
+        WHERE j.id = ANY (ARRAY(SELECT id FROM turns))
+        RETURNING {_CLAIMED}
+    )"""
 
 _CLAIM = f"""
     due AS (
@@ -205,7 +218,7 @@ _CLAIM = f"""
         CROSS JOIN LATERAL (
             SELECT * FROM (
                 SELECT id, priority, run_at FROM pgjobs_job
-                WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+                WHERE status = 'ready' AND NOT scheduled AND limit_key IS NULL AND queue = q.name
                   AND run_at <= statement_timestamp() AND priority > q.priority
                 ORDER BY priority DESC, run_at, id
                 LIMIT q.room
@@ -214,7 +227,7 @@ _CLAIM = f"""
             UNION ALL
             SELECT * FROM (
                 SELECT id, priority, run_at FROM pgjobs_job
-                WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+                WHERE status = 'ready' AND NOT scheduled AND limit_key IS NULL AND queue = q.name
                   AND run_at <= statement_timestamp() AND priority = q.priority
                   AND (run_at, id) > (q.run_at, q.id)
                 ORDER BY run_at, id
@@ -224,7 +237,7 @@ _CLAIM = f"""
             UNION ALL
             SELECT * FROM (
                 SELECT id, priority, run_at FROM pgjobs_job
-                WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+                WHERE status = 'ready' AND NOT scheduled AND limit_key IS NULL AND queue = q.name
                   AND run_at <= statement_timestamp()
                   AND priority < COALESCE(q.priority, 32767)
                 ORDER BY priority DESC, run_at, id
@@ -239,7 +252,7 @@ _CLAIM = f"""
              WITH ORDINALITY AS q(name, room, turn_of)
         CROSS JOIN LATERAL (
             SELECT id, priority, run_at FROM pgjobs_job
-            WHERE status = 'ready' AND scheduled AND queue = q.name
+            WHERE status = 'ready' AND scheduled AND limit_key IS NULL AND queue = q.name
               AND run_at <= statement_timestamp()
             ORDER BY run_at, id
             LIMIT q.room
@@ -252,15 +265,7 @@ _CLAIM = f"""
                  priority DESC, run_at, id
         LIMIT %(limit)s
     ),
-    claimed AS (
-        UPDATE pgjobs_job AS j
-        SET status = 'running', attempts = j.attempts + 1, claims = j.claims + 1,
-            worker = %(worker)s, scheduled = false, progress = NULL,
-            started_at = statement_timestamp(),
-            leased_until = statement_timestamp() + make_interval(secs => %(lease)s)
-        WHERE j.id = ANY (ARRAY(SELECT id FROM turns))
-        RETURNING {_CLAIMED}
-    )
+    {_TAKE_TURNS}
 """
 
 SETTLE_AND_CLAIM = f"""
@@ -269,7 +274,7 @@ SETTLE_AND_CLAIM = f"""
     SELECT 'claimed' AS kind, * FROM claimed
     UNION ALL
     SELECT 'settled', id, NULL, NULL, NULL, status, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims, NULL, NULL, NULL
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims, NULL, NULL, NULL, NULL
     FROM (SELECT * FROM succeeded UNION ALL SELECT * FROM failed) AS settled
 """
 
@@ -449,10 +454,142 @@ ABANDON = f"""
 # locked table: past it the queue sits the turn out, rather than stall every queue's claims.
 BRIEF_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', '100ms', true)"
 LOCK_QUEUE = """
-    SELECT paused, max_running FROM pgjobs_queue WHERE name = %(queue)s FOR UPDATE SKIP LOCKED
+    SELECT paused, max_running, rate_limit, full_at, statement_timestamp() FROM pgjobs_queue
+    WHERE name = %(queue)s FOR UPDATE SKIP LOCKED
+"""
+# A queue's rate limit: the starts a claim took, taken from its bucket (limits.py).
+SPEND_QUEUE_RATE = """
+    UPDATE pgjobs_queue SET full_at = GREATEST(full_at, statement_timestamp())
+                                      + make_interval(secs => %(seconds)s)
+    WHERE name = %(queue)s
 """
 QUEUE_CONTROLLED = "SELECT EXISTS (SELECT FROM pgjobs_queue WHERE name = %(queue)s)"
 COUNT_RUNNING = "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND queue = %(queue)s"
+
+
+# ---- limited tasks (limits.py) -----------------------------------------------------------------
+
+# A limited task's jobs are claimed a limit key at a time, in two statements of one transaction.
+#
+# LOCK_KEYS finds the keys of %(queue)s with due jobs, up to %(limit)s of them, each by one probe
+# of pgjobs_job_keyed_idx (a skip from one key to the next, not a read of every job): those
+# after the key where the worker's last claim stopped (%(after_task)s, %(after_key)s; '' for
+# the start), then from the start round to it, so the keys take turns across claims. A key of a
+# task with a rate or concurrency limit (%(locking)s) is kept only if this transaction gets its
+# advisory lock, never waited for: a key another worker is claiming from sits this claim out.
+LOCK_KEYS = """
+    WITH RECURSIVE after_cursor AS (
+        (SELECT task, limit_key FROM pgjobs_job
+         WHERE status = 'ready' AND NOT scheduled AND limit_key IS NOT NULL
+           AND queue = %(queue)s AND (task, limit_key) > (%(after_task)s, %(after_key)s)
+         ORDER BY task, limit_key LIMIT 1)
+        UNION ALL
+        SELECT n.task, n.limit_key FROM after_cursor AS a CROSS JOIN LATERAL (
+            SELECT task, limit_key FROM pgjobs_job
+            WHERE status = 'ready' AND NOT scheduled AND limit_key IS NOT NULL
+              AND queue = %(queue)s AND (task, limit_key) > (a.task, a.limit_key)
+            ORDER BY task, limit_key LIMIT 1
+        ) AS n
+    ),
+    from_start AS (
+        (SELECT task, limit_key FROM pgjobs_job
+         WHERE status = 'ready' AND NOT scheduled AND limit_key IS NOT NULL
+           AND queue = %(queue)s AND (task, limit_key) <= (%(after_task)s, %(after_key)s)
+         ORDER BY task, limit_key LIMIT 1)
+        UNION ALL
+        SELECT n.task, n.limit_key FROM from_start AS a CROSS JOIN LATERAL (
+            SELECT task, limit_key FROM pgjobs_job
+            WHERE status = 'ready' AND NOT scheduled AND limit_key IS NOT NULL
+              AND queue = %(queue)s AND (task, limit_key) > (a.task, a.limit_key)
+              AND (task, limit_key) <= (%(after_task)s, %(after_key)s)
+            ORDER BY task, limit_key LIMIT 1
+        ) AS n
+    )
+    SELECT task, limit_key FROM (
+        SELECT * FROM after_cursor UNION ALL SELECT * FROM from_start
+    ) AS k
+    WHERE CASE WHEN task = ANY (%(locking)s::text[])
+               THEN pg_try_advisory_xact_lock(%(lock_class)s,
+                                              hashtext(task || chr(31) || limit_key))
+               ELSE true END
+    LIMIT %(limit)s
+"""
+
+# CLAIM_KEYED claims from the keys LOCK_KEYS kept (%(tasks)s, %(keys)s), in a snapshot taken
+# after their locks: every claim and bucket written before is seen. Each key's room is the least
+# of %(limit)s, its concurrency limit less its running jobs, and the starts its bucket holds
+# (the bucket is full at full_at; one start comes back every `every` seconds, `burst` at most).
+# The keys take turns (each key's best job, then each key's second best, ...), and a key's
+# bucket is spent by the jobs it took. The rows are the claimed jobs (JOB_COLUMNS), each with
+# `wait`; when none was claimed, one row of NULLs with it: the seconds until the first of the
+# keys held back by their rate gets a start again (NULL: none was).
+CLAIM_KEYED = f"""
+    WITH keys AS (
+        SELECT k.task, k.key, k.turn_of, l.concurrency, l.every, l.burst, b.full_at
+        FROM unnest(%(tasks)s::text[], %(keys)s::text[]) WITH ORDINALITY AS k(task, key, turn_of)
+        LEFT JOIN unnest(%(limited)s::text[], %(concurrency)s::int4[], %(every)s::float8[],
+                         %(burst)s::int4[]) AS l(task, concurrency, every, burst)
+               ON l.task = k.task
+        LEFT JOIN pgjobs_bucket AS b ON b.task = k.task AND b.key = k.key
+    ),
+    rooms AS (
+        SELECT keys.*, GREATEST(0, LEAST(
+            %(limit)s,
+            keys.concurrency - (SELECT count(*) FROM pgjobs_job AS r
+                                WHERE r.status = 'running' AND r.limit_key IS NOT NULL
+                                  AND r.task = keys.task AND r.limit_key = keys.key),
+            keys.burst - GREATEST(0, COALESCE(ceil(
+                extract(epoch FROM keys.full_at - statement_timestamp()) / keys.every), 0))
+        )) AS room
+        FROM keys
+    ),
+    due AS (
+        SELECT d.id, d.priority, d.run_at, r.turn_of
+        FROM rooms AS r CROSS JOIN LATERAL (
+            SELECT id, priority, run_at FROM pgjobs_job
+            WHERE status = 'ready' AND NOT scheduled AND limit_key IS NOT NULL
+              AND queue = %(queue)s AND task = r.task AND limit_key = r.key
+              AND run_at <= statement_timestamp()
+            ORDER BY priority DESC, run_at, id
+            LIMIT r.room
+            FOR UPDATE SKIP LOCKED
+        ) AS d
+    ),
+    turns AS (
+        SELECT id FROM due
+        ORDER BY row_number() OVER (PARTITION BY turn_of ORDER BY priority DESC, run_at, id),
+                 turn_of
+        LIMIT %(limit)s
+    ),
+    {_TAKE_TURNS},
+    spent AS (
+        INSERT INTO pgjobs_bucket AS b (task, key, full_at)
+        SELECT r.task, r.key,
+               GREATEST(r.full_at, statement_timestamp()) + make_interval(secs => r.every * c.n)
+        FROM rooms AS r
+        JOIN (SELECT task, limit_key, count(*) AS n FROM claimed GROUP BY task, limit_key) AS c
+          ON c.task = r.task AND c.limit_key = r.key
+        WHERE r.every IS NOT NULL
+        ON CONFLICT (task, key) DO UPDATE SET full_at = EXCLUDED.full_at
+    ),
+    wait AS (
+        SELECT min(extract(epoch FROM full_at - statement_timestamp()) - (burst - 1) * every)
+               AS seconds
+        FROM rooms
+        WHERE room = 0 AND full_at > statement_timestamp()
+                                     + make_interval(secs => (burst - 1) * every)
+    )
+    SELECT claimed.*, wait.seconds FROM claimed RIGHT JOIN wait ON true
+"""
+
+# Buckets that are full again say no more than no row (CLAIM_KEYED reads a missing one as
+# full): deleted by the pruner, a few at a time.
+PRUNE_BUCKETS = """
+    DELETE FROM pgjobs_bucket WHERE id = ANY (ARRAY(
+        SELECT id FROM pgjobs_bucket WHERE full_at < statement_timestamp() LIMIT %(limit)s
+    ))
+    RETURNING id
+"""
 
 
 def errors_kept(count: int) -> str:
@@ -473,7 +610,7 @@ RELAY = f"""
         FROM unnest(%(queues)s::text[]) AS q(name)
         CROSS JOIN LATERAL (
             SELECT id FROM pgjobs_job
-            WHERE status = 'ready' AND NOT scheduled AND queue = q.name
+            WHERE status = 'ready' AND NOT scheduled AND limit_key IS NULL AND queue = q.name
               AND run_at <= statement_timestamp()
             ORDER BY priority DESC, run_at, id
             LIMIT %(limit)s
@@ -484,7 +621,7 @@ RELAY = f"""
         FROM unnest(%(queues)s::text[]) AS q(name)
         CROSS JOIN LATERAL (
             SELECT id FROM pgjobs_job
-            WHERE status = 'ready' AND scheduled AND queue = q.name
+            WHERE status = 'ready' AND scheduled AND limit_key IS NULL AND queue = q.name
               AND run_at <= statement_timestamp()
             ORDER BY run_at, id
             LIMIT %(limit)s

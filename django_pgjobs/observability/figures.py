@@ -36,6 +36,8 @@ class Figures:
     locks: list[dbstats.TableLock] = field(default_factory=list)
     #: How each queue yields to the application.
     yielding: list[stats.QueueYield] = field(default_factory=list)
+    #: The limited tasks' jobs waiting and running.
+    limits: list[stats.LimitUse] = field(default_factory=list)
 
     def yielding_of(self, queue: str) -> stats.QueueYield | None:
         return next((y for y in self.yielding if y.queue == queue), None)
@@ -81,7 +83,7 @@ def measure(db: str | None = None) -> Figures:
             cursor.execute("SELECT now()")
             (now,) = cursor.fetchone()
         activity, workers = stats.activity_stats(db), stats.worker_stats(db)
-        yielding = stats.yield_stats(db)
+        yielding, limits = stats.yield_stats(db), stats.limit_stats(db)
         seen = {a.queue for a in activity} | {queue for w in workers for queue in w.queues}
         queues = stats.queue_depths(db, also=seen)
         table, database = dbstats.table_stats(db), dbstats.database_stats(db)
@@ -97,6 +99,7 @@ def measure(db: str | None = None) -> Figures:
         load=load,
         locks=locks,
         yielding=yielding,
+        limits=limits,
     )
 
 

@@ -81,6 +81,7 @@ def as_dict(report: Report) -> dict[str, Any]:
         "load": None if report.load is None else asdict(report.load),
         "locks": [asdict(lock) for lock in report.locks],
         "yielding": [asdict(y) for y in report.yielding],
+        "limits": [asdict(use) for use in report.limits],
     }
 
 

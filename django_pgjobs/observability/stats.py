@@ -12,6 +12,8 @@ from typing import Any
 
 from django.db import connections, router
 
+from django_pgjobs import limits, registry
+
 # The models are imported inside the functions that need them: this module and those built on
 # it may be imported before the app registry is ready (AppRegistryNotReady).
 
@@ -35,6 +37,7 @@ class QueueDepth:
     oldest_due_seconds: float  # how long the oldest due job has waited: the latency to watch
     paused: bool = False
     max_running: int | None = None
+    rate_limit: str | None = None
     # Running jobs whose lease has run out (their worker gone), and since when.
     expired: int = 0
     oldest_expired_seconds: float = 0.0
@@ -119,6 +122,19 @@ class QueueYield:
 
 
 @dataclass(frozen=True)
+class LimitUse:
+    """A limited task's jobs now (limits.py): due and waiting, and running, and over how many
+    limit keys; its limits as this process registers them ("" when it does not know the task)."""
+
+    task: str
+    limits: str
+    waiting: int
+    waiting_keys: int
+    running: int
+    running_keys: int
+
+
+@dataclass(frozen=True)
 class StreamStats:
     """A queue carried by NATS JetStream (transports.py): its stream and durable consumer, as
     the server reports them; its outbox is the queue's due jobs in QueueDepth."""
@@ -187,16 +203,16 @@ QUEUES_SQL = """
                0 AS running, 0 AS failed,
                min(run_at) FILTER (WHERE run_at <= now()) AS oldest_due,
                0 AS expired, NULL::timestamptz AS oldest_expired
-        FROM pgjobs_job WHERE status = 'ready' AND NOT scheduled GROUP BY queue
-        UNION ALL
-        SELECT queue,
-               count(*) FILTER (WHERE run_at <= now()),
-               count(*) FILTER (WHERE run_at > now()),
-               count(*) FILTER (WHERE attempts > 0),
-               0, 0,
-               min(run_at) FILTER (WHERE run_at <= now()),
-               0, NULL
-        FROM pgjobs_job WHERE status = 'ready' AND scheduled GROUP BY queue
+        FROM (  -- each part through its own partial index
+            SELECT queue, run_at, attempts FROM pgjobs_job
+            WHERE status = 'ready' AND NOT scheduled AND limit_key IS NULL
+            UNION ALL
+            SELECT queue, run_at, attempts FROM pgjobs_job
+            WHERE status = 'ready' AND NOT scheduled AND limit_key IS NOT NULL
+            UNION ALL
+            SELECT queue, run_at, attempts FROM pgjobs_job WHERE status = 'ready' AND scheduled
+        ) AS ready
+        GROUP BY queue
         UNION ALL
         SELECT queue, 0, 0, 0, count(*), 0, NULL,
                count(*) FILTER (WHERE leased_until < now()),
@@ -237,6 +253,7 @@ def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueD
                 float(oldest),
                 paused=bool(control and control.paused),
                 max_running=control.max_running if control else None,
+                rate_limit=(control.rate_limit or None) if control else None,
                 expired=int(expired),
                 oldest_expired_seconds=float(expired_for),
             )
@@ -339,6 +356,35 @@ YIELD_SQL = """
            sum(claimed / seconds), avg(open_ms), avg(baseline_ms)
     FROM latest GROUP BY queue ORDER BY queue
 """
+
+
+# Each through its own partial index (pgjobs_job_keyed_idx, pgjobs_job_keyed_running_idx).
+LIMIT_SQL = """
+    SELECT task, count(*) FILTER (WHERE waiting),
+           count(DISTINCT limit_key) FILTER (WHERE waiting),
+           count(*) FILTER (WHERE NOT waiting),
+           count(DISTINCT limit_key) FILTER (WHERE NOT waiting)
+    FROM (
+        SELECT task, limit_key, true AS waiting FROM pgjobs_job
+        WHERE status = 'ready' AND NOT scheduled AND limit_key IS NOT NULL AND run_at <= now()
+        UNION ALL
+        SELECT task, limit_key, false FROM pgjobs_job
+        WHERE status = 'running' AND limit_key IS NOT NULL
+    ) AS limited
+    GROUP BY task ORDER BY task
+"""
+
+
+def limit_stats(db: str | None = None) -> list[LimitUse]:
+    """Per limited task with jobs due or running, how many wait and run, over how many keys."""
+    with connections[job_database(db)].cursor() as cursor:
+        cursor.execute(LIMIT_SQL)
+        found = cursor.fetchall()
+    known = registry.all_tasks()
+    return [
+        LimitUse(task, limits.describe(known[task]) if task in known else "", *map(int, counts))
+        for task, *counts in found
+    ]
 
 
 def yield_stats(db: str | None = None) -> list[QueueYield]:

@@ -15,7 +15,7 @@ from django.db.models.functions import Now
 
 from django_pgjobs import registry, retry, signals
 from django_pgjobs.conf import get_settings
-from django_pgjobs.data import rows
+from django_pgjobs.data import rows, sql
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.records import Claim, TakenBack
 from django_pgjobs.errors import UnknownTask, text_of
@@ -166,7 +166,8 @@ class Promoter(Chore):
 
 
 class Pruner(Chore):
-    """Deletes finished jobs past their retention, and workers' statistics past theirs: one
+    """Deletes finished jobs past their retention, workers' statistics past theirs and full
+    rate-limit buckets (limits.py): one
     bounded batch a turn while there is a backlog, then again after `interval` seconds, or a
     quarter of the shortest retention when that is sooner (at least a second): a job is kept
     little longer than its retention, so a short one keeps the table small."""
@@ -181,6 +182,7 @@ class Pruner(Chore):
         QueueStat.objects.using(self.jobs.db).filter(
             at__lt=Now() - settings.STATS_RETENTION
         ).delete()
+        rows.execute(self.jobs.db, sql.PRUNE_BUCKETS, {"limit": settings.PRUNE_BATCH})
         if full:
             return 0.0
         kept = [age.total_seconds() for age in settings.retention().values() if age is not None]

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from django.db import DatabaseError, connections, transaction
 
+from django_pgjobs import limits
 from django_pgjobs.data import rows, sql
 from django_pgjobs.errors import first_line
 from django_pgjobs.models import Job, Queue
@@ -142,7 +143,11 @@ class QueueControls:
             for queue in controls
             if queue.paused or (queue.max_running is not None and queue.max_running <= 0)
         }
-        limited = {queue.name for queue in controls if queue.max_running is not None}
+        limited = {
+            queue.name
+            for queue in controls
+            if queue.max_running is not None or limits.rate_or_none(queue.rate_limit) is not None
+        }
         before = set(self.open)
         self.open = [q for q in self.queues if q not in paused | limited]
         self.limited = [q for q in self.queues if q in limited - paused]

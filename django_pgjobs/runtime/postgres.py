@@ -26,10 +26,12 @@ from uuid import UUID
 from django.db import DatabaseError, connections
 
 from django_pgjobs.data import rows
-from django_pgjobs.data.records import Claim, FailedAttempt, Failure, Position, Settled
+from django_pgjobs.data.records import Claim, FailedAttempt, Failure, Keyed, Position, Settled
 from django_pgjobs.data.wakeups import CHANNEL
+from django_pgjobs.limits import TaskLimits
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
+from django_pgjobs.registry import all_tasks
 from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime import sessions as locks
 from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Scheduler
@@ -63,6 +65,10 @@ class PostgresSource:
         self.db, self.id = seat.db, seat.id
         self.jobs = Job.objects.db_manager(seat.db)
         self.positions = Positions()
+        # The limited tasks this worker runs, and where each queue's claims of their jobs got
+        # to (the key after which the next claim starts).
+        self.task_limits = TaskLimits.of(all_tasks())
+        self.cursors: dict[str, tuple[str, str]] = {}
         self.lock_waits = LockWaits(seat.db, application_name(seat.id))
         self.leases = LeaseKeeper(
             self.jobs, seat.claims.all, self.lease_of, seat.lease, self.lock_waits
@@ -165,10 +171,15 @@ class PostgresSource:
         if not (wanted or succeeded or failed):
             return
         limited: list[Job] = []
+        wait = float("inf")
         if wanted:
             # Limited queues first, up to their share of the turn, so that a backlog in an
-            # open queue cannot starve them; what they leave goes to the open queues.
-            self._claim_limited(wanted - seat.controls.open_share(wanted), into=limited)
+            # open queue cannot starve them; what they leave goes to the open queues. Then
+            # the limited tasks' jobs in the open queues, in up to half of what is left.
+            wait = self._claim_limited(wanted - seat.controls.open_share(wanted), into=limited)
+            if self.task_limits:
+                left = wanted - len(limited)
+                wait = min(wait, self._claim_keyed(left - left // 2, into=limited))
             turn.claimed += limited
         try:
             settled = self._record(succeeded, failed, wanted - len(limited))
@@ -186,26 +197,54 @@ class PostgresSource:
             turn.recorded.append(Recorded(job, handled, Outcome.of_status(status)))
         turn.claimed += settled.claimed
         if wanted:
-            turn.poll_by = self.positions.poll_by(len(turn.claimed), wanted)
+            turn.poll_by = min(self.positions.poll_by(len(turn.claimed), wanted), wait)
         if settled.unread is not None:  # the claims were given back; the outcomes are recorded
             raise settled.unread
 
-    def _claim_limited(self, wanted: int, into: list[Job]) -> None:
+    def _claim_limited(self, wanted: int, into: list[Job]) -> float:
         """Claim up to `wanted` jobs from the queues with a limit, into `into` (which keeps
-        what was claimed if a later queue's claim fails)."""
+        what was claimed if a later queue's claim fails); returns when (time.monotonic()) a
+        limited task held back by its rate may start a job again."""
         start, controls = len(into), self.seat.controls
+        wait = float("inf")
         for queue_name in controls.limited:
             room = min(wanted - (len(into) - start), controls.rooms.get(queue_name, wanted))
             if room > 0:
                 try:
-                    into += self.jobs.claim_limited(
-                        queue_name, worker=self.id, limit=room, lease=self.seat.lease
-                    )
+                    keyed = self.jobs.claim_limited(
+                        queue_name, worker=self.id, limit=room, lease=self.seat.lease,
+                        limits=self.task_limits, after=self.cursors.get(queue_name, ("", "")),
+                    )  # fmt: skip
                 except DatabaseError as error:
                     if not rows.timed_out(error):
                         raise
                     # The controls' table is locked: this queue sits the turn out (the
                     # controls' own read says so, runtime/controls.py).
+                    continue
+                into += keyed.claimed
+                wait = min(wait, self._keyed(queue_name, keyed))
+        return wait
+
+    def _claim_keyed(self, wanted: int, into: list[Job]) -> float:
+        """Claim up to `wanted` jobs of limited tasks from the open queues, into `into`; returns
+        as _claim_limited does."""
+        start, controls = len(into), self.seat.controls
+        wait = float("inf")
+        for queue_name in controls.open:
+            room = min(wanted - (len(into) - start), controls.rooms.get(queue_name, wanted))
+            if room > 0:
+                keyed = self.jobs.claim_keyed(
+                    queue_name, self.task_limits, worker=self.id, limit=room,
+                    lease=self.seat.lease, after=self.cursors.get(queue_name, ("", "")),
+                )  # fmt: skip
+                into += keyed.claimed
+                wait = min(wait, self._keyed(queue_name, keyed))
+        return wait
+
+    def _keyed(self, queue_name: str, keyed: Keyed) -> float:
+        """Keep where a claim of limited tasks' jobs got to; when to claim again for them."""
+        self.cursors[queue_name] = keyed.cursor
+        return float("inf") if keyed.wait is None else time.monotonic() + max(0.0, keyed.wait)
 
     def _unblocked(self) -> list[tuple[Job, Handled]]:
         """The blocked outcomes due to be tried again whose rows are free now (the others stay

@@ -271,8 +271,8 @@ class Worker(Stoppable):
         self._recorded += 1
         if self.options.max_jobs and self._recorded >= self.options.max_jobs:
             self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")
-        if job.queue in self.controls.limited:
-            self._poll_now = True  # a slot under the queue's limit is free again
+        if job.queue in self.controls.limited or job.limit_key is not None:
+            self._poll_now = True  # a slot under a limit is free again
         self._announcer.announce(job, handled, outcome)
         if not logged:
             log_outcome(job, handled, outcome)

@@ -81,7 +81,7 @@ def test_an_install_whose_0008_built_the_scheduled_indexes_keeps_them(old_instal
     built = _indexes(old_install)
     _forget_0012(old_install)
 
-    upgrade = manage(old_install, "migrate")
+    upgrade = manage(old_install, "migrate", "pgjobs", "0012")
     assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
     assert "Applying pgjobs.0012_scheduled_indexes... OK" in upgrade.stdout
     assert _indexes(old_install) == built  # the same indexes, none built again

@@ -143,20 +143,20 @@ def test_a_job_cancelled_while_it_waits_for_a_thread_is_not_started():
 def test_claim_limited_claims_nothing_from_a_paused_queue():
     Queue.objects.create(name="default", paused=True)
     JobFactory.create_batch(3)
-    assert Job.objects.claim_limited("default", worker="w1", limit=3) == []
+    assert Job.objects.claim_limited("default", worker="w1", limit=3).claimed == []
 
 
 def test_claim_limited_takes_only_the_room_left_under_max_running():
     Queue.objects.create(name="default", max_running=3)
     JobFactory.create_batch(6)
     assert len(claim(limit=1)) == 1  # one running already, claimed by anyone
-    assert len(Job.objects.claim_limited("default", worker="w1", limit=10)) == 2
-    assert Job.objects.claim_limited("default", worker="w2", limit=10) == []
+    assert len(Job.objects.claim_limited("default", worker="w1", limit=10).claimed) == 2
+    assert Job.objects.claim_limited("default", worker="w2", limit=10).claimed == []
 
 
 def test_claim_limited_on_a_queue_without_controls_is_a_plain_claim():
     JobFactory.create_batch(3)
-    assert len(Job.objects.claim_limited("default", worker="w1", limit=2)) == 2
+    assert len(Job.objects.claim_limited("default", worker="w1", limit=2).claimed) == 2
 
 
 def runjobs_once(*queues: str) -> None:
@@ -278,7 +278,7 @@ def test_a_limited_queue_whose_row_is_locked_elsewhere_is_passed_over_not_waited
         cursor.execute("SET lock_timeout = '2s'")
     with other_connection.transaction():
         other_connection.execute("SELECT FROM pgjobs_queue WHERE name = 'default' FOR UPDATE")
-        assert Job.objects.claim_limited("default", worker="w1", limit=5) == []
+        assert Job.objects.claim_limited("default", worker="w1", limit=5).claimed == []
         runjobs_once("default", "emails")
     assert status_of(other) == Status.SUCCEEDED
     assert {status_of(job) for job in limited} == {Status.READY}

@@ -31,13 +31,16 @@ SAMPLES: dict[str, Any] = {
     "spared_ids": [uuid.uuid4()],
     "succeeded_claims": [1], "succeeded_ids": [uuid.uuid4()], "succeeded_progress": [None],
     "summaries": ["boom"], "task": "tests.tasks.noop", "unique_key": None, "worker": "w1",
+    "after_task": "", "after_key": "", "locking": ["tests.tasks.export"], "lock_class": 1,
+    "tasks": ["tests.tasks.export"], "keys": ["c1"], "limited": ["tests.tasks.export"],
+    "concurrency": [2], "every": [None], "burst": [None], "limit_key": None,
 }  # fmt: skip
 
 #: Where one name stands for a value of another shape.
 SAMPLES_OF = {"WRITE_BACK": {"errors": "[]", "claims": 1}}
 
 #: Run through Django's own cursor, which binds on the client: never planned without values.
-CLIENT_BOUND = {"LOCK_QUEUE", "QUEUE_CONTROLLED", "COUNT_RUNNING"}
+CLIENT_BOUND = {"LOCK_QUEUE", "QUEUE_CONTROLLED", "COUNT_RUNNING", "SPEND_QUEUE_RATE"}
 
 STATEMENTS = {
     name: text
@@ -70,8 +73,8 @@ def generic_plan(statement: str, samples: dict[str, Any]) -> Plan:
 
 @pytest.fixture(scope="module")
 def busy_table(django_db_setup: None, django_db_blocker: Any) -> Any:
-    """20,000 jobs of each state a worker meets, analysed: a plan that would read the table
-    whole does so here, where the indexes cost far less."""
+    """20,000 jobs of each state a worker meets, and of a limited task, analysed: a plan that
+    would read the table whole does so here, where the indexes cost far less."""
     with django_db_blocker.unblock():
         with connection.cursor() as cursor:
             cursor.execute(
@@ -88,6 +91,20 @@ def busy_table(django_db_setup: None, django_db_blocker: Any) -> Any:
                 FROM generate_series(1, 20000) AS g,
                      (VALUES ('ready', -60), ('ready', 60), ('succeeded', -60),
                              ('running', -60)) AS s(status, due)
+                """
+            )
+            # And a limited task's, ready and running, over 10,000 limit keys.
+            cursor.execute(
+                """
+                INSERT INTO pgjobs_job (id, queue, task, payload, status, priority, run_at,
+                                        max_attempts, worker, leased_until, limit_key)
+                SELECT gen_random_uuid(), 'default', 'tests.tasks.export', '{}', s.status, 0,
+                       now() - interval '1 minute', 3,
+                       CASE WHEN s.status = 'running' THEN 'w' || g % 8 END,
+                       CASE WHEN s.status = 'running' THEN now() + interval '1 hour' END,
+                       'c' || g % 10000
+                FROM generate_series(1, 20000) AS g,
+                     (VALUES ('ready'), ('running')) AS s(status)
                 """
             )
             cursor.execute("ANALYZE pgjobs_job")

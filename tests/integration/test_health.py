@@ -358,9 +358,11 @@ def test_the_report_reads_the_partial_indexes_and_recent_rows_not_the_history():
     JobFactory.create_batch(5)
     JobFactory(running=True)
     JobFactory(dead=True)
+    JobFactory(limit_key="c1")
     plan = plans.explain(stats.QUEUES_SQL)
     assert not plans.of_type(plan, "Seq Scan"), plans.shown(plan)
-    for index in ("pgjobs_job_claim_idx", "pgjobs_job_running_idx", "pgjobs_job_dead_idx"):
+    indexes = ("claim", "keyed", "running", "dead")
+    for index in [f"pgjobs_job_{name}_idx" for name in indexes]:
         assert plans.index_scans(plan, index), plans.shown(plan)
     params = {"windows": list(stats.WINDOWS), "longest": max(stats.WINDOWS), "intervals": 2,
               "slack": 5}  # fmt: skip

@@ -61,11 +61,6 @@ def test_other_missing_attributes_are_plain_attribute_errors():
         ({"acks_late": True}, "drop it, as django-pgjobs always acknowledges late"),
         ({"soft_time_limit": 30}, "pass timeout=<seconds>"),
         ({"time_limit": 60}, "pass timeout=<seconds>"),
-        (
-            {"rate_limit": "10/m"},
-            "pgjobs has no rate_limit yet: cap a queue with Queue.max_running "
-            "(docs/howto/controls.md)",
-        ),
     ],
 )
 def test_celerys_task_options_say_what_to_write_instead(options: dict[str, Any], instead):

@@ -160,6 +160,7 @@ def render(report: Report) -> str:
             )
     lines += _streams(report)
     lines += _yielding(report)
+    lines += _limits(report)
     lines += ["", _workers(report), *_table(report), *_database(report), ""]
     lines.append(f"verdict: {report.verdict.status.upper()}")
     for reason in report.verdict.reasons:
@@ -205,6 +206,17 @@ def _yielding(report: Report) -> list[str]:
         elif (y := report.yielding_of(q.queue)) is not None:
             lines.append(f"{q.queue:<20} {y.describe()}")
     return ["", "yielding to the application", *lines] if lines else []
+
+
+def _limits(report: Report) -> list[str]:
+    """One line per limited task with jobs due or running (docs/howto/flow-control.md)."""
+    lines = []
+    for use in report.limits:
+        keys = use.waiting_keys > 1 or use.running_keys > 1
+        waiting = f"{use.waiting} waiting" + (f" over {use.waiting_keys} keys" if keys else "")
+        running = f"{use.running} running" + (f" over {use.running_keys} keys" if keys else "")
+        lines.append(f"{use.task}: {use.limits or 'limits unknown here'}; {running}, {waiting}")
+    return ["", "limited tasks", *lines] if lines else []
 
 
 def _age(count: int, seconds: float | None) -> str:
