@@ -123,7 +123,7 @@ def main() -> None:
         "--naptime", help="the cluster's autovacuum_naptime (default 10s), e.g. 1s: W6 with it"
     )
     parser.add_argument(
-        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w9,heartbeat,nats,yield",
+        "--only", default="ceiling,w1,w2,w3,w4,w5,w6,w7,w9,heartbeat,nats,yield,limits",
         help="comma-separated sections to run (the ceiling is always measured for ratios)",
     )  # fmt: skip
     parser.add_argument(
@@ -164,12 +164,19 @@ def main() -> None:
     if options.naptime:
         SETTINGS["autovacuum_naptime"] = options.naptime
     with migrated() as (cluster, logs):
-        # The yield section needs no ceiling: alone, it runs without one.
-        rows = run(cluster, sizes, sections - {"yield"}, logs) if sections - {"yield"} else []
+        # The yield and limits sections need no ceiling: alone, they run without one.
+        alone = {"yield", "limits"}
+        rows = run(cluster, sizes, sections - alone, logs) if sections - alone else []
         if "yield" in sections:
             from bench import yielding
 
             rows += yielding.rows(cluster, sizes, logs, options, Row, say)
+        if "limits" in sections:
+            from bench import limits
+
+            backlog = 100_000 if options.quick else 1_000_000
+            say(f"limits: {backlog:,} jobs over 10,000 keys, then 200 claims of 10")
+            rows += limits.rows(cluster, backlog, 10_000, 200, Row)
         info = {
             "postgres": cluster.version(),
             **{f"pg {k}": v for k, v in cluster.settings([*SETTINGS, "wal_sync_method"]).items()},

@@ -1,4 +1,5 @@
-"""The benchmark's tasks: a no-op, one that fails its first attempt, one that stamps its start."""
+"""The benchmark's tasks: a no-op, one that fails its first attempt, one that stamps its start,
+and a no-op limited per key."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ if os.environ.get("BENCH_ANNOUNCE") == "inline":  # bench/ab.py signals: on the 
 @task
 def noop() -> None:
     pass
+
+
+@task(concurrency_limit=2, limit_by="key")
+def keyed(key: int) -> None:
+    """L1's limited task (bench/limits.py)."""
 
 
 @task(backoff=lambda attempts: 0.0)
