@@ -18,6 +18,7 @@ from django.db.models.functions import Now
 
 from django_pgjobs import registry, signals, validation
 from django_pgjobs.errors import UnknownTask
+from django_pgjobs.limits import TaskLimits
 from django_pgjobs.models import Job
 from django_pgjobs.outcomes import Handled, Verdict
 from django_pgjobs.runtime import execute
@@ -27,6 +28,8 @@ __all__ = ["JobError", "JobsRun", "assert_enqueued", "assert_not_enqueued", "enq
 
 #: How many jobs one run_jobs() call runs at most, unless told otherwise.
 MAX_JOBS = 1000
+#: run_jobs runs limited tasks' jobs as if they had no limits: a test runs them one by one.
+NO_LIMITS = TaskLimits()
 
 
 class JobError(AssertionError):
@@ -86,6 +89,8 @@ def run_jobs(
     - `max_jobs`: stop with JobError after running this many jobs (a job that enqueues itself
       would otherwise never let the loop end).
 
+    Limited tasks' jobs run too, without their limits (docs/howto/flow-control.md).
+
     Inside a transaction (a ``TestCase``), each job runs in a savepoint that is rolled back when
     it raises, so that a database error in a handler cannot break the test's transaction.
     """
@@ -109,6 +114,8 @@ def run_jobs(
         # Claim every due job of those queues, so others cannot crowd out the selected ones.
         due = jobs.due().filter(queue__in=queue_names).count()
         claimed = jobs.claim(queue_names, worker=worker, limit=max(due, 1))
+        for queue in queue_names:  # limited tasks' jobs too, without their limits
+            claimed += jobs.claim_keyed(queue, NO_LIMITS, worker=worker, limit=max(due, 1)).claimed
         mine = [job for job in claimed if names is None or job.task in names]
         jobs.release([job for job in claimed if job not in mine])
         for n, job in enumerate(mine):

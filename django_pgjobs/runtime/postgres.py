@@ -198,6 +198,7 @@ class PostgresSource:
         turn.claimed += settled.claimed
         if wanted:
             turn.poll_by = min(self.positions.poll_by(len(turn.claimed), wanted), wait)
+            turn.held = wait < float("inf")
         if settled.unread is not None:  # the claims were given back; the outcomes are recorded
             raise settled.unread
 

@@ -39,6 +39,9 @@ class Exchange:
     claimed: list[Job] = field(default_factory=list)
     #: When (time.monotonic()) to claim again at the latest, whatever the poll schedule says.
     poll_by: float = float("inf")
+    #: A limit's rate held due jobs back: they are claimed at poll_by (a --once worker is not
+    #: drained yet).
+    held: bool = False
 
 
 class Claims:

@@ -213,7 +213,7 @@ class Worker(Stoppable):
             if turn.recorded and not self._stopping:
                 self._check_memory()
             if wanted:
-                self.take(turn.claimed, wanted, turn.poll_by)
+                self.take(turn.claimed, wanted, turn.poll_by, turn.held)
 
     def learn_durations(self, durations: list[float]) -> None:
         self._mean_duration = policy.mean_duration(self._mean_duration, durations)
@@ -244,11 +244,14 @@ class Worker(Stoppable):
         waits.append(self.handlers.deadlines.next_in())
         return max(0.0, min([self.options.poll_interval, *waits]))
 
-    def take(self, jobs: list[Job], wanted: int, poll_by: float = float("inf")) -> None:
+    def take(
+        self, jobs: list[Job], wanted: int, poll_by: float = float("inf"), held: bool = False
+    ) -> None:
         """Hand claimed jobs (`wanted` were asked for) to the handler threads, then schedule
-        the next poll. They are the worker's before anything here can fail: a claim it did not
-        know of would be neither run nor renewed, and would come back only at its lease's end,
-        an attempt spent."""
+        the next poll (by `poll_by` at the latest; `held`: a limit held due jobs back). They
+        are the worker's before anything here can fail: a claim it did not know of would be
+        neither run nor renewed, and would come back only at its lease's end, an attempt
+        spent."""
         self.claims.add(jobs)
         for job in jobs:
             self.handlers.submit(job)
@@ -257,7 +260,7 @@ class Worker(Stoppable):
         longer = [job for job in jobs if self.lease_of(job) > self.lease]
         if longer:  # tasks with a lease of their own get it at once
             self.source.renew(longer)
-        self._last_claim_empty = not jobs
+        self._last_claim_empty = not jobs and not held
         self._poll_delay = policy.poll_delay(
             self._poll_delay, len(jobs), wanted, self.options.poll_interval
         )

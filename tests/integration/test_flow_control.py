@@ -20,6 +20,8 @@ from django_pgjobs.errors import EnqueueError
 from django_pgjobs.limits import TaskLimits
 from django_pgjobs.models import Bucket, Job, Queue
 from django_pgjobs.registry import all_tasks, task
+from django_pgjobs.status import Status
+from django_pgjobs.testing import run_jobs
 from tests import tasks
 
 pytestmark = pytest.mark.django_db
@@ -224,3 +226,21 @@ def test_the_report_page_shows_the_limited_tasks_and_a_queues_rate(admin_client)
     assert '<table id="limits">' in page
     assert "<td>tests.tasks.rated</td><td>20/s</td>" in page
     assert "(5/s)" in page
+
+
+def test_run_jobs_in_a_test_runs_limited_tasks_jobs_without_their_limits() -> None:
+    Job.objects.bulk_enqueue(tasks.rated, [{"n": n} for n in range(10)])
+    Job.objects.bulk_enqueue(tasks.export, [{"customer_id": "a", "n": n} for n in range(5)])
+    run = run_jobs()
+    assert len(run) == 15
+    assert set(Job.objects.values_list("status", flat=True)) == {Status.SUCCEEDED}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runjobs_once_waits_out_a_rate_limit_and_drains_every_job() -> None:
+    Job.objects.bulk_enqueue(tasks.rated, [{"n": n} for n in range(30)])  # 20/s: over a second
+    started = time.monotonic()
+    with contextlib.suppress(SystemExit):
+        call_command("runjobs", "--once", "--queue", "limited", "--no-listen")
+    assert not Job.objects.exclude(status=Status.SUCCEEDED).exists()
+    assert time.monotonic() - started > (30 - 4) / 20
