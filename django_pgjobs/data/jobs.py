@@ -254,12 +254,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         lease: float | None = None,
         limits: TaskLimits | None = None,
         after: tuple[str, str] = ("", ""),
+        round_up: bool = True,
     ) -> Keyed:
         """Claim as `claim` from one queue that has controls (a Queue row): nothing while it is
         paused or another session holds its row (never waited for), never more than its
         `max_running` jobs running at once across all workers, nor more starts than its
         `rate_limit`. With `limits`, its limited tasks' jobs too, as `claim_keyed`, in up to
-        half of the room."""
+        half of the room (rounded up or down: an odd slot goes to either in turns)."""
         db = self._write_db()
         nothing = Keyed([], None, after)
         with transaction.atomic(using=db), connections[db].cursor() as cursor:
@@ -283,11 +284,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 limit = min(limit, rate.starts(full_at, now))
             if limit < 1:
                 return nothing
-            keyed = nothing
-            if limits:
+            keyed, share = nothing, (limit + round_up) // 2
+            if limits and share:
                 keyed = self.claim_keyed(
-                    queue, limits, worker=worker, limit=limit - limit // 2, lease=lease, after=after
+                    queue, limits, worker=worker, limit=share, lease=lease, after=after
                 )
+            elif limits:
+                keyed = Keyed([], 0.0, after)  # their turn is the next claim
             claimed = keyed.claimed + self.claim(
                 [queue], worker=worker, limit=limit - len(keyed.claimed), lease=lease
             )

@@ -69,6 +69,7 @@ class PostgresSource:
         # to (the key after which the next claim starts).
         self.task_limits = TaskLimits.of(all_tasks())
         self.cursors: dict[str, tuple[str, str]] = {}
+        self._round_up = False
         self.lock_waits = LockWaits(seat.db, application_name(seat.id))
         self.leases = LeaseKeeper(
             self.jobs, seat.claims.all, self.lease_of, seat.lease, self.lock_waits
@@ -176,10 +177,14 @@ class PostgresSource:
             # Limited queues first, up to their share of the turn, so that a backlog in an
             # open queue cannot starve them; what they leave goes to the open queues. Then
             # the limited tasks' jobs in the open queues, in up to half of what is left.
+            self._round_up = not self._round_up  # one slot goes to either, in turns
             wait = self._claim_limited(wanted - seat.controls.open_share(wanted), into=limited)
             if self.task_limits:
                 left = wanted - len(limited)
-                wait = min(wait, self._claim_keyed(left - left // 2, into=limited))
+                if share := (left + self._round_up) // 2:
+                    wait = min(wait, self._claim_keyed(share, into=limited))
+                else:
+                    wait = time.monotonic()  # their turn is the next one
             turn.claimed += limited
         try:
             settled = self._record(succeeded, failed, wanted - len(limited))
@@ -215,6 +220,7 @@ class PostgresSource:
                     keyed = self.jobs.claim_limited(
                         queue_name, worker=self.id, limit=room, lease=self.seat.lease,
                         limits=self.task_limits, after=self.cursors.get(queue_name, ("", "")),
+                        round_up=self._round_up,
                     )  # fmt: skip
                 except DatabaseError as error:
                     if not rows.timed_out(error):
@@ -223,7 +229,7 @@ class PostgresSource:
                     # controls' own read says so, runtime/controls.py).
                     continue
                 into += keyed.claimed
-                wait = min(wait, self._keyed(queue_name, keyed))
+                wait = min(wait, self._next_keyed_claim(queue_name, keyed))
         return wait
 
     def _claim_keyed(self, wanted: int, into: list[Job]) -> float:
@@ -239,11 +245,12 @@ class PostgresSource:
                     lease=self.seat.lease, after=self.cursors.get(queue_name, ("", "")),
                 )  # fmt: skip
                 into += keyed.claimed
-                wait = min(wait, self._keyed(queue_name, keyed))
+                wait = min(wait, self._next_keyed_claim(queue_name, keyed))
         return wait
 
-    def _keyed(self, queue_name: str, keyed: Keyed) -> float:
-        """Keep where a claim of limited tasks' jobs got to; when to claim again for them."""
+    def _next_keyed_claim(self, queue_name: str, keyed: Keyed) -> float:
+        """Keep where a claim of limited tasks' jobs got to; returns when to claim again for
+        those its limits' rates held back."""
         self.cursors[queue_name] = keyed.cursor
         return float("inf") if keyed.wait is None else time.monotonic() + max(0.0, keyed.wait)
 

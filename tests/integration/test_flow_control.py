@@ -244,3 +244,20 @@ def test_runjobs_once_waits_out_a_rate_limit_and_drains_every_job() -> None:
         call_command("runjobs", "--once", "--queue", "limited", "--no-listen")
     assert not Job.objects.exclude(status=Status.SUCCEEDED).exists()
     assert time.monotonic() - started > (30 - 4) / 20
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_slot_goes_to_limited_and_other_jobs_in_turns_so_neither_starves() -> None:
+    Job.objects.bulk_enqueue(tasks.per_customer, [{"customer_id": "a", "n": n} for n in range(20)])
+    plain = [Job.objects.enqueue(tasks.noop, queue="limited") for _ in range(5)]
+    with contextlib.suppress(SystemExit):
+        call_command("runjobs", "--once", "--queue", "limited", "--concurrency", "1",
+                     "--batch-size", "1", "--no-listen")  # fmt: skip
+    assert not Job.objects.exclude(status=Status.SUCCEEDED).exists()
+    last_limited = max(
+        Job.objects.filter(task=tasks.per_customer.name).values_list("started_at", flat=True)
+    )
+    first_plain = min(
+        Job.objects.filter(pk__in=[job.pk for job in plain]).values_list("started_at", flat=True)
+    )
+    assert first_plain < last_limited
