@@ -220,6 +220,12 @@ class TaskLimits:
         return bool(self.tasks)
 
     @property
+    def counted(self) -> frozenset[str]:
+        """The tasks with a concurrency limit: a job of theirs that ends frees a slot."""
+        most = zip(self.tasks, self.concurrency, strict=True)
+        return frozenset(task for task, limit in most if limit is not None)
+
+    @property
     def locking(self) -> list[str]:
         """The tasks whose keys are claimed from by one worker at a time: those with a limit
         (a task with only limit_by takes turns between keys, and nothing to count)."""

@@ -582,6 +582,10 @@ CLAIM_KEYED = f"""
     SELECT claimed.*, wait.seconds FROM claimed RIGHT JOIN wait ON true
 """
 
+# A worker whose job of a concurrency-limited task ended wakes the workers of its queues: one of
+# them may wait for that slot (unlike a rate's next start, nobody can tell when one frees).
+WAKE_UP = "SELECT pg_notify(%(channel)s, q) FROM unnest(%(queues)s::text[]) AS q"
+
 # Buckets that are full again say no more than no row (CLAIM_KEYED reads a missing one as
 # full): deleted by the pruner, a few at a time.
 PRUNE_BUCKETS = """

@@ -25,7 +25,7 @@ from uuid import UUID
 
 from django.db import DatabaseError, connections
 
-from django_pgjobs.data import rows
+from django_pgjobs.data import rows, sql, wakeups
 from django_pgjobs.data.records import Claim, FailedAttempt, Failure, Keyed, Position, Settled
 from django_pgjobs.data.wakeups import CHANNEL
 from django_pgjobs.limits import TaskLimits
@@ -200,6 +200,7 @@ class PostgresSource:
         for job, handled in [*succeeded, *failed]:
             status = settled.recorded.get(self._claim(job).key)
             turn.recorded.append(Recorded(job, handled, Outcome.of_status(status)))
+        self._announce_free_slots([job for job, _ in [*succeeded, *failed]])
         turn.claimed += settled.claimed
         if wanted:
             turn.poll_by = min(self.positions.poll_by(len(turn.claimed), wanted), wait)
@@ -247,6 +248,14 @@ class PostgresSource:
                 into += keyed.claimed
                 wait = min(wait, self._next_keyed_claim(queue_name, keyed))
         return wait
+
+    def _announce_free_slots(self, ended: list[Job]) -> None:
+        """Wake the workers of the queues where an ended job of a concurrency-limited task
+        freed a slot (this worker looks again at once: runtime/worker.py)."""
+        counted = self.task_limits.counted
+        freed = {job.queue for job in ended if job.limit_key is not None and job.task in counted}
+        if freed and (queues := wakeups.to_send(self.db, sorted(freed))):
+            rows.execute(self.db, sql.WAKE_UP, {"channel": CHANNEL, "queues": queues})
 
     def _next_keyed_claim(self, queue_name: str, keyed: Keyed) -> float:
         """Keep where a claim of limited tasks' jobs got to; returns when to claim again for

@@ -12,6 +12,7 @@ import pytest
 from django.db import connection
 
 from django_pgjobs.models import Job
+from django_pgjobs.runtime.lifecycle import Exit
 from django_pgjobs.status import Status
 from tests import tasks
 from tests.conftest import wait_until
@@ -131,3 +132,23 @@ def test_a_killed_worker_holds_its_slots_until_its_jobs_are_taken_back(start_wor
     first_two = sorted(start for start, _ in runs)[:2]
     assert all(start > killed_at + timedelta(seconds=2) for start in first_two)
     assert most_at_once(runs) <= 2
+
+
+def test_a_slot_freed_on_one_worker_wakes_another_waiting_for_it(start_worker: Any) -> None:
+    Job.objects.bulk_enqueue(
+        tasks.export, [{"customer_id": "k", "n": n, "seconds": 4.0} for n in range(4)]
+    )
+    first = start_worker("--queue", "limited", "--concurrency", "2", "--max-jobs-per-child", "2")
+    assert wait_until(lambda: LimitedRun.objects.filter(key="k").count() == 2, 30)
+    # Its first claims find both slots taken, then it polls only every 30 s.
+    second = start_worker("--queue", "limited", "--poll-interval", "30")
+    assert wait_until(second.started, 30)
+    assert wait_until(lambda: LimitedRun.objects.filter(key="k").count() == 4, 15)
+    # It stopped after its two jobs, to be replaced (--max-jobs-per-child).
+    assert first.wait(30) == Exit.RECYCLE
+    runs = list(LimitedRun.objects.filter(key="k").order_by("started"))
+    assert {run.pid for run in runs[2:]} == {second.pid}
+    # Woken by the slot's end, not by its next poll (by then seconds apart).
+    freed = max(run.ended for run in runs[:2])
+    assert runs[2].started - freed < timedelta(seconds=1)
+    stop([second])

@@ -106,4 +106,5 @@ def test_the_claims_limits_hold_each_limited_task_and_lock_only_those_with_a_lim
     assert limits.concurrency == (None, 3, None)
     assert limits.every == (0.1, None, None)
     assert limits.locking == ["b", "c"]
+    assert limits.counted == {"c"}
     assert not TaskLimits.of({"a": tasks["a"]})
