@@ -232,7 +232,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 "limit": limit, "locking": limits.locking, "lock_class": LOCK_CLASS,
             }, binary=True)  # fmt: skip
             if not keys:
-                return Keyed([], None, after)
+                return Keyed([], None, after, 0)
             found = rows.execute(db, sql.CLAIM_KEYED, {
                 "queue": queue, "worker": worker, "limit": limit,
                 "lease": get_settings().LEASE if lease is None else lease,
@@ -243,7 +243,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             wait = found[0][-1]
             claimed = rows.load_jobs(self.model, db, (row[:-1] for row in found if row[0]))
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
-        return Keyed(claimed, wait, tuple(keys[-1]))
+        return Keyed(claimed, wait, tuple(keys[-1]), len(keys))
 
     def claim_limited(
         self,

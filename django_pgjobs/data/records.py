@@ -121,6 +121,8 @@ class Keyed(NamedTuple):
     wait: float | None
     #: The last key it looked at: the next claim's keys start after it.
     cursor: tuple[str, str]
+    #: How many keys with due jobs it found (None: it did not look).
+    keys: int | None = None
 
 
 class Position(NamedTuple):

@@ -42,6 +42,10 @@ from django_pgjobs.runtime.sources import Exchange, Recorded, Seat
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a queue where a claim found no limited jobs is left out of the claims of them (unless
+#: a wake-up comes): jobs that come due without one (a retry's backoff, a lease taken back) wait
+#: that much longer.
+KEYLESS_FOR = 1.0
 #: How long outcomes whose rows another session held locked wait before they are tried again
 #: (each time only once their rows are free: they never make a turn wait for a lock again).
 BLOCKED_RETRY = 1.0
@@ -70,6 +74,10 @@ class PostgresSource:
         self.task_limits = TaskLimits.of(all_tasks())
         self.cursors: dict[str, tuple[str, str]] = {}
         self._round_up = False
+        # Queues where a claim found no limited jobs, and until when (time.monotonic()) their
+        # claims leave them out: a queue without any costs no statement a turn. A wake-up for
+        # the queue ends it sooner (a limited job enqueued).
+        self._keyless: dict[str, float] = {}
         self.lock_waits = LockWaits(seat.db, application_name(seat.id))
         self.leases = LeaseKeeper(
             self.jobs, seat.claims.all, self.lease_of, seat.lease, self.lock_waits
@@ -99,6 +107,7 @@ class PostgresSource:
 
     def _on_notify(self, queue_name: str) -> None:
         if queue_name in self.seat.options.queues:
+            self._keyless.pop(queue_name, None)
             self.seat.poll_now()
 
     def can_claim(self) -> bool:
@@ -220,8 +229,8 @@ class PostgresSource:
                 try:
                     keyed = self.jobs.claim_limited(
                         queue_name, worker=self.id, limit=room, lease=self.seat.lease,
-                        limits=self.task_limits, after=self.cursors.get(queue_name, ("", "")),
-                        round_up=self._round_up,
+                        limits=self.task_limits if self._may_hold_keyed(queue_name) else None,
+                        after=self.cursors.get(queue_name, ("", "")), round_up=self._round_up,
                     )  # fmt: skip
                 except DatabaseError as error:
                     if not rows.timed_out(error):
@@ -240,7 +249,7 @@ class PostgresSource:
         wait = float("inf")
         for queue_name in controls.open:
             room = min(wanted - (len(into) - start), controls.rooms.get(queue_name, wanted))
-            if room > 0:
+            if room > 0 and self._may_hold_keyed(queue_name):
                 keyed = self.jobs.claim_keyed(
                     queue_name, self.task_limits, worker=self.id, limit=room,
                     lease=self.seat.lease, after=self.cursors.get(queue_name, ("", "")),
@@ -257,10 +266,16 @@ class PostgresSource:
         if freed and (queues := wakeups.to_send(self.db, sorted(freed))):
             rows.execute(self.db, sql.WAKE_UP, {"channel": CHANNEL, "queues": queues})
 
+    def _may_hold_keyed(self, queue_name: str) -> bool:
+        """Whether `queue_name` may hold due limited jobs: no claim found none there lately."""
+        return time.monotonic() >= self._keyless.get(queue_name, 0.0)
+
     def _next_keyed_claim(self, queue_name: str, keyed: Keyed) -> float:
         """Keep where a claim of limited tasks' jobs got to; returns when to claim again for
         those its limits' rates held back."""
         self.cursors[queue_name] = keyed.cursor
+        if keyed.keys == 0:
+            self._keyless[queue_name] = time.monotonic() + KEYLESS_FOR
         return float("inf") if keyed.wait is None else time.monotonic() + max(0.0, keyed.wait)
 
     def _unblocked(self) -> list[tuple[Job, Handled]]:

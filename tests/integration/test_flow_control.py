@@ -16,10 +16,12 @@ from django.core.management import call_command
 from django.db import connection, connections, transaction
 from django.urls import reverse
 
+from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.limits import TaskLimits
 from django_pgjobs.models import Bucket, Job, Queue
 from django_pgjobs.registry import all_tasks, task
+from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
 from tests import tasks
@@ -261,3 +263,23 @@ def test_one_slot_goes_to_limited_and_other_jobs_in_turns_so_neither_starves() -
         Job.objects.filter(pk__in=[job.pk for job in plain]).values_list("started_at", flat=True)
     )
     assert first_plain < last_limited
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_queue_without_limited_jobs_costs_no_claim_of_them_a_turn(monkeypatch) -> None:
+    looked: list[str] = []
+    claim_keyed = JobManager.claim_keyed
+
+    def counted(self: JobManager, queue: str, *args: Any, **kwargs: Any) -> Any:
+        looked.append(queue)
+        return claim_keyed(self, queue, *args, **kwargs)
+
+    monkeypatch.setattr(JobManager, "claim_keyed", counted)
+    Job.objects.bulk_enqueue(tasks.noop, [None] * 300, queue="limited")
+    worker = Worker(Options(queues=["limited"], concurrency=2, batch_size=2, once=True,
+                            listen=False, poll_interval=0.1))  # fmt: skip
+    started = time.monotonic()
+    worker.run()
+    assert not Job.objects.exclude(status=Status.SUCCEEDED).exists()
+    # 150 turns or more; a look at the start, and again once a second at most.
+    assert 1 <= len(looked) <= 2 + int(time.monotonic() - started)
