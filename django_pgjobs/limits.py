@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from django.core.exceptions import ValidationError
@@ -71,6 +71,15 @@ class Rate:
             return self.burst
         spent = math.ceil((full_at - now).total_seconds() / self.interval - 1e-9)
         return max(0, self.burst - spent)
+
+    @property
+    def emptiest_in(self) -> float:
+        """The longest a bucket takes to fill at this rate (seconds): all its burst spent."""
+        return self.burst * self.interval
+
+    def emptiest(self, now: datetime) -> datetime:
+        """The latest a bucket may be full again at this rate, at `now`."""
+        return now + timedelta(seconds=self.emptiest_in)
 
     def __str__(self) -> str:
         unit = next(u for u, seconds in _UNITS.items() if seconds == self.per)
@@ -215,9 +224,6 @@ class TaskLimits:
             tuple(None if rate is None else rate.interval for rate in rates),
             tuple(None if rate is None else rate.burst for rate in rates),
         )
-
-    def __bool__(self) -> bool:
-        return bool(self.tasks)
 
     @property
     def counted(self) -> frozenset[str]:

@@ -107,6 +107,7 @@ def run_jobs(
     while True:
         if advance is not None:
             selected.filter(run_at__gt=Now(), run_at__lte=Now() + advance).run_now()
+        jobs.promote()  # limited tasks' scheduled jobs come due: their claim reads only these
         due_queues = selected.filter(run_at__lte=Now()).values_list("queue", flat=True)
         queue_names = sorted(set(due_queues))
         if not queue_names:
@@ -116,6 +117,8 @@ def run_jobs(
         claimed = jobs.claim(queue_names, worker=worker, limit=max(due, 1))
         for queue in queue_names:  # limited tasks' jobs too, without their limits
             claimed += jobs.claim_keyed(queue, NO_LIMITS, worker=worker, limit=max(due, 1)).claimed
+        if not claimed:
+            return run  # due jobs another session holds locked: not this loop's to wait for
         mine = [job for job in claimed if names is None or job.task in names]
         jobs.release([job for job in claimed if job not in mine])
         for n, job in enumerate(mine):

@@ -227,6 +227,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         `cursor` of the previous claim). Runs in a transaction of its own, unless in one."""
         db = self._write_db()
         with transaction.atomic(using=db):
+            # Not for long behind a lock on a bucket: the worker's other claims wait on this.
+            rows.execute(db, sql.BRIEF_LOCK_TIMEOUT, {})
             keys = rows.execute(db, sql.LOCK_KEYS, {
                 "queue": queue, "after_task": after[0], "after_key": after[1],
                 "limit": limit, "locking": limits.locking, "lock_class": LOCK_CLASS,
@@ -260,7 +262,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         paused or another session holds its row (never waited for), never more than its
         `max_running` jobs running at once across all workers, nor more starts than its
         `rate_limit`. With `limits`, its limited tasks' jobs too, as `claim_keyed`, in up to
-        half of the room (rounded up or down: an odd slot goes to either in turns)."""
+        half of the room (rounded up or down: an odd slot goes to either in turns); None: the
+        queue holds none of their jobs."""
         db = self._write_db()
         nothing = Keyed([], None, after)
         with transaction.atomic(using=db), connections[db].cursor() as cursor:
@@ -280,24 +283,29 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                 (running,) = cursor.fetchone()
                 limit = min(limit, max_running - running)
             rate = limits_module.rate_or_none(rate_text)
+            # A bucket spent at a lower rate (before the limit was raised) counts as just spent
+            # whole at this one, and is written so: it fills at the new rate from now on.
+            raised = rate is not None and full_at is not None and full_at > rate.emptiest(now)
             if rate is not None:
-                limit = min(limit, rate.starts(full_at, now))
-            if limit < 1:
-                return nothing
-            keyed, share = nothing, (limit + round_up) // 2
-            if limits and share:
-                keyed = self.claim_keyed(
-                    queue, limits, worker=worker, limit=share, lease=lease, after=after
+                limit = min(
+                    limit, rate.starts(min(full_at, rate.emptiest(now)) if raised else full_at, now)
                 )
-            elif limits:
-                keyed = Keyed([], 0.0, after)  # their turn is the next claim
-            claimed = keyed.claimed + self.claim(
-                [queue], worker=worker, limit=limit - len(keyed.claimed), lease=lease
-            )
-            if rate is not None and claimed:
-                cursor.execute(
-                    sql.SPEND_QUEUE_RATE, {"queue": queue, "seconds": rate.interval * len(claimed)}
+            claimed: list[Job] = []
+            keyed = nothing
+            if limit >= 1:
+                share = (limit + round_up) // 2
+                if limits is not None and share:
+                    keyed = self.claim_keyed(
+                        queue, limits, worker=worker, limit=share, lease=lease, after=after
+                    )
+                elif limits is not None:
+                    keyed = Keyed([], 0.0, after)  # their turn is the next claim
+                claimed = keyed.claimed + self.claim(
+                    [queue], worker=worker, limit=limit - len(keyed.claimed), lease=lease
                 )
+            if rate is not None and (claimed or raised):
+                spent = {"seconds": rate.interval * len(claimed), "most": rate.emptiest_in}
+                cursor.execute(sql.SPEND_QUEUE_RATE, {"queue": queue, **spent})
             return keyed._replace(claimed=claimed)
 
     def complete(self, job: Job | Claim, result_json: str | None = None) -> bool:

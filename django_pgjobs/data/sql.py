@@ -457,10 +457,13 @@ LOCK_QUEUE = """
     SELECT paused, max_running, rate_limit, full_at, statement_timestamp() FROM pgjobs_queue
     WHERE name = %(queue)s FOR UPDATE SKIP LOCKED
 """
-# A queue's rate limit: the starts a claim took, taken from its bucket (limits.py).
+# A queue's rate limit: the starts a claim took, taken from its bucket (limits.py); a bucket
+# spent at a lower rate than today's (%(most)s: its whole burst at today's) as spent at today's.
 SPEND_QUEUE_RATE = """
-    UPDATE pgjobs_queue SET full_at = GREATEST(full_at, statement_timestamp())
-                                      + make_interval(secs => %(seconds)s)
+    UPDATE pgjobs_queue
+    SET full_at = GREATEST(LEAST(full_at, statement_timestamp() + make_interval(secs => %(most)s)),
+                           statement_timestamp())
+                  + make_interval(secs => %(seconds)s)
     WHERE name = %(queue)s
 """
 QUEUE_CONTROLLED = "SELECT EXISTS (SELECT FROM pgjobs_queue WHERE name = %(queue)s)"
@@ -518,14 +521,21 @@ LOCK_KEYS = """
 # CLAIM_KEYED claims from the keys LOCK_KEYS kept (%(tasks)s, %(keys)s), in a snapshot taken
 # after their locks: every claim and bucket written before is seen. Each key's room is the least
 # of %(limit)s, its concurrency limit less its running jobs, and the starts its bucket holds
-# (the bucket is full at full_at; one start comes back every `every` seconds, `burst` at most).
+# (the bucket is full at full_at; one start comes back every `every` seconds, `burst` at most;
+# one spent at a lower rate, before the limit was raised, counts as all spent at today's, and is
+# written so).
 # The keys take turns (each key's best job, then each key's second best, ...), and a key's
 # bucket is spent by the jobs it took. The rows are the claimed jobs (JOB_COLUMNS), each with
 # `wait`; when none was claimed, one row of NULLs with it: the seconds until the first of the
 # keys held back by their rate gets a start again (NULL: none was).
 CLAIM_KEYED = f"""
     WITH keys AS (
-        SELECT k.task, k.key, k.turn_of, l.concurrency, l.every, l.burst, b.full_at
+        -- A bucket spent at a lower rate than today's counts as spent at today's.
+        SELECT k.task, k.key, k.turn_of, l.concurrency, l.every, l.burst, b.full_at AS stored,
+               CASE WHEN b.full_at IS NOT NULL  -- none: a full bucket
+                    THEN LEAST(b.full_at, statement_timestamp()
+                                          + make_interval(secs => l.burst * l.every))
+               END AS full_at
         FROM unnest(%(tasks)s::text[], %(keys)s::text[]) WITH ORDINALITY AS k(task, key, turn_of)
         LEFT JOIN unnest(%(limited)s::text[], %(concurrency)s::int4[], %(every)s::float8[],
                          %(burst)s::int4[]) AS l(task, concurrency, every, burst)
@@ -564,12 +574,12 @@ CLAIM_KEYED = f"""
     {_TAKE_TURNS},
     spent AS (
         INSERT INTO pgjobs_bucket AS b (task, key, full_at)
-        SELECT r.task, r.key,
-               GREATEST(r.full_at, statement_timestamp()) + make_interval(secs => r.every * c.n)
+        SELECT r.task, r.key, GREATEST(r.full_at, statement_timestamp())
+                              + make_interval(secs => r.every * coalesce(c.n, 0))
         FROM rooms AS r
-        JOIN (SELECT task, limit_key, count(*) AS n FROM claimed GROUP BY task, limit_key) AS c
-          ON c.task = r.task AND c.limit_key = r.key
-        WHERE r.every IS NOT NULL
+        LEFT JOIN (SELECT task, limit_key, count(*) AS n FROM claimed GROUP BY task, limit_key)
+               AS c ON c.task = r.task AND c.limit_key = r.key
+        WHERE r.every IS NOT NULL AND (c.n IS NOT NULL OR r.stored > r.full_at)
         ON CONFLICT (task, key) DO UPDATE SET full_at = EXCLUDED.full_at
     ),
     wait AS (

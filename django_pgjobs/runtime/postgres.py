@@ -188,10 +188,13 @@ class PostgresSource:
             # the limited tasks' jobs in the open queues, in up to half of what is left.
             self._round_up = not self._round_up  # one slot goes to either, in turns
             wait = self._claim_limited(wanted - seat.controls.open_share(wanted), into=limited)
-            if self.task_limits:
+            # Whatever tasks this worker knows limits of: a task whose limits were dropped still
+            # has jobs that only this claim takes.
+            keyed = [queue for queue in seat.controls.open if self._may_hold_keyed(queue)]
+            if keyed:
                 left = wanted - len(limited)
                 if share := (left + self._round_up) // 2:
-                    wait = min(wait, self._claim_keyed(share, into=limited))
+                    wait = min(wait, self._claim_keyed(keyed, share, into=limited))
                 else:
                     wait = time.monotonic()  # their turn is the next one
             turn.claimed += limited
@@ -242,18 +245,25 @@ class PostgresSource:
                 wait = min(wait, self._next_keyed_claim(queue_name, keyed))
         return wait
 
-    def _claim_keyed(self, wanted: int, into: list[Job]) -> float:
-        """Claim up to `wanted` jobs of limited tasks from the open queues, into `into`; returns
-        as _claim_limited does."""
+    def _claim_keyed(self, queues: list[str], wanted: int, into: list[Job]) -> float:
+        """Claim up to `wanted` jobs of limited tasks from `queues` (open ones), into `into`;
+        returns as _claim_limited does."""
         start, controls = len(into), self.seat.controls
         wait = float("inf")
-        for queue_name in controls.open:
+        for queue_name in queues:
             room = min(wanted - (len(into) - start), controls.rooms.get(queue_name, wanted))
-            if room > 0 and self._may_hold_keyed(queue_name):
-                keyed = self.jobs.claim_keyed(
-                    queue_name, self.task_limits, worker=self.id, limit=room,
-                    lease=self.seat.lease, after=self.cursors.get(queue_name, ("", "")),
-                )  # fmt: skip
+            if room > 0:
+                try:
+                    keyed = self.jobs.claim_keyed(
+                        queue_name, self.task_limits, worker=self.id, limit=room,
+                        lease=self.seat.lease, after=self.cursors.get(queue_name, ("", "")),
+                    )  # fmt: skip
+                except DatabaseError as error:
+                    if not rows.timed_out(error):
+                        raise
+                    # A lock on a bucket or a key's rows: this queue's limited jobs sit the
+                    # turn out, and every other claim goes on.
+                    continue
                 into += keyed.claimed
                 wait = min(wait, self._next_keyed_claim(queue_name, keyed))
         return wait

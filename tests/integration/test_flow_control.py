@@ -11,6 +11,7 @@ import time
 from io import StringIO
 from typing import Any
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection, connections, transaction
@@ -21,14 +22,20 @@ from django_pgjobs.errors import EnqueueError
 from django_pgjobs.limits import TaskLimits
 from django_pgjobs.models import Bucket, Job, Queue
 from django_pgjobs.registry import all_tasks, task
+from django_pgjobs.runtime import postgres
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
 from tests import tasks
+from tests.conftest import connection_kwargs
 
 pytestmark = pytest.mark.django_db
 
 LIMITS = TaskLimits.of(all_tasks())
+
+
+def open_session() -> psycopg.Connection[Any]:
+    return psycopg.connect(**connection_kwargs(), autocommit=True)
 
 
 def keyed(limit: int = 10, worker: str = "w1", after: tuple[str, str] = ("", "")) -> Any:
@@ -283,3 +290,71 @@ def test_a_queue_without_limited_jobs_costs_no_claim_of_them_a_turn(monkeypatch)
     assert not Job.objects.exclude(status=Status.SUCCEEDED).exists()
     # 150 turns or more; a look at the start, and again once a second at most.
     assert 1 <= len(looked) <= 2 + int(time.monotonic() - started)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobs_of_a_task_whose_limits_were_dropped_still_run(monkeypatch) -> None:
+    # Enqueued while it had limits; no task this worker knows has any now.
+    jobs = Job.objects.bulk_enqueue(tasks.per_customer, [{"customer_id": "a", "n": n}
+                                                         for n in range(5)])  # fmt: skip
+    monkeypatch.setattr(postgres, "all_tasks", lambda: {tasks.noop.name: tasks.noop})
+    Worker(Options(queues=["limited"], once=True, listen=False, poll_interval=0.1)).run()
+    assert {job.status for job in Job.objects.filter(pk__in=[j.pk for j in jobs])} == {
+        Status.SUCCEEDED
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_locked_bucket_holds_back_its_keys_only_never_the_workers_other_claims() -> None:
+    Job.objects.bulk_enqueue(tasks.rated, [{"n": n} for n in range(20)])
+    keyed(limit=1)  # the bucket's row exists
+    plain = Job.objects.bulk_enqueue(tasks.noop, [None] * 50)
+    holding, release = threading.Event(), threading.Event()
+
+    def lock_the_buckets() -> None:
+        with open_session() as other, other.transaction():
+            other.execute("LOCK TABLE pgjobs_bucket IN ACCESS EXCLUSIVE MODE")
+            holding.set()
+            release.wait(20)
+
+    holder = threading.Thread(target=lock_the_buckets)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        started = time.monotonic()
+        worker = Worker(Options(queues=["default", "limited"], once=True, listen=False,
+                                poll_interval=0.1))  # fmt: skip
+        worker.run()
+        assert time.monotonic() - started < 5
+        done = Job.objects.filter(pk__in=[job.pk for job in plain], status=Status.SUCCEEDED)
+        assert done.count() == 50
+    finally:
+        release.set()
+        holder.join(10)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_jobs_runs_a_limited_job_that_waited_for_its_run_at() -> None:
+    tasks.per_customer.using(delay=0.2).enqueue(customer_id="a", n=1)
+    time.sleep(0.3)
+    assert len(run_jobs()) == 1
+
+
+def test_a_raised_rate_holds_from_the_next_claim_not_once_the_old_bucket_fills() -> None:
+    Job.objects.bulk_enqueue(tasks.rated, [{"n": n} for n in range(50)])
+    name = tasks.rated.name
+    slow = TaskLimits((name,), (None,), (60.0,), (1,))  # 1/m
+    fast = TaskLimits((name,), (None,), (0.01,), (20,))  # 100/s
+    claim = Job.objects.claim_keyed
+    assert len(claim("limited", slow, worker="w1", limit=50).claimed) == 1  # a minute spent
+    assert claim("limited", fast, worker="w1", limit=50).claimed == []  # as all spent at 100/s
+    time.sleep(0.25)
+    assert len(claim("limited", fast, worker="w1", limit=50).claimed) == 20
+    Queue.objects.create(name="default", rate_limit="1/m")
+    for _ in range(30):
+        tasks.noop.enqueue()
+    assert len(Job.objects.claim_limited("default", worker="w1", limit=30).claimed) == 1
+    Queue.objects.filter(name="default").update(rate_limit="100/s")
+    assert Job.objects.claim_limited("default", worker="w1", limit=30).claimed == []
+    time.sleep(0.25)
+    assert len(Job.objects.claim_limited("default", worker="w1", limit=30).claimed) == 20

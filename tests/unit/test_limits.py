@@ -107,4 +107,4 @@ def test_the_claims_limits_hold_each_limited_task_and_lock_only_those_with_a_lim
     assert limits.every == (0.1, None, None)
     assert limits.locking == ["b", "c"]
     assert limits.counted == {"c"}
-    assert not TaskLimits.of({"a": tasks["a"]})
+    assert TaskLimits.of({"a": tasks["a"]}) == TaskLimits()
