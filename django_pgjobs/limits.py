@@ -26,6 +26,9 @@ from django_pgjobs.errors import EnqueueError
 BURST_SECONDS = 0.2
 #: The longest limit key: a key is part of an index entry.
 MAX_KEY_LENGTH = 200
+#: The most a limit may say (starts per unit, or jobs at once): more is no limit, and past
+#: PostgreSQL's integers it would fail every claim.
+MOST = 1_000_000
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _RATE = re.compile(r"\s*(\d+)\s*/\s*([smh])\s*")
@@ -104,10 +107,10 @@ def describe(task: Limited) -> str:
 def parse_rate(text: object, where: str) -> Rate:
     """The Rate `text` ("10/s", "100/m", "1000/h") says; ValueError naming `where` if none."""
     match = _RATE.fullmatch(text) if isinstance(text, str) else None
-    if match is None or int(match[1]) < 1:
+    if match is None or not 1 <= int(match[1]) <= MOST:
         raise ValueError(
-            f"{where}: {text!r} is not a rate; write a whole number of starts of at least 1 per "
-            'second, minute or hour, as "10/s", "100/m" or "1000/h".'
+            f"{where}: {text!r} is not a rate; write a whole number of starts from 1 to "
+            f'{MOST:,} per second, minute or hour, as "10/s", "100/m" or "1000/h".'
         )
     return Rate(int(match[1]), _UNITS[match[2]])
 
@@ -130,10 +133,10 @@ def validate_rate(text: str) -> None:
 
 
 def check_concurrency(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MOST:
         raise ValueError(
-            f"@task(concurrency_limit={value!r}) must be a whole number of jobs of 1 or more "
-            "(None: no limit)."
+            f"@task(concurrency_limit={value!r}) must be a whole number of jobs from 1 to "
+            f"{MOST:,} (None: no limit)."
         )
     return value
 
@@ -191,12 +194,25 @@ def key_of(task: Limited, payload: Mapping[str, Any]) -> str | None:
                 "key must be a string or a whole number."
             )
         value = str(value)
+    if "\x00" in value or _unencodable(value):
+        raise EnqueueError(
+            f"task {task.name!r}: its limit key {value[:40]!r} holds a NUL or a lone surrogate, "
+            "which PostgreSQL's text cannot store."
+        )
     if len(value) > MAX_KEY_LENGTH:
         raise EnqueueError(
             f"task {task.name!r}: its limit key {value[:40]!r}... is {len(value)} characters "
             f"long; {MAX_KEY_LENGTH} at most."
         )
     return value
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 #: The advisory locks' first key: a limit key's lock is (LOCK_CLASS, hash of task and key), apart

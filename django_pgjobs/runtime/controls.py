@@ -39,6 +39,7 @@ class QueueControls:
         self.gauge: Gauge | None = None
         #: How many jobs each queue may take this turn (admit).
         self.rooms: dict[str, int] = {}
+        self._unreadable: set[str] = set()  # queues whose rate_limit was said to be unreadable
 
     def yield_to(self, db: str, budgets: dict[str, float | None], floor: float) -> Gauge:
         """Let the queues with a budget (`budgets`, by queue; None: never yield) yield to the
@@ -148,6 +149,16 @@ class QueueControls:
             for queue in controls
             if queue.max_running is not None or limits.rate_or_none(queue.rate_limit) is not None
         }
+        for queue in controls:  # written by other means than the form, which checks it
+            if queue.rate_limit and limits.rate_or_none(queue.rate_limit) is None:
+                if queue.name not in self._unreadable:
+                    log_safely(
+                        logger.warning,
+                        "queue %s: its rate_limit %r is not a rate (as \"10/s\", \"100/m\"): it "
+                        "runs without one",
+                        queue.name, queue.rate_limit,
+                    )  # fmt: skip
+                self._unreadable.add(queue.name)
         before = set(self.open)
         self.open = [q for q in self.queues if q not in paused | limited]
         self.limited = [q for q in self.queues if q in limited - paused]

@@ -23,6 +23,7 @@ from django_pgjobs.limits import TaskLimits
 from django_pgjobs.models import Bucket, Job, Queue
 from django_pgjobs.registry import all_tasks, task
 from django_pgjobs.runtime import postgres
+from django_pgjobs.runtime.controls import QueueControls
 from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
@@ -163,6 +164,8 @@ def test_a_tasks_limits_are_checked_when_it_is_declared() -> None:
         task(rate_limit="10 per second")(lambda: None)
     with pytest.raises(ValueError, match=r"concurrency_limit=0\) must be a whole number"):
         task(concurrency_limit=0)(lambda: None)
+    with pytest.raises(ValueError, match=r"from 1 to 1,000,000 \(None: no limit\)"):
+        task(concurrency_limit=10**10)(lambda: None)
     with pytest.raises(ValueError, match=r"limit_by='customer-id'\) must name"):
         task(limit_by="customer-id")(lambda: None)
 
@@ -358,3 +361,16 @@ def test_a_raised_rate_holds_from_the_next_claim_not_once_the_old_bucket_fills()
     assert Job.objects.claim_limited("default", worker="w1", limit=30).claimed == []
     time.sleep(0.25)
     assert len(Job.objects.claim_limited("default", worker="w1", limit=30).claimed) == 20
+
+
+def test_a_queues_rate_written_unreadable_is_said_once_and_the_queue_runs(caplog) -> None:
+    Queue.objects.create(name="default", rate_limit="10 a second")  # past the form's check
+    controls = QueueControls(["default"], interval=0.0)
+    for _ in range(3):
+        controls.read_if_due("default")
+    assert controls.open == ["default"]
+    said = [r.getMessage() for r in caplog.records if "is not a rate" in r.getMessage()]
+    assert said == [
+        'queue default: its rate_limit \'10 a second\' is not a rate (as "10/s", "100/m"): it '
+        "runs without one"
+    ]

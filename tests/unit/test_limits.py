@@ -29,9 +29,11 @@ def test_a_rate_reads_as_starts_per_second_minute_or_hour_with_a_fifth_of_a_seco
     assert str(rate) == text.replace(" ", "")
 
 
-@pytest.mark.parametrize("text", ["10", "10/d", "0/s", "-1/s", "1.5/s", "ten/s", "", None, 10])
+@pytest.mark.parametrize(
+    "text", ["10", "10/d", "0/s", "-1/s", "1.5/s", "ten/s", "", None, 10, "1000001/s"]
+)
 def test_anything_else_is_refused_saying_how_to_write_one(text: object) -> None:
-    with pytest.raises(ValueError, match=r'write a whole number .* as "10/s", "100/m"'):
+    with pytest.raises(ValueError, match=r"write a whole number of starts from 1 to 1,000,000"):
         parse_rate(text, "rate_limit")
 
 
@@ -85,6 +87,8 @@ def test_a_jobs_key_is_its_limit_by_value_as_text_or_empty_for_the_whole_task() 
         (limited(limit_by="customer_id"), {"customer_id": True}, "a string or a whole number"),
         (limited(limit_by=lambda p: 7), {}, "returned 7; it must return a string"),
         (limited(limit_by=lambda p: p["x"]), {}, "its limit_by function raised KeyError"),
+        (limited(limit_by=lambda p: "a\x00b"), {}, "holds a NUL or a lone surrogate"),
+        (limited(limit_by=lambda p: "a\ud800"), {}, "holds a NUL or a lone surrogate"),
     ],
 )
 def test_a_payload_without_a_usable_key_is_refused_saying_why(
