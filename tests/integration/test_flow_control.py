@@ -374,3 +374,15 @@ def test_a_queues_rate_written_unreadable_is_said_once_and_the_queue_runs(caplog
         'queue default: its rate_limit \'10 a second\' is not a rate (as "10/s", "100/m"): it '
         "runs without one"
     ]
+
+
+def test_a_controlled_queues_single_slot_goes_to_limited_and_other_jobs_in_turns() -> None:
+    Queue.objects.create(name="limited", max_running=1)
+    tasks.per_customer.enqueue(customer_id="a", n=1)
+    plain = Job.objects.enqueue(tasks.noop, queue="limited")
+    claim = Job.objects.claim_limited
+    first = claim("limited", worker="w1", limit=1, limits=LIMITS, round_up=False).claimed
+    assert first == [plain]  # rounded down: none of the one slot for limited jobs
+    Job.objects.settle_and_claim(first, [], [], worker="w1", limit=0)
+    second = claim("limited", worker="w1", limit=1, limits=LIMITS, round_up=True).claimed
+    assert [job.task for job in second] == [tasks.per_customer.name]
