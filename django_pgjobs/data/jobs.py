@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 #: How often enqueue looks for the job holding its unique_key before giving up.
 ENQUEUE_TRIES = 5
+#: The most keys one claim of limited jobs looks at (with room or not): keys at their limit are
+#: passed over, so a key with room behind hundreds of full ones is reached in one claim.
+SCAN_KEYS = 200
 
 #: What JobManager.write_back says besides a status: the job's row exists already.
 WRITTEN, IN_OUTBOX = "written", "in outbox"
@@ -229,23 +232,29 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         with transaction.atomic(using=db):
             # Not for long behind a lock on a bucket: the worker's other claims wait on this.
             rows.execute(db, sql.BRIEF_LOCK_TIMEOUT, {})
-            keys = rows.execute(db, sql.LOCK_KEYS, {
-                "queue": queue, "after_task": after[0], "after_key": after[1],
-                "limit": limit, "locking": limits.locking, "lock_class": LOCK_CLASS,
+            scan = max(limit, SCAN_KEYS)
+            looked = rows.execute(db, sql.LOCK_KEYS, {
+                "queue": queue, "after_task": after[0], "after_key": after[1], "limit": limit,
+                "scan": scan, "locking": limits.locking, "lock_class": LOCK_CLASS,
+                **_limit_arrays(limits),
             }, binary=True)  # fmt: skip
+            if not looked:
+                return Keyed([], None, after, 0)  # no due job of a limited task
+            keys = [(task, key) for kept, task, key, _, _ in looked if kept]
+            _, last_task, last_key, held_for, examined = next(row for row in looked if not row[0])
+            cursor = keys[-1] if len(keys) == limit else (last_task, last_key)
             if not keys:
-                return Keyed([], None, after, 0)
+                return Keyed([], held_for, cursor, 0, more=examined >= scan)
             found = rows.execute(db, sql.CLAIM_KEYED, {
                 "queue": queue, "worker": worker, "limit": limit,
                 "lease": get_settings().LEASE if lease is None else lease,
                 "tasks": [task for task, _ in keys], "keys": [key for _, key in keys],
-                "limited": list(limits.tasks), "concurrency": list(limits.concurrency),
-                "every": list(limits.every), "burst": list(limits.burst),
+                **_limit_arrays(limits),
             }, binary=True)  # fmt: skip
             wait = found[0][-1]
             claimed = rows.load_jobs(self.model, db, (row[:-1] for row in found if row[0]))
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
-        return Keyed(claimed, wait, tuple(keys[-1]), len(keys))
+        return Keyed(claimed, wait, cursor, len(keys), more=examined >= scan)
 
     def claim_limited(
         self,
@@ -533,6 +542,14 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     def _write_db(self) -> str:
         return self._db or router.db_for_write(self.model)
+
+
+def _limit_arrays(limits: TaskLimits) -> dict[str, list[Any]]:
+    """The limited tasks' limits, as LOCK_KEYS and CLAIM_KEYED take them."""
+    return {
+        "limited": list(limits.tasks), "concurrency": list(limits.concurrency),
+        "every": list(limits.every), "burst": list(limits.burst),
+    }  # fmt: skip
 
 
 def turn_params(

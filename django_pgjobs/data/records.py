@@ -121,8 +121,10 @@ class Keyed(NamedTuple):
     wait: float | None
     #: The last key it looked at: the next claim's keys start after it.
     cursor: tuple[str, str]
-    #: How many keys with due jobs it found (None: it did not look).
+    #: How many keys with room it found (None: it did not look).
     keys: int | None = None
+    #: It looked at as many keys as one claim may: more may wait beyond them.
+    more: bool = False
 
 
 class Position(NamedTuple):

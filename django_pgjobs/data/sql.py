@@ -474,12 +474,16 @@ COUNT_RUNNING = "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND qu
 
 # A limited task's jobs are claimed a limit key at a time, in two statements of one transaction.
 #
-# LOCK_KEYS finds the keys of %(queue)s with due jobs, up to %(limit)s of them, each by one probe
-# of pgjobs_job_keyed_idx (a skip from one key to the next, not a read of every job): those
-# after the key where the worker's last claim stopped (%(after_task)s, %(after_key)s; '' for
-# the start), then from the start round to it, so the keys take turns across claims. A key of a
-# task with a rate or concurrency limit (%(locking)s) is kept only if this transaction gets its
-# advisory lock, never waited for: a key another worker is claiming from sits this claim out.
+# LOCK_KEYS looks at up to %(scan)s keys of %(queue)s with due jobs, each found by one probe of
+# pgjobs_job_keyed_idx (a skip from one key to the next, not a read of every job): those after
+# the key where the worker's last claim stopped (%(after_task)s, %(after_key)s; '' for the
+# start), then from the start round to it, so the keys take turns across claims. It keeps up to
+# %(limit)s of them that have room as far as its snapshot tells (a free slot, a start in their
+# bucket: CLAIM_KEYED counts again after the locks), so that keys at their limit hold back none
+# behind them. A key of a task with a rate or concurrency limit (%(locking)s) is kept only if
+# this transaction gets its advisory lock, never waited for: a key another worker is claiming
+# from sits this claim out. The rows: each kept key, then the last key looked at, with the
+# seconds until the first key held back by its rate gets a start, and how many were looked at.
 LOCK_KEYS = """
     WITH RECURSIVE after_cursor AS (
         (SELECT task, limit_key FROM pgjobs_job
@@ -507,15 +511,49 @@ LOCK_KEYS = """
               AND (task, limit_key) <= (%(after_task)s, %(after_key)s)
             ORDER BY task, limit_key LIMIT 1
         ) AS n
+    ),
+    examined AS MATERIALIZED (
+        SELECT task, limit_key, row_number() OVER () AS n FROM (
+            SELECT * FROM after_cursor UNION ALL SELECT * FROM from_start LIMIT %(scan)s
+        ) AS k
+    ),
+    judged AS MATERIALIZED (
+        SELECT e.task, e.limit_key, e.n,
+               l.concurrency IS NULL OR l.concurrency > (
+                   SELECT count(*) FROM pgjobs_job AS r
+                   WHERE r.status = 'running' AND r.limit_key IS NOT NULL
+                     AND r.task = e.task AND r.limit_key = e.limit_key
+               ) AS free,
+               CASE WHEN b.full_at IS NOT NULL  -- none: a full bucket
+                    THEN extract(epoch FROM LEAST(b.full_at, statement_timestamp()
+                                                             + make_interval(secs => l.burst
+                                                                                     * l.every))
+                                            - statement_timestamp())::float8
+                         - (l.burst - 1) * l.every
+               END AS wait,
+               -- spent at a lower rate (CLAIM_KEYED writes it as spent at today's)
+               b.full_at > statement_timestamp() + make_interval(secs => l.burst * l.every)
+               AS raised
+        FROM examined AS e
+        LEFT JOIN unnest(%(limited)s::text[], %(concurrency)s::int4[], %(every)s::float8[],
+                         %(burst)s::int4[]) AS l(task, concurrency, every, burst)
+               ON l.task = e.task
+        LEFT JOIN pgjobs_bucket AS b ON b.task = e.task AND b.key = e.limit_key
+    ),
+    kept AS (
+        SELECT task, limit_key FROM judged
+        WHERE free AND (wait IS NULL OR wait <= 0 OR raised)
+          AND CASE WHEN task = ANY (%(locking)s::text[])
+                   THEN pg_try_advisory_xact_lock(%(lock_class)s,
+                                                  hashtext(task || chr(31) || limit_key))
+                   ELSE true END
+        LIMIT %(limit)s
     )
-    SELECT task, limit_key FROM (
-        SELECT * FROM after_cursor UNION ALL SELECT * FROM from_start
-    ) AS k
-    WHERE CASE WHEN task = ANY (%(locking)s::text[])
-               THEN pg_try_advisory_xact_lock(%(lock_class)s,
-                                              hashtext(task || chr(31) || limit_key))
-               ELSE true END
-    LIMIT %(limit)s
+    SELECT true AS kept, task, limit_key, NULL::float8 AS wait, NULL::int8 AS examined FROM kept
+    UNION ALL
+    (SELECT false, task, limit_key, (SELECT min(wait) FROM judged WHERE free AND wait > 0),
+            (SELECT count(*) FROM examined)
+     FROM examined ORDER BY n DESC LIMIT 1)
 """
 
 # CLAIM_KEYED claims from the keys LOCK_KEYS kept (%(tasks)s, %(keys)s), in a snapshot taken

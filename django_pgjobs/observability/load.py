@@ -17,6 +17,9 @@ from django_pgjobs.observability.stats import job_database
 
 #: pg_stat_activity samples taken, and the pause between them, without pg_stat_statements.
 SAMPLES, SAMPLE_INTERVAL = 10, 0.02
+#: Samples that must see an active backend before a share is judged: one statement of an idle
+#: worker's poll, caught alone, is not "the queue takes the database".
+BUSY_SAMPLES = 3
 
 #: What the queue's statements name (its tables), and what its workers call their connections.
 QUEUE_STATEMENT = "pgjobs\\_"
@@ -54,6 +57,11 @@ class QueueLoad:
     samples: int = 0  # pg_stat_activity: how many samples saw an active backend
 
     def describe(self) -> str:
+        if self.share is None and self.samples:
+            return (
+                f"too little activity to tell ({self.source}: {self.samples} of {SAMPLES} "
+                f"samples over {SAMPLES * SAMPLE_INTERVAL:g}s saw one active)"
+            )
         if self.share is None:
             return f"no statement was active ({self.source})"
         if self.source == "pg_stat_statements":
@@ -86,5 +94,5 @@ def queue_load(db: str | None = None) -> QueueLoad:
             queue, active = cursor.fetchone()
             queue_seen, active_seen = queue_seen + queue, active_seen + active
             samples += bool(active)
-    share = queue_seen / active_seen if active_seen else None
+    share = queue_seen / active_seen if samples >= BUSY_SAMPLES else None
     return QueueLoad(share, "pg_stat_activity", samples=samples)

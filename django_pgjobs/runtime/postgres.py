@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from uuid import UUID
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 #: a wake-up comes): jobs that come due without one (a retry's backoff, a lease taken back) wait
 #: that much longer.
 KEYLESS_FOR = 1.0
+#: Claims in a row that find only keys at their limit, as many as one claim looks at, before a
+#: worker leaves the queue's limited jobs for KEYLESS_FOR: 20 × 200 keys go round 4,000 keys.
+PASS_AT_ONCE = 20
 #: How long outcomes whose rows another session held locked wait before they are tried again
 #: (each time only once their rows are free: they never make a turn wait for a lock again).
 BLOCKED_RETRY = 1.0
@@ -78,6 +82,11 @@ class PostgresSource:
         # claims leave them out: a queue without any costs no statement a turn. A wake-up for
         # the queue ends it sooner (a limited job enqueued).
         self._keyless: dict[str, float] = {}
+        # Claims in a row that passed over as many full keys as one may, by queue.
+        self._passed: Counter[str] = Counter()
+        # When a queue's limited jobs held back by a rate get their next start, by queue: due
+        # jobs wait, so a --once worker is not drained (Exchange.held).
+        self._next_start: dict[str, float] = {}
         self.lock_waits = LockWaits(seat.db, application_name(seat.id))
         self.leases = LeaseKeeper(
             self.jobs, seat.claims.all, self.lease_of, seat.lease, self.lock_waits
@@ -197,6 +206,7 @@ class PostgresSource:
                     wait = min(wait, self._claim_keyed(keyed, share, into=limited))
                 else:
                     wait = time.monotonic()  # their turn is the next one
+            wait = min([wait, *self._next_start.values()])  # queues left out this turn too
             turn.claimed += limited
         try:
             settled = self._record(succeeded, failed, wanted - len(limited))
@@ -282,11 +292,23 @@ class PostgresSource:
 
     def _next_keyed_claim(self, queue_name: str, keyed: Keyed) -> float:
         """Keep where a claim of limited tasks' jobs got to; returns when to claim again for
-        those its limits' rates held back."""
+        those its limits held back."""
         self.cursors[queue_name] = keyed.cursor
+        now = time.monotonic()
+        if keyed.keys == 0 and keyed.more and self._passed[queue_name] < PASS_AT_ONCE:
+            self._passed[queue_name] += 1  # every key it looked at was full: on to the next
+            return now
+        self._passed[queue_name] = 0
+        start = float("inf") if keyed.wait is None else now + max(0.0, keyed.wait)
         if keyed.keys == 0:
-            self._keyless[queue_name] = time.monotonic() + KEYLESS_FOR
-        return float("inf") if keyed.wait is None else time.monotonic() + max(0.0, keyed.wait)
+            # None with room: looked at again after a while, at the next start a rate gives,
+            # or when a slot frees (a wake-up).
+            self._keyless[queue_name] = min(now + KEYLESS_FOR, start)
+        if start < float("inf"):
+            self._next_start[queue_name] = start
+        else:
+            self._next_start.pop(queue_name, None)
+        return start
 
     def _unblocked(self) -> list[tuple[Job, Handled]]:
         """The blocked outcomes due to be tried again whose rows are free now (the others stay

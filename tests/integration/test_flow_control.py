@@ -386,3 +386,22 @@ def test_a_controlled_queues_single_slot_goes_to_limited_and_other_jobs_in_turns
     Job.objects.settle_and_claim(first, [], [], worker="w1", limit=0)
     second = claim("limited", worker="w1", limit=1, limits=LIMITS, round_up=True).claimed
     assert [job.task for job in second] == [tasks.per_customer.name]
+
+
+def test_keys_at_their_limit_hold_back_no_key_behind_them() -> None:
+    Job.objects.bulk_enqueue(
+        tasks.export, [{"customer_id": f"c{c:03}", "n": n} for c in range(150) for n in range(3)]
+    )
+    free = Job.objects.bulk_enqueue(tasks.export, [{"customer_id": "z", "n": n} for n in range(2)])
+    with connection.cursor() as cursor:  # two of each c… customer's run elsewhere
+        cursor.execute(
+            """
+            UPDATE pgjobs_job SET status = 'running', worker = 'w0', attempts = 1, claims = 1,
+                                  leased_until = now() + interval '1 hour'
+            WHERE id IN (SELECT id FROM (
+                SELECT id, row_number() OVER (PARTITION BY limit_key ORDER BY id) AS n
+                FROM pgjobs_job WHERE limit_key LIKE 'c%%') AS each WHERE n <= 2)
+            """
+        )
+    claimed = keyed(limit=2).claimed
+    assert sorted(job.pk for job in claimed) == sorted(job.pk for job in free)

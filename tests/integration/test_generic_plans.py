@@ -33,7 +33,7 @@ SAMPLES: dict[str, Any] = {
     "summaries": ["boom"], "task": "tests.tasks.noop", "unique_key": None, "worker": "w1",
     "after_task": "", "after_key": "", "locking": ["tests.tasks.export"], "lock_class": 1,
     "tasks": ["tests.tasks.export"], "keys": ["c1"], "limited": ["tests.tasks.export"],
-    "concurrency": [2], "every": [None], "burst": [None], "limit_key": None,
+    "concurrency": [2], "every": [None], "burst": [None], "limit_key": None, "scan": 200,
 }  # fmt: skip
 
 #: Where one name stands for a value of another shape.
