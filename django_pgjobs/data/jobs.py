@@ -241,10 +241,13 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             if not looked:
                 return Keyed([], None, after, 0)  # no due job of a limited task
             keys = [(task, key) for kept, task, key, _, _ in looked if kept]
-            _, last_task, last_key, held_for, examined = next(row for row in looked if not row[0])
-            cursor = keys[-1] if len(keys) == limit else (last_task, last_key)
+            last = next((row for row in looked if not row[0]), None)
+            cursor, held_for, more = keys[-1] if keys else after, None, False
+            if last is not None:  # fewer kept than asked: on from the last one looked at
+                _, last_task, last_key, held_for, examined = last
+                cursor, more = (last_task, last_key), examined >= scan
             if not keys:
-                return Keyed([], held_for, cursor, 0, more=examined >= scan)
+                return Keyed([], held_for, cursor, 0, more=more)
             found = rows.execute(db, sql.CLAIM_KEYED, {
                 "queue": queue, "worker": worker, "limit": limit,
                 "lease": get_settings().LEASE if lease is None else lease,
@@ -254,7 +257,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             wait = found[0][-1]
             claimed = rows.load_jobs(self.model, db, (row[:-1] for row in found if row[0]))
         claimed.sort(key=lambda job: (-job.priority, job.run_at, job.id))
-        return Keyed(claimed, wait, cursor, len(keys), more=examined >= scan)
+        return Keyed(claimed, wait, cursor, len(keys), more=more)
 
     def claim_limited(
         self,

@@ -482,8 +482,9 @@ COUNT_RUNNING = "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND qu
 # bucket: CLAIM_KEYED counts again after the locks), so that keys at their limit hold back none
 # behind them. A key of a task with a rate or concurrency limit (%(locking)s) is kept only if
 # this transaction gets its advisory lock, never waited for: a key another worker is claiming
-# from sits this claim out. The rows: each kept key, then the last key looked at, with the
-# seconds until the first key held back by its rate gets a start, and how many were looked at.
+# from sits this claim out. The rows: each kept key, then, unless it kept %(limit)s, the last key
+# looked at, with the seconds until the first key held back by its rate gets a start, and how
+# many were looked at.
 LOCK_KEYS = """
     WITH RECURSIVE after_cursor AS (
         (SELECT task, limit_key FROM pgjobs_job
@@ -512,12 +513,12 @@ LOCK_KEYS = """
             ORDER BY task, limit_key LIMIT 1
         ) AS n
     ),
-    examined AS MATERIALIZED (
+    examined AS NOT MATERIALIZED (  -- read as far as kept asks (the keys found are kept)
         SELECT task, limit_key, row_number() OVER () AS n FROM (
             SELECT * FROM after_cursor UNION ALL SELECT * FROM from_start LIMIT %(scan)s
         ) AS k
     ),
-    judged AS MATERIALIZED (
+    judged AS NOT MATERIALIZED (  -- judged as kept asks, up to the keys it keeps
         SELECT e.task, e.limit_key, e.n,
                l.concurrency IS NULL OR l.concurrency > (
                    SELECT count(*) FROM pgjobs_job AS r
@@ -540,7 +541,7 @@ LOCK_KEYS = """
                ON l.task = e.task
         LEFT JOIN pgjobs_bucket AS b ON b.task = e.task AND b.key = e.limit_key
     ),
-    kept AS (
+    kept AS MATERIALIZED (
         SELECT task, limit_key FROM judged
         WHERE free AND (wait IS NULL OR wait <= 0 OR raised)
           AND CASE WHEN task = ANY (%(locking)s::text[])
@@ -551,9 +552,11 @@ LOCK_KEYS = """
     )
     SELECT true AS kept, task, limit_key, NULL::float8 AS wait, NULL::int8 AS examined FROM kept
     UNION ALL
-    (SELECT false, task, limit_key, (SELECT min(wait) FROM judged WHERE free AND wait > 0),
+    (SELECT false, task, limit_key,
+            CASE WHEN NOT EXISTS (SELECT FROM kept)
+                 THEN (SELECT min(wait) FROM judged WHERE free AND wait > 0) END,
             (SELECT count(*) FROM examined)
-     FROM examined ORDER BY n DESC LIMIT 1)
+     FROM examined WHERE (SELECT count(*) FROM kept) < %(limit)s ORDER BY n DESC LIMIT 1)
 """
 
 # CLAIM_KEYED claims from the keys LOCK_KEYS kept (%(tasks)s, %(keys)s), in a snapshot taken
