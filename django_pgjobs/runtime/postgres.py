@@ -206,7 +206,11 @@ class PostgresSource:
                     wait = min(wait, self._claim_keyed(keyed, share, into=limited))
                 else:
                     wait = time.monotonic()  # their turn is the next one
-            wait = min([wait, *self._next_start.values()])  # queues left out this turn too
+            # Queues left out this turn (looked at lately) whose next start is still to come.
+            now, served = time.monotonic(), seat.controls.open
+            wait = min(
+                [wait, *(at for q, at in self._next_start.items() if q in served and at > now)]
+            )
             turn.claimed += limited
         try:
             settled = self._record(succeeded, failed, wanted - len(limited))

@@ -28,7 +28,7 @@ from django_pgjobs.runtime.worker import Options, Worker
 from django_pgjobs.status import Status
 from django_pgjobs.testing import run_jobs
 from tests import tasks
-from tests.conftest import connection_kwargs
+from tests.conftest import connection_kwargs, wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -405,3 +405,29 @@ def test_keys_at_their_limit_hold_back_no_key_behind_them() -> None:
         )
     claimed = keyed(limit=2).claimed
     assert sorted(job.pk for job in claimed) == sorted(job.pk for job in free)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rate_held_queue_once_paused_is_not_polled_without_end(monkeypatch) -> None:
+    turns: list[float] = []
+    exchange = postgres.PostgresSource._exchange
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        turns.append(time.monotonic())
+        return exchange(self, *args, **kwargs)
+
+    monkeypatch.setattr(postgres.PostgresSource, "_exchange", counted)
+    Job.objects.bulk_enqueue(tasks.rated, [{"n": n} for n in range(200)])
+    worker = Worker(Options(queues=["limited", "default"], listen=False, poll_interval=0.5))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        assert wait_until(lambda: Job.objects.filter(status=Status.SUCCEEDED).count() > 10, 10)
+        Queue.objects.create(name="limited", paused=True)
+        time.sleep(1.5)  # the controls are read every second
+        since = time.monotonic()
+        time.sleep(1.0)
+        assert len([t for t in turns if t > since]) < 20  # its poll, not a loop
+    finally:
+        worker.stop()
+        thread.join(15)
