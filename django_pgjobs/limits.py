@@ -98,7 +98,8 @@ def describe(task: Limited) -> str:
         said.append(f"{task.concurrency_limit} at once")
     by = task.limit_by
     if by is not None:
-        said.append(f"per {by if isinstance(by, str) else getattr(by, '__name__', 'key')}")
+        name = by if isinstance(by, str) else getattr(by, "__name__", "<lambda>")
+        said.append(f"per {'key' if name == '<lambda>' else name}")
         if len(said) == 1:
             said[0] = f"turns {said[0]}"
     return ", ".join(said)

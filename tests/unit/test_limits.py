@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.limits import Rate, TaskLimits, key_of, parse_rate
+from django_pgjobs.limits import Rate, TaskLimits, describe, key_of, parse_rate
 from django_pgjobs.registry import Task
 
 NOW = datetime(2026, 12, 5, tzinfo=UTC)
@@ -111,4 +111,8 @@ def test_the_claims_limits_hold_each_limited_task_and_lock_only_those_with_a_lim
     assert limits.every == (0.1, None, None)
     assert limits.locking == ["b", "c"]
     assert limits.counted == {"c"}
+    assert describe(tasks["b"]) == "10/s"
+    assert describe(tasks["c"]) == "3 at once, per x"
+    assert describe(tasks["d"]) == "turns per x"
+    assert describe(Task(func=print, name="e", limit_by=lambda p: "")) == "turns per key"
     assert TaskLimits.of({"a": tasks["a"]}) == TaskLimits()
