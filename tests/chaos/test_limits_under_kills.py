@@ -30,7 +30,7 @@ def test_sigkill_every_two_seconds_never_breaks_a_per_key_limit_nor_leaks_a_slot
 ) -> None:
     Job.objects.bulk_enqueue(
         tasks.export,
-        [{"customer_id": f"c{c}", "n": n, "seconds": 0.2} for c in range(10) for n in range(50)],
+        [{"customer_id": f"c{c}", "n": n, "seconds": 0.2} for c in range(10) for n in range(35)],
     )
     pool = workers(worker_args(4, 2, "--queue", "limited"))
     pool.start(3)

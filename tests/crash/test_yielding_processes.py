@@ -88,12 +88,12 @@ def test_a_yielding_worker_renews_its_leases_and_one_stopped_past_them_loses_not
     start_worker: Any, application: Application
 ) -> None:
     application.run(2, 0.002)
-    long = enqueue(4, 14.0)  # longer than the lease: they live on renewals
+    long = enqueue(4, 9.0)  # longer than the lease: they live on renewals
     enqueue(3000, 0.05)  # a backlog behind them
-    first = start_worker("--concurrency", "8", "--lease", "10", "-v", "2", env=ENV)
+    first = start_worker("--concurrency", "8", "--lease", "6", "-v", "2", env=ENV)
     assert wait_until(first.started, 30)
     assert wait_until(lambda: {j.status for j in _fresh(long)} == {Status.RUNNING}, 30)
-    second = start_worker("--concurrency", "4", "--lease", "10", "-v", "2", env=ENV)
+    second = start_worker("--concurrency", "4", "--lease", "6", "-v", "2", env=ENV)
     assert wait_until(second.started, 30)
     time.sleep(3)  # a probe measures the application as it is
     application.run(8, 0.2)
@@ -107,7 +107,7 @@ def test_a_yielding_worker_renews_its_leases_and_one_stopped_past_them_loses_not
     time.sleep(1)
     first.signal(signal.SIGSTOP)
     try:
-        time.sleep(16)
+        time.sleep(10)
     finally:
         first.signal(signal.SIGCONT)
     application.close()
