@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import Any, Protocol
 
 from django.core.exceptions import ValidationError
@@ -242,13 +243,13 @@ class TaskLimits:
             tuple(None if rate is None else rate.burst for rate in rates),
         )
 
-    @property
+    @cached_property  # asked every turn
     def counted(self) -> frozenset[str]:
         """The tasks with a concurrency limit: a job of theirs that ends frees a slot."""
         most = zip(self.tasks, self.concurrency, strict=True)
         return frozenset(task for task, limit in most if limit is not None)
 
-    @property
+    @cached_property  # asked every claim
     def locking(self) -> list[str]:
         """The tasks whose keys are claimed from by one worker at a time: those with a limit
         (a task with only limit_by takes turns between keys, and nothing to count)."""

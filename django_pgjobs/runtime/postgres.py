@@ -237,49 +237,47 @@ class PostgresSource:
     def _claim_limited(self, wanted: int, into: list[Job]) -> float:
         """Claim up to `wanted` jobs from the queues with a limit, into `into` (which keeps
         what was claimed if a later queue's claim fails); returns when (time.monotonic()) a
-        limited task held back by its rate may start a job again."""
-        start, controls = len(into), self.seat.controls
-        wait = float("inf")
-        for queue_name in controls.limited:
-            room = min(wanted - (len(into) - start), controls.rooms.get(queue_name, wanted))
-            if room > 0:
-                try:
-                    keyed = self.jobs.claim_limited(
-                        queue_name, worker=self.id, limit=room, lease=self.seat.lease,
-                        limits=self.task_limits if self._may_hold_keyed(queue_name) else None,
-                        after=self.cursors.get(queue_name, ("", "")), round_up=self._round_up,
-                    )  # fmt: skip
-                except DatabaseError as error:
-                    if not rows.timed_out(error):
-                        raise
-                    # The controls' table is locked: this queue sits the turn out (the
-                    # controls' own read says so, runtime/controls.py).
-                    continue
-                into += keyed.claimed
-                wait = min(wait, self._next_keyed_claim(queue_name, keyed))
-        return wait
+        limited task held back by its rate may start a job again. A queue whose controls'
+        table is locked sits the turn out (the controls' own read says so)."""
+        return self._claim_each(self.seat.controls.limited, wanted, into, lambda queue, room: (
+            self.jobs.claim_limited(
+                queue, worker=self.id, limit=room, lease=self.seat.lease,
+                limits=self.task_limits if self._may_hold_keyed(queue) else None,
+                after=self.cursors.get(queue, ("", "")), round_up=self._round_up,
+            )
+        ))  # fmt: skip
 
     def _claim_keyed(self, queues: list[str], wanted: int, into: list[Job]) -> float:
         """Claim up to `wanted` jobs of limited tasks from `queues` (open ones), into `into`;
-        returns as _claim_limited does."""
-        start, controls = len(into), self.seat.controls
+        returns as _claim_limited does. A queue whose bucket or key rows are locked sits the
+        turn out, and every other claim goes on."""
+        return self._claim_each(queues, wanted, into, lambda queue, room: (
+            self.jobs.claim_keyed(
+                queue, self.task_limits, worker=self.id, limit=room, lease=self.seat.lease,
+                after=self.cursors.get(queue, ("", "")),
+            )
+        ))  # fmt: skip
+
+    def _claim_each(
+        self, queues: list[str], wanted: int, into: list[Job],
+        claim: Callable[[str, int], Keyed],
+    ) -> float:  # fmt: skip
+        """`claim(queue, room)` in each of `queues` until `wanted` jobs are in `into`; returns
+        the soonest time a queue's limited jobs held back by a rate may start."""
+        start, rooms = len(into), self.seat.controls.rooms
         wait = float("inf")
         for queue_name in queues:
-            room = min(wanted - (len(into) - start), controls.rooms.get(queue_name, wanted))
-            if room > 0:
-                try:
-                    keyed = self.jobs.claim_keyed(
-                        queue_name, self.task_limits, worker=self.id, limit=room,
-                        lease=self.seat.lease, after=self.cursors.get(queue_name, ("", "")),
-                    )  # fmt: skip
-                except DatabaseError as error:
-                    if not rows.timed_out(error):
-                        raise
-                    # A lock on a bucket or a key's rows: this queue's limited jobs sit the
-                    # turn out, and every other claim goes on.
-                    continue
-                into += keyed.claimed
-                wait = min(wait, self._next_keyed_claim(queue_name, keyed))
+            room = min(wanted - (len(into) - start), rooms.get(queue_name, wanted))
+            if room <= 0:
+                continue
+            try:
+                keyed = claim(queue_name, room)
+            except DatabaseError as error:
+                if not rows.timed_out(error):
+                    raise
+                continue  # a lock held elsewhere: this queue sits the turn out
+            into += keyed.claimed
+            wait = min(wait, self._next_keyed_claim(queue_name, keyed))
         return wait
 
     def _announce_free_slots(self, ended: list[Job]) -> None:
