@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from django_pgjobs.errors import JobCancelled, PermanentError, Retry
 from django_pgjobs.registry import Task, task
 
 if TYPE_CHECKING:
+    from django_pgjobs.batches import Batch
     from django_pgjobs.models import Job
 
 
@@ -35,11 +37,23 @@ def progress(done: float, total: float | None = None, note: str = "") -> None:
     progress(done, total, note)
 
 
+def batch(
+    on_complete: Task | str | None = None, on_success: Task | str | None = None, **payload: Any
+) -> AbstractContextManager[Batch]:
+    """``with batch(on_complete=..., on_success=..., **payload) as b:`` makes the jobs enqueued
+    in the block one batch (JobManager.batch, batches.py)."""
+    # Looked up by label: this module loads with the package, before the models can.
+    from django.apps import apps
+
+    return apps.get_model("pgjobs", "Job").objects.batch(on_complete, on_success, **payload)
+
+
 __all__ = [
     "JobCancelled",
     "PermanentError",
     "Retry",
     "Task",
+    "batch",
     "cancel_requested",
     "current_job",
     "progress",

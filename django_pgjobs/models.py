@@ -16,7 +16,7 @@ from django_pgjobs.data.queues import QueueQuerySet
 from django_pgjobs.data.sql import CLAIM_ORDER
 from django_pgjobs.ids import uuid7
 from django_pgjobs.limits import validate_rate
-from django_pgjobs.status import FINISHED, LIVE, Status
+from django_pgjobs.status import FINISHED, HOLDS_KEY, LIVE, Status
 from django_pgjobs.validation import MAX_PRIORITY, MIN_PRIORITY
 
 #: The columns a worker writes while it holds a claim (Job.save refuses them then).
@@ -64,6 +64,12 @@ class Job(models.Model):
     #: they are held per ("" for the whole task). Such jobs wait in an index of their own, by
     #: task and key, out of the claim index's way, and are claimed a key at a time (limits.py).
     limit_key = models.CharField(max_length=200, null=True, blank=True, editable=False)
+    #: The batch the job was enqueued in (django_pgjobs.batch): no constraint, so that a
+    #: member's insert and settle never touch the batch's row (batches.py).
+    batch = models.ForeignKey(
+        "Batch", null=True, blank=True, editable=False, db_constraint=False,
+        on_delete=models.DO_NOTHING, related_name="jobs",
+    )  # fmt: skip
 
     objects: ClassVar[JobManager] = JobManager()
 
@@ -110,6 +116,16 @@ class Job(models.Model):
             ),
             # The admin's search and filter by task: a rare task's jobs without reading the table.
             models.Index(fields=["task"], name="pgjobs_job_task_idx"),
+            # A batch's members by status: "is any still live?" is one probe (batches.py).
+            models.Index(
+                fields=["batch", "status"],
+                name="pgjobs_job_batch_idx",
+                condition=Q(batch__isnull=False),
+            ),
+            # Jobs waiting for their dependencies (after=), for jobstats and the admin's filter.
+            models.Index(
+                fields=["id"], name="pgjobs_job_waiting_idx", condition=Q(status=Status.WAITING)
+            ),
             # Dead letters, newest first, without scanning the finished history.
             models.Index(
                 fields=["-id"],
@@ -141,7 +157,7 @@ class Job(models.Model):
             # Only rows that have a key: most have none, and each entry costs at insert and claim.
             models.UniqueConstraint(
                 fields=["unique_key"],
-                condition=Q(status__in=LIVE, unique_key__isnull=False),
+                condition=Q(status__in=HOLDS_KEY, unique_key__isnull=False),
                 name="pgjobs_job_unique_key_live",
             ),
         ]
@@ -317,6 +333,89 @@ class Bucket(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task} [{self.key}]"
+
+
+class Batch(models.Model):
+    """Jobs enqueued together (django_pgjobs.batch), and the callbacks enqueued once when they
+    have all finished (on_complete) and when they have all succeeded (on_success). Written
+    once with its jobs, then only when the batch completes and when it succeeds: never by a
+    member's settle (batches.py)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
+    created_at = models.DateTimeField(db_default=Now())
+    #: How many jobs were enqueued in the batch's block.
+    size = models.IntegerField()
+    #: Each callback as the job to insert (task, queue, priority, max_attempts, id, ...), its
+    #: payload the one given to batch(); None: no such callback.
+    on_complete = models.JSONField(null=True, blank=True)
+    on_success = models.JSONField(null=True, blank=True)
+    #: When every member had finished (on_complete enqueued then), and how they ended.
+    completed_at = models.DateTimeField(null=True, blank=True)
+    succeeded = models.IntegerField(null=True, blank=True)
+    failed = models.IntegerField(null=True, blank=True)
+    cancelled = models.IntegerField(null=True, blank=True)
+    #: When every member had succeeded (on_success enqueued then): maybe after replays.
+    succeeded_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("batch")
+        verbose_name_plural = _("batches")
+        indexes = [
+            # The batches not yet succeeded, which the sweeper looks at (batches.py).
+            models.Index(
+                fields=["id"], name="pgjobs_batch_open_idx", condition=Q(succeeded_at__isnull=True)
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"batch {self.short_id}"
+
+    @property
+    def short_id(self) -> str:
+        return self.id.hex[-12:]
+
+
+class Dependency(models.Model):
+    """One of the jobs or batches a job enqueued with after= waits for (batches.py)."""
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(
+        Job, db_constraint=False, on_delete=models.DO_NOTHING, related_name="dependencies"
+    )
+    after_job = models.ForeignKey(
+        Job, null=True, db_constraint=False, on_delete=models.DO_NOTHING, related_name="+"
+    )
+    after_batch = models.ForeignKey(
+        Batch, null=True, db_constraint=False, on_delete=models.DO_NOTHING, related_name="+"
+    )
+    #: This dependency's failure cancelled the job: its success releases the job again.
+    failed = models.BooleanField(default=False, db_default=False)
+
+    class Meta:
+        verbose_name = _("dependency")
+        verbose_name_plural = _("dependencies")
+        indexes = [
+            models.Index(fields=["job"], name="pgjobs_dep_job_idx"),
+            models.Index(
+                fields=["after_job"],
+                name="pgjobs_dep_after_job_idx",
+                condition=Q(after_job__isnull=False),
+            ),
+            models.Index(
+                fields=["after_batch"],
+                name="pgjobs_dep_after_batch_idx",
+                condition=Q(after_batch__isnull=False),
+            ),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(after_job__isnull=True) ^ Q(after_batch__isnull=True),
+                name="pgjobs_dep_one_target",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} after {self.after_job_id or self.after_batch_id}"
 
 
 class DeadLetter(Job):

@@ -80,8 +80,10 @@ class Task:
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         unique_key: str | None = None,
+        after: Any = None,
     ) -> TaskCall:
-        """Options for the next enqueue: ``my_task.using(delay=60).enqueue(user_id=1)``."""
+        """Options for the next enqueue: ``my_task.using(delay=60).enqueue(user_id=1)``;
+        ``after=[job, batch]``: it waits until those have succeeded (batches.py)."""
         return TaskCall(
             self,
             {
@@ -91,6 +93,7 @@ class Task:
                 "delay": delay,
                 "max_attempts": max_attempts,
                 "unique_key": unique_key,
+                "after": after,
             },
         )
 

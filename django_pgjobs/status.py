@@ -1,5 +1,7 @@
 """The job state machine.
 
+waiting ──its dependencies succeeded──▶ ready (one failed: cancelled, released again if it
+                                                     is replayed and then succeeds)
 ready ──claim──▶ running ──complete──▶ succeeded
   ▲  │             │ │
   │  │             │ └──fail (attempts left) / retry_later / release / reap──▶ ready
@@ -20,7 +22,11 @@ class Status(models.TextChoices):
     SUCCEEDED = "succeeded", _("succeeded")
     FAILED = "failed", _("failed")
     CANCELLED = "cancelled", _("cancelled")
+    #: Enqueued with after=: waits for the jobs and batches it names to succeed (batches.py).
+    WAITING = "waiting", _("waiting")
 
 
 FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
-LIVE = (Status.READY, Status.RUNNING)
+LIVE = (Status.READY, Status.RUNNING, Status.WAITING)
+#: The statuses in which a job holds its unique_key (a waiting job has none: enqueue refuses both).
+HOLDS_KEY = (Status.READY, Status.RUNNING)

@@ -6,6 +6,7 @@ inside it), in ``TransactionTestCase`` and in pytest-django tests, as plain func
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -16,7 +17,7 @@ from typing import Any
 from django.db import connections, router, transaction
 from django.db.models.functions import Now
 
-from django_pgjobs import registry, signals, validation
+from django_pgjobs import batches, registry, signals, validation
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.limits import TaskLimits
 from django_pgjobs.models import Job
@@ -104,40 +105,43 @@ def run_jobs(
         selected = selected.filter(task__in=names)
     worker = f"run_jobs:{os.getpid()}"
     run = JobsRun()
-    while True:
-        if advance is not None:
-            selected.filter(run_at__gt=Now(), run_at__lte=Now() + advance).run_now()
-        jobs.promote()  # limited tasks' scheduled jobs come due: their claim reads only these
-        due_queues = selected.filter(run_at__lte=Now()).values_list("queue", flat=True)
-        queue_names = sorted(set(due_queues))
-        if not queue_names:
-            return run
-        # Claim every due job of those queues, so others cannot crowd out the selected ones.
-        due = jobs.due().filter(queue__in=queue_names).count()
-        claimed = jobs.claim(queue_names, worker=worker, limit=max(due, 1))
-        for queue in queue_names:  # limited tasks' jobs too, without their limits
-            claimed += jobs.claim_keyed(queue, NO_LIMITS, worker=worker, limit=max(due, 1)).claimed
-        if not claimed:
-            return run  # due jobs another session holds locked: not this loop's to wait for
-        mine = [job for job in claimed if names is None or job.task in names]
-        jobs.release([job for job in claimed if job not in mine])
-        for n, job in enumerate(mine):
-            if len(run) >= max_jobs:
-                jobs.release(mine[n:])
-                raise JobError(
-                    f"run_jobs ran {max_jobs} jobs and more are due: does a job enqueue itself, "
-                    "or ask to Retry at once? Pass max_jobs= to allow more."
-                )
-            outcome = _run_one(job, db)
-            job.refresh_from_db()
-            run.jobs.append(job)
-            if raise_errors and outcome.verdict is Verdict.ERROR:
-                assert outcome.failure is not None
-                jobs.release(mine[n + 1 :])
-                raise JobError(
-                    f"job {job.pk} ({job.task}) raised {outcome.failure.summary}\n\n"
-                    f"{outcome.failure.traceback}"
-                )
+    # A test's transaction never commits: batches and dependencies are followed up in it.
+    with batches.at_once() if connections[db].in_atomic_block else contextlib.nullcontext():
+        while True:
+            if advance is not None:
+                selected.filter(run_at__gt=Now(), run_at__lte=Now() + advance).run_now()
+            jobs.promote()  # limited tasks' scheduled jobs come due: their claim reads only these
+            due_queues = selected.filter(run_at__lte=Now()).values_list("queue", flat=True)
+            queue_names = sorted(set(due_queues))
+            if not queue_names:
+                return run
+            # Claim every due job of those queues, so others cannot crowd out the selected ones.
+            due = jobs.due().filter(queue__in=queue_names).count()
+            most = max(due, 1)
+            claimed = jobs.claim(queue_names, worker=worker, limit=most)
+            for queue in queue_names:  # limited tasks' jobs too, without their limits
+                claimed += jobs.claim_keyed(queue, NO_LIMITS, worker=worker, limit=most).claimed
+            if not claimed:
+                return run  # due jobs another session holds locked: not this loop's to wait for
+            mine = [job for job in claimed if names is None or job.task in names]
+            jobs.release([job for job in claimed if job not in mine])
+            for n, job in enumerate(mine):
+                if len(run) >= max_jobs:
+                    jobs.release(mine[n:])
+                    raise JobError(
+                        f"run_jobs ran {max_jobs} jobs and more are due: does a job enqueue "
+                        "itself, or ask to Retry at once? Pass max_jobs= to allow more."
+                    )
+                outcome = _run_one(job, db)
+                job.refresh_from_db()
+                run.jobs.append(job)
+                if raise_errors and outcome.verdict is Verdict.ERROR:
+                    assert outcome.failure is not None
+                    jobs.release(mine[n + 1 :])
+                    raise JobError(
+                        f"job {job.pk} ({job.task}) raised {outcome.failure.summary}\n\n"
+                        f"{outcome.failure.traceback}"
+                    )
 
 
 def _run_one(job: Job, db: str) -> Handled:

@@ -364,3 +364,32 @@ def counts_frozen() -> None:
 @task(timeout=30)
 def quick_with_a_time_limit() -> None:
     """Returns at once, well within its time limit."""
+
+
+# ---- batches and dependencies (tests/*/test_batches*.py) ----------------------------------------
+
+
+@task(queue="batches", max_attempts=2, backoff=lambda attempt: 0)
+def part(n: int, fail: bool = False) -> int:
+    """A member of a batch: a dead letter at once when told to fail."""
+    if fail:
+        raise PermanentError(f"part {n} failed")
+    return n
+
+
+@task(queue="batches")
+def batch_done(batch: dict[str, Any], **payload: Any) -> None:
+    """A batch's callback: what it got is its job's payload."""
+
+
+@task(queue="batches")
+def step(name: str, fail: bool = False) -> str:
+    """A job of a chain (after=)."""
+    if fail:
+        raise PermanentError(f"step {name} failed")
+    return name
+
+
+@task(queue="batches")
+def mail(batch: dict[str, Any], name: str) -> None:
+    """Another batch's callback."""

@@ -21,7 +21,7 @@ from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry
 from django_pgjobs.models import Job
-from django_pgjobs.status import LIVE
+from django_pgjobs.status import HOLDS_KEY
 
 HEX = frozenset("0123456789abcdef")
 #: The last 6 bytes (12 hex digits) of the id, as bytes: what a short id names.
@@ -46,7 +46,7 @@ def search(queryset: QuerySet[Job], term: str) -> QuerySet[Job]:
         return queryset.filter(pk=UUID(term))  # a full id: nothing else to look for
     except ValueError:
         pass
-    readings = Q(unique_key=term, status__in=LIVE)
+    readings = Q(unique_key=term, status__in=HOLDS_KEY)
     tasks = task_names(term)
     if tasks:
         readings |= Q(task__in=tasks)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
-from django_pgjobs import limits, registry, schema, validation
+from django_pgjobs import batches, limits, registry, schema, validation
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows, sql, wakeups
@@ -36,7 +36,7 @@ NEW_JOB: dict[str, Any] = {
     "status": Status.READY.value, "attempts": 0, "leased_until": None, "worker": None,
     "last_error": "", "errors": [], "finished_at": None, "started_at": None,
     "cancel_requested": False, "result": None, "claims": 0, "scheduled": False,
-    "progress": None, "headers": None, "limit_key": None,
+    "progress": None, "headers": None, "limit_key": None, "batch_id": None,
 }  # fmt: skip
 
 
@@ -109,6 +109,28 @@ def warn_unknown_to_workers(name: str, message: str, module: str) -> None:
             logger.warning(message, name, module, module)
 
 
+def callback(task: Task | str, payload: dict[str, Any]) -> dict[str, Any]:
+    """A batch's callback (batches.py): the job to insert when the batch moves, its options and
+    payload checked now, as an enqueue's are (its payload then gets `batch` too)."""
+    registered, job = options_of(
+        task, queue=None, priority=None, run_at=None, delay=None, max_attempts=None,
+        unique_key=None,
+    )  # fmt: skip
+    if transport_of(job.queue) != POSTGRES:
+        raise EnqueueError(
+            f"queue {job.queue!r} is carried by {transport_of(job.queue)}: a callback is "
+            "inserted by the statement that moves its batch. Give the task a queue of "
+            "PostgreSQL's."
+        )
+    counts = {"id": "", "succeeded": 0, "failed": 0, "cancelled": 0}
+    payload_texts(registered, [{**payload, "batch": counts}])
+    (key,) = limit_keys(registered, [payload])
+    return {
+        "id": str(job.id), "queue": job.queue, "task": job.task, "payload": payload,
+        "priority": job.priority, "max_attempts": job.max_attempts, "limit_key": key,
+    }  # fmt: skip
+
+
 def payload_texts(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list[str]:
     """Each payload as JSON text, once it survives jsonb and fits the task's handler; the
     EnqueueError names the payload's position when there are several."""
@@ -143,23 +165,33 @@ def limit_keys(task: Task, payloads: Sequence[dict[str, Any] | None]) -> list[st
     return keys
 
 
-def insert(model: type[Job], db: str, job: NewJob, payload: dict[str, Any]) -> Job | None:
+def insert(
+    model: type[Job], db: str, job: NewJob, payload: dict[str, Any], *, waiting: bool = False
+) -> Job | None:
     """Insert one job (one statement); `payload` is the checked payload its JSON was made from
-    (the returned Job holds it). None when its unique_key is held by a live job."""
-    wake_up = bool(wakeups.to_send(db, [job.queue]))
+    (the returned Job holds it). None when its unique_key is held by a live job. `waiting`: it
+    waits for dependencies (batches.add_dependencies), in no queue's claim until they succeed."""
+    member = batches.member_of(job.queue)
+    wake_up = not waiting and bool(wakeups.to_send(db, [job.queue]))
     statement = sql.INSERT_JOBS[_due(job), job.unique_key is not None, wake_up]
     params = {
         "id": job.id, "queue": job.queue, "task": job.task, "payload": job.payload_json,
         "priority": job.priority, "run_at": job.run_at, "delay": job.delay or 0.0,
         "max_attempts": job.max_attempts, "unique_key": job.unique_key,
         "limit_key": job.limit_key, "channel": wakeups.CHANNEL if wake_up else None,
+        "status": Status.WAITING if waiting else Status.READY,
+        "batch": None if member is None else member.id,
     }  # fmt: skip
     with _sending(job, 1) as headers, schema.migrated():  # a missing table: run migrate
         found = rows.execute(db, statement, params | {"headers": _text(headers)}, binary=True)
     if not found:
         return None  # its unique_key is held by a live job
+    if member is not None:
+        member.size += 1
     ((_, run_at, created_at, scheduled, *_),) = found
-    columns = _columns(job, run_at, created_at, scheduled, headers) | {"limit_key": job.limit_key}
+    columns = _columns(job, run_at, created_at, scheduled, headers) | {
+        "limit_key": job.limit_key, "status": params["status"], "batch_id": params["batch"],
+    }  # fmt: skip
     return next(rows.new_jobs(model, db, columns, [job.id], [payload]))
 
 
@@ -178,6 +210,8 @@ def insert_many(
     if not payloads:
         return []
     ids = uuid7_batch(len(payloads))
+    member = batches.member_of(options.queue)
+    batch_id = None if member is None else member.id
     made: list[Job] = []
     with schema.migrated(), transaction.atomic(using=db, savepoint=False):
         wake_up = wakeups.to_send(db, [options.queue])
@@ -192,21 +226,24 @@ def insert_many(
             end = min(start + batch_size, len(ids))
             with _sending(options._replace(id=ids[start]), end - start) as headers:
                 columns = _columns(options, run_at, created_at, scheduled, headers)
+                columns["batch_id"] = batch_id
                 jobs = rows.new_jobs(model, db, columns, ids[start:end], payloads[start:end])
-                # Every column but the id and the payload is the same for the whole batch.
+                # Every column but the id and the payload is the same for every row of this COPY.
                 queue, task = options.queue, options.task
                 rest = (
                     *(options.priority, run_at, scheduled, options.max_attempts),
                     *(created_at, _text(headers)),
                 )
                 records = (
-                    (job.id, queue, task, text, *rest, key)
+                    (job.id, queue, task, text, *rest, key, batch_id)
                     for job, text, key in zip(
                         _kept(_keyed(jobs, keys[start:end]), made), texts[start:end],
                         keys[start:end], strict=True,
                     )
                 )  # fmt: skip
                 rows.copy(db, sql.COPY_JOBS, sql.COPY_JOBS_TYPES, records)
+    if member is not None:
+        member.size += len(made)
     return made
 
 

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from django.db import connections, models, router, transaction
 
+from django_pgjobs import batches, signals
 from django_pgjobs import limits as limits_module
-from django_pgjobs import signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import enqueue, rows, sql
 from django_pgjobs.data.queryset import JobQuerySet
@@ -32,8 +33,9 @@ from django_pgjobs.data.records import (
     as_claim,
 )
 from django_pgjobs.errors import EnqueueError
+from django_pgjobs.ids import uuid7
 from django_pgjobs.limits import LOCK_CLASS, TaskLimits
-from django_pgjobs.status import LIVE, Status
+from django_pgjobs.status import FINISHED, HOLDS_KEY, Status
 from django_pgjobs.validation import json_text
 
 if TYPE_CHECKING:
@@ -60,6 +62,7 @@ LEASE_EXPIRED = Failure(
 # Where a settled job's status and claim are in a row of sql.SETTLE_AND_CLAIM (after its kind).
 _STATUS = 1 + sql.JOB_COLUMNS.index("status")
 _CLAIMS = 1 + sql.JOB_COLUMNS.index("claims")
+_BATCH = 1 + sql.JOB_COLUMNS.index("batch_id")
 
 
 class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[misc]
@@ -78,18 +81,35 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         unique_key: str | None = None,
+        after: Any = None,
         announce: bool = True,
     ) -> Job:
         """Write one job in the caller's transaction (one INSERT on the caller's connection).
 
         With a `unique_key` that a ready or running job already holds, nothing is written and
-        that job is returned instead. `announce=False`: no job_enqueued signal.
+        that job is returned instead. `after`: jobs and batches (or their ids) the job waits
+        for: it is ready once they have all succeeded (batches.py). `announce=False`: no
+        job_enqueued signal.
         """
+        if after is not None and unique_key is not None:
+            raise EnqueueError(
+                "after= with unique_key=: a waiting job holds no key. Enqueue it without "
+                "unique_key, or give the key to the jobs it waits for."
+            )
+        waits_for = None if after is None else batches.targets(after)
         job = enqueue.new_job(
             task, payload, queue=queue, priority=priority, run_at=run_at, delay=delay,
             max_attempts=max_attempts, unique_key=unique_key,
         )  # fmt: skip
         db = self._write_db()
+        if waits_for is not None:
+            with transaction.atomic(using=db):  # the job with what it waits for, or neither
+                waiting = enqueue.insert(self.model, db, job, payload or {}, waiting=True)
+                assert waiting is not None  # no unique_key: always inserted
+                batches.add_dependencies(db, job.id, *waits_for)
+            if announce:
+                signals.send(signals.job_enqueued, self.model, jobs=[waiting])
+            return waiting
         for _ in range(ENQUEUE_TRIES):
             inserted = enqueue.insert(self.model, db, job, payload or {})
             if inserted is not None:
@@ -97,7 +117,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
                     signals.send(signals.job_enqueued, self.model, jobs=[inserted])
                 return inserted
             # The write database: a replica behind a router may not have the holder yet.
-            holder = self.using(db).filter(unique_key=unique_key, status__in=LIVE).first()
+            holder = self.using(db).filter(unique_key=unique_key, status__in=HOLDS_KEY).first()
             if holder is not None:
                 return holder  # type: ignore[no-any-return]
             # The job holding the key finished between the insert and the look: insert again.
@@ -135,6 +155,43 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             jobs = enqueue.insert_many(self.model, db, options, checked, texts, keys, batch_size)
         signals.send(signals.job_enqueued, self.model, jobs=jobs)
         return jobs
+
+    @contextmanager
+    def batch(
+        self,
+        on_complete: Task | str | None = None,
+        on_success: Task | str | None = None,
+        **payload: Any,
+    ) -> Iterator[batches.Batch]:
+        """Make the jobs enqueued in the block one batch, and enqueue `on_complete` once when
+        they have all finished (succeeded, dead letter or cancelled) and `on_success` once when
+        they have all succeeded (maybe later, after replays). Each callback gets `payload` and
+        ``batch={"id", "succeeded", "failed", "cancelled"}`` (batches.py).
+
+        The block is a transaction (a savepoint in the caller's): the batch and its jobs are
+        written together or not at all."""
+        if "batch" in payload:
+            raise EnqueueError(
+                "batch(batch=...): the callbacks get the batch's id and counts as `batch`; "
+                "give your value another name."
+            )
+        callbacks = {}
+        for name, task in (("on_complete", on_complete), ("on_success", on_success)):
+            try:
+                callbacks[name] = None if task is None else enqueue.callback(task, payload)
+            except EnqueueError as error:
+                raise EnqueueError(f"batch({name}=...): {error}") from error.__cause__
+        db = self._write_db()
+        made = batches.Batch(uuid7(), db)
+        with transaction.atomic(using=db):
+            with batches.writing(made):
+                yield made
+            rows.execute(db, sql.INSERT_BATCH, {
+                "id": made.id, "size": made.size,
+                **{name: None if cb is None else json.dumps(cb) for name, cb in callbacks.items()},
+            })  # fmt: skip
+            if made.size == 0:  # nothing to wait for: its callbacks now, with it
+                batches.follow_up(db, batches=[made.id])
 
     # ---- claim and settle --------------------------------------------------------------------
 
@@ -188,10 +245,16 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         statement = sql.SETTLE_AND_CLAIM if succeeded or failed else sql.CLAIM
         found = rows.execute(db, statement, params, binary=True)
         recorded = {(row[1], row[_CLAIMS]): row[_STATUS] for row in found if row[0] == "settled"}
+        # Jobs that ended: their batches, and the jobs waiting for them (row[-1]: waited).
+        last = [row for row in found if row[0] == "settled" and row[_STATUS] in FINISHED]
+        batches.after_commit(
+            db, jobs=[row[1] for row in last if row[-1]],
+            batches={row[_BATCH] for row in last if row[_BATCH] is not None},
+        )  # fmt: skip
         claimed_rows = [row for row in found if row[0] != "settled"]
         unread: Exception | None = None
         try:
-            claimed = rows.load_jobs(self.model, db, (row[1:] for row in claimed_rows))
+            claimed = rows.load_jobs(self.model, db, (row[1:-1] for row in claimed_rows))
         except BaseException as error:
             # Committed claims the caller will never see (a model signal's receiver raised): given
             # back now, not left to run out their leases; the outcomes stay the caller's (`unread`).
@@ -354,12 +417,15 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         """Running → ready without spending an attempt, keeping its place (a worker shutting
         down); cancelled instead when a cancellation was requested. Each keeps the progress its
         handler last reported."""
-        return set(self._own(sql.RELEASE, jobs, delay=None, progress=reports(jobs)))
+        released = self._own(sql.RELEASE, jobs, delay=None, progress=reports(jobs))
+        batches.after_commit(self._write_db(), jobs=[i for i, ended in released.items() if ended])
+        return set(released)
 
     def retry_later(self, job: Job | Claim, delay: float) -> bool:
         """The handler asked to run again in `delay` seconds: ready again, attempt not counted,
         keeping the progress it last reported."""
         released = self._own(sql.RELEASE, [job], delay=delay, progress=reports([job]))
+        batches.after_commit(self._write_db(), jobs=[i for i, ended in released.items() if ended])
         return as_claim(job).id in released
 
     def heartbeat(self, jobs: Sequence[Job | Claim], lease: float | None = None) -> set[UUID]:
@@ -414,6 +480,9 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
 
     def _taken_back(self, taken: list[tuple[Any, ...]]) -> TakenBack:
         """The jobs a reap or an abandon took back (id, claims, status, task, attempts)."""
+        batches.after_commit(
+            self._write_db(), jobs=[row[0] for row in taken if row[2] != Status.READY]
+        )
         ready = tuple(
             (job_id, claims, task, attempts)
             for job_id, claims, status, task, attempts in taken

@@ -13,11 +13,11 @@ from django.core.exceptions import EmptyResultSet
 from django.db import IntegrityError, connections, models, transaction
 from django.db.models.functions import Now
 
-from django_pgjobs import validation
+from django_pgjobs import batches, validation
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import sql
 from django_pgjobs.ids import uuid7_floor
-from django_pgjobs.status import LIVE, Status
+from django_pgjobs.status import HOLDS_KEY, Status
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job  # noqa: F401  (named in the QuerySet's type)
@@ -66,7 +66,10 @@ class JobQuerySet(models.QuerySet["Job"]):
             try:
                 with transaction.atomic(using=self.db):  # a savepoint inside the caller's
                     return self._replayable()._change(
-                        "status = 'ready', attempts = 0, run_at = statement_timestamp(), "
+                        # A job that waits for others waits again (batches.py judges it).
+                        "status = CASE WHEN EXISTS (SELECT FROM pgjobs_dependency AS d "
+                        "WHERE d.job_id = j.id) THEN 'waiting' ELSE 'ready' END, "
+                        "attempts = 0, run_at = statement_timestamp(), "
                         "scheduled = false, "
                         "finished_at = NULL, leased_until = NULL, cancel_requested = false, "
                         "queue = COALESCE(%s, j.queue), last_error = '', "
@@ -75,6 +78,7 @@ class JobQuerySet(models.QuerySet["Job"]):
                         "'by', %s::text, 'queue', COALESCE(%s, j.queue))), %s::jsonpath)",
                         [into, by, into, kept],
                         guard="j.status IN ('failed', 'cancelled')",
+                        follow=True,
                     )
             except IntegrityError:
                 # A job took one of the keys meanwhile: look again, and this time that key is held.
@@ -85,7 +89,7 @@ class JobQuerySet(models.QuerySet["Job"]):
         """The selected dead or cancelled jobs that replay may make live: those without a
         unique_key, and the oldest of each key no live job holds."""
         jobs = self.model._default_manager.using(self.db)
-        held = jobs.filter(status__in=LIVE, unique_key__isnull=False).values("unique_key")
+        held = jobs.filter(status__in=HOLDS_KEY, unique_key__isnull=False).values("unique_key")
         finished = self.filter(status__in=[Status.FAILED, Status.CANCELLED])
         oldest_of_each_key = (
             finished.filter(unique_key__isnull=False)
@@ -103,10 +107,12 @@ class JobQuerySet(models.QuerySet["Job"]):
         notice (``django_pgjobs.cancel_requested()``) and stop, and when the attempt ends other
         than by succeeding, the job is recorded as cancelled instead of being retried."""
         return self._change(
-            "status = CASE WHEN j.status = 'ready' THEN 'cancelled' ELSE j.status END, "
-            "finished_at = CASE WHEN j.status = 'ready' THEN statement_timestamp() END, "
+            "status = CASE WHEN j.status = 'running' THEN j.status ELSE 'cancelled' END, "
+            "finished_at = CASE WHEN j.status <> 'running' THEN statement_timestamp() END, "
             "cancel_requested = j.status = 'running'",
-            guard="(j.status = 'ready' OR (j.status = 'running' AND NOT j.cancel_requested))",
+            guard="(j.status IN ('ready', 'waiting') "
+            "OR (j.status = 'running' AND NOT j.cancel_requested))",
+            follow=True,
         )
 
     def run_now(self) -> list[UUID]:
@@ -118,7 +124,7 @@ class JobQuerySet(models.QuerySet["Job"]):
 
     def discard(self) -> list[UUID]:
         """Delete the selected jobs, except running ones: their worker still owns them."""
-        return self._change(None, guard="j.status <> 'running'")
+        return self._change(None, guard="j.status <> 'running'", follow=True)
 
     def replace_payload(self, payload: Any) -> list[UUID]:
         """Give the selected failed or cancelled jobs `payload`, checked as enqueue checks one
@@ -130,12 +136,18 @@ class JobQuerySet(models.QuerySet["Job"]):
         )
 
     def _change(
-        self, assignments: str | None, params: Sequence[Any] = (), *, guard: str
+        self,
+        assignments: str | None,
+        params: Sequence[Any] = (),
+        *,
+        guard: str,
+        follow: bool = False,
     ) -> list[UUID]:
         """An UPDATE (or, without assignments, a DELETE) of the selected jobs that pass `guard`,
         returning their ids. The selection is read once (a slice would take other rows if run
         again); the guard is re-checked on each row as it is written. Rows locked elsewhere are
-        taken once free (CHANGE_PAUSE)."""
+        taken once free (CHANGE_PAUSE). `follow`: the jobs changed are followed up once this
+        commits (batches.py: their batches, the jobs waiting for them, and their own waits)."""
         self._for_write = True  # as QuerySet.update() does: route to the database for writes
         db = self.db
         try:
@@ -147,6 +159,7 @@ class JobQuerySet(models.QuerySet["Job"]):
         else:
             head, lock = f"UPDATE pgjobs_job AS j SET {assignments}", "FOR NO KEY UPDATE"
         changed: list[UUID] = []
+        batch_ids: set[UUID] = set()
         with connections[db].cursor() as cursor:
             cursor.execute(selected, selected_params)
             left = [job_id for (job_id,) in cursor.fetchall()]
@@ -166,10 +179,16 @@ class JobQuerySet(models.QuerySet["Job"]):
                 cursor.execute(
                     f"{head} WHERE j.id IN (SELECT j.id FROM pgjobs_job AS j "
                     f"WHERE j.id = ANY(%s::uuid[]) AND {guard} "
-                    f"{lock}{'' if waits else ' SKIP LOCKED'}) AND {guard} RETURNING j.id",
+                    f"{lock}{'' if waits else ' SKIP LOCKED'}) AND {guard} "
+                    "RETURNING j.id, j.batch_id",
                     [*params, left],
                 )
-                changed += [job_id for (job_id,) in cursor.fetchall()]
+                for job_id, batch_id in cursor.fetchall():
+                    changed.append(job_id)
+                    if batch_id is not None:
+                        batch_ids.add(batch_id)
+        if follow:
+            batches.after_commit(db, jobs=changed, batches=batch_ids, waiters=changed)
         return changed
 
     def prunable(self, retention: Mapping[str, timedelta | None] | None = None) -> JobQuerySet:

@@ -26,7 +26,7 @@ JOB_COLUMNS = (
     "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts",
     "leased_until", "worker", "last_error", "errors", "created_at", "finished_at", "unique_key",
     "started_at", "cancel_requested", "result", "claims", "scheduled", "progress", "headers",
-    "limit_key",
+    "limit_key", "batch_id",
 )  # fmt: skip
 
 #: The claim's ORDER BY within one queue, and the claim index's columns after `queue`.
@@ -60,11 +60,11 @@ _UNIQUE = """
 _WAKE_UP = ", pg_notify(%(channel)s, %(queue)s)"
 _INSERT_JOB = """
     INSERT INTO pgjobs_job AS j
-        (id, queue, task, payload, priority, run_at, scheduled, max_attempts, unique_key,
-         headers, limit_key)
+        (id, queue, task, payload, status, priority, run_at, scheduled, max_attempts,
+         unique_key, headers, limit_key, batch_id)
     VALUES (
-        %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s, {due},
-        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb, %(limit_key)s
+        %(id)s, %(queue)s, %(task)s, %(payload)s::jsonb, %(status)s, %(priority)s, {due},
+        %(max_attempts)s, %(unique_key)s, %(headers)s::jsonb, %(limit_key)s, %(batch)s
     ){unique}
     RETURNING j.id, j.run_at, j.created_at, j.scheduled{wake_up}
 """
@@ -94,12 +94,12 @@ NEW_JOBS_TIMES = """
 # as its column's type: COPY_JOBS_TYPES, in the order of COPY_JOBS's columns.
 COPY_JOBS = """
     COPY pgjobs_job (id, queue, task, payload, priority, run_at, scheduled, max_attempts,
-                     created_at, headers, limit_key)
+                     created_at, headers, limit_key, batch_id)
     FROM STDIN (FORMAT BINARY)
 """
 COPY_JOBS_TYPES = (
     "uuid", "text", "text", "jsonb", "int2", "timestamptz", "bool", "int4", "timestamptz", "jsonb",
-    "text",
+    "text", "uuid",
 )  # fmt: skip
 
 # ---- one turn of a worker: settle, then claim -------------------------------------------
@@ -136,6 +136,9 @@ COPY_JOBS_TYPES = (
 # _ENDS: a failed attempt ends its job (cancelled, a permanent error, or no attempt left).
 _ENDS = "(j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)"
 
+# Whether a job ended is followed up (batches.py): its batch, and whether a job waits for it.
+_WAITED = "EXISTS (SELECT FROM pgjobs_dependency AS d WHERE d.after_job_id = j.id) AS waited"
+
 _SETTLE = f"""
     succeeded AS (
         UPDATE pgjobs_job AS j
@@ -152,7 +155,7 @@ _SETTLE = f"""
              AS mine(id, claims, result, progress)
         WHERE j.id = mine.id AND j.claims = mine.claims
           AND (j.status = 'running') IS TRUE AND j.worker = %(worker)s
-        RETURNING j.id, j.claims, j.status
+        RETURNING j.id, j.claims, j.status, j.batch_id, {_WAITED}
     ),
     failed AS (
         UPDATE pgjobs_job AS j SET
@@ -184,7 +187,7 @@ _SETTLE = f"""
              AS f(id, claims, permanent, delay, summary, error, progress)
         WHERE j.id = f.id AND j.claims = f.claims
           AND (j.status = 'running') IS TRUE AND j.worker = %(worker)s
-        RETURNING j.id, j.claims, j.status
+        RETURNING j.id, j.claims, j.status, j.batch_id, {_WAITED}
     ),
 """
 
@@ -195,7 +198,7 @@ _CLAIMED = """
     LEAST(GREATEST(j.run_at, '0001-01-02 00:00:00+00'), '9999-12-30 00:00:00+00') AS run_at,
     j.attempts, j.max_attempts, j.leased_until, j.worker, j.last_error, j.errors, j.created_at,
     j.finished_at, j.unique_key, j.started_at, j.cancel_requested, j.result, j.claims,
-    j.scheduled, j.progress, j.headers, j.limit_key
+    j.scheduled, j.progress, j.headers, j.limit_key, j.batch_id
 """
 
 # The claim of the jobs `turns` chose (`claimed`, above); CLAIM_KEYED's too.
@@ -271,10 +274,11 @@ _CLAIM = f"""
 SETTLE_AND_CLAIM = f"""
     WITH {_SETTLE.strip()}
     {_CLAIM.strip()}
-    SELECT 'claimed' AS kind, * FROM claimed
+    SELECT 'claimed' AS kind, *, NULL::bool AS waited FROM claimed
     UNION ALL
     SELECT 'settled', id, NULL, NULL, NULL, status, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims, NULL, NULL, NULL, NULL
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, claims, NULL, NULL, NULL, NULL, batch_id,
+           waited
     FROM (SELECT * FROM succeeded UNION ALL SELECT * FROM failed) AS settled
 """
 
@@ -282,7 +286,7 @@ SETTLE_AND_CLAIM = f"""
 # statements' parts to start, which an idle worker's wake-up would pay for on a cold backend.
 CLAIM = f"""
     WITH {_CLAIM.strip()}
-    SELECT 'claimed' AS kind, * FROM claimed
+    SELECT 'claimed' AS kind, *, NULL::bool AS waited FROM claimed
 """
 
 # ---- a worker's own running jobs ----------------------------------------------------------
@@ -642,6 +646,196 @@ WAKE_UP = "SELECT pg_notify(%(channel)s, q) FROM unnest(%(queues)s::text[]) AS q
 PRUNE_BUCKETS = """
     DELETE FROM pgjobs_bucket WHERE id = ANY (ARRAY(
         SELECT id FROM pgjobs_bucket WHERE full_at < statement_timestamp() LIMIT %(limit)s
+    ))
+    RETURNING id
+"""
+
+
+# ---- batches and dependencies (batches.py) -----------------------------------------------------
+
+# Followed up after the commit that ended jobs, so that of two sessions ending a batch's last two
+# members at once, the later sees both. Each moment happens once: the batch row's guard is
+# checked again on the row as it is written, and its callbacks are inserted in the same statement.
+#
+# FINISH_BATCHES: the batches (%(batches)s, and those of the jobs %(jobs)s) with no live member
+# complete (on_complete enqueued), and those whose members all succeeded succeed (on_success
+# enqueued), maybe after replays. Each callback gets the batch's id and counts as `batch` beside
+# its payload; %(channel)s (NULL: none) wakes its queue's workers. The rows: each batch moved,
+# whether it completed and whether it succeeded.
+FINISH_BATCHES = """
+    WITH finished AS (
+        SELECT b.id, b.completed_at FROM pgjobs_batch AS b
+        WHERE b.id IN (SELECT unnest(%(batches)s::uuid[])
+                       UNION SELECT batch_id FROM pgjobs_job
+                             WHERE id = ANY (%(jobs)s::uuid[]) AND batch_id IS NOT NULL)
+          AND b.succeeded_at IS NULL
+          AND NOT EXISTS (SELECT FROM pgjobs_job AS j
+                          WHERE j.batch_id = b.id AND j.status IN ('ready', 'running', 'waiting'))
+          -- completed: it can only succeed now (so its jobs are counted only when it moves)
+          AND (b.completed_at IS NULL
+               OR NOT EXISTS (SELECT FROM pgjobs_job AS j
+                              WHERE j.batch_id = b.id AND j.status IN ('failed', 'cancelled')))
+    ),
+    counted AS (
+        SELECT f.id, f.completed_at, c.succeeded, c.failed, c.cancelled
+        FROM finished AS f CROSS JOIN LATERAL (
+            SELECT count(*) FILTER (WHERE j.status = 'succeeded') AS succeeded,
+                   count(*) FILTER (WHERE j.status = 'failed') AS failed,
+                   count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled
+            FROM pgjobs_job AS j WHERE j.batch_id = f.id
+        ) AS c
+    ),
+    moved AS (
+        UPDATE pgjobs_batch AS b
+        SET completed_at = COALESCE(b.completed_at, statement_timestamp()),
+            succeeded_at = CASE WHEN c.failed + c.cancelled = 0 THEN statement_timestamp() END,
+            succeeded = c.succeeded, failed = c.failed, cancelled = c.cancelled
+        FROM counted AS c
+        WHERE b.id = c.id AND b.succeeded_at IS NULL
+          AND (b.completed_at IS NULL OR c.failed + c.cancelled = 0)
+        RETURNING b.id, c.completed_at IS NULL AS completes, b.succeeded_at IS NOT NULL AS succeeds,
+                  b.on_complete, b.on_success, b.succeeded, b.failed, b.cancelled
+    ),
+    callbacks AS (
+        INSERT INTO pgjobs_job AS j (id, queue, task, payload, priority, max_attempts, limit_key)
+        SELECT (cb->>'id')::uuid, cb->>'queue', cb->>'task',
+               (cb->'payload') || jsonb_build_object('batch', jsonb_build_object(
+                   'id', m.id, 'succeeded', m.succeeded, 'failed', m.failed,
+                   'cancelled', m.cancelled)),
+               (cb->>'priority')::int2, (cb->>'max_attempts')::int4, cb->>'limit_key'
+        FROM moved AS m CROSS JOIN LATERAL (
+            VALUES (CASE WHEN m.completes THEN m.on_complete END),
+                   (CASE WHEN m.succeeds THEN m.on_success END)
+        ) AS x(cb)
+        WHERE cb IS NOT NULL
+        ON CONFLICT (id) DO NOTHING
+        RETURNING j.queue
+    )
+    SELECT m.id, m.completes, m.succeeds,
+           (SELECT count(pg_notify(%(channel)s, q.queue))
+            FROM (SELECT DISTINCT queue FROM callbacks) AS q WHERE %(channel)s IS NOT NULL)
+    FROM moved AS m
+"""
+
+# A batch, written at the end of its block, in the transaction of its jobs.
+INSERT_BATCH = """
+    INSERT INTO pgjobs_batch (id, size, on_complete, on_success)
+    VALUES (%(id)s, %(size)s, %(on_complete)s::jsonb, %(on_success)s::jsonb)
+    RETURNING id
+"""
+
+# RELEASE_WAITERS judges the jobs that wait (after=) for %(jobs)s or %(batches)s, and %(waiters)s
+# themselves: a job whose dependencies all succeeded becomes ready; one whose dependency is a dead
+# letter, cancelled or deleted (or a batch that completed without succeeding) is cancelled, the
+# reason in last_error and that dependency marked `failed`. A job cancelled so is released
+# again once its dependencies all succeed (the failed one replayed). The rows: each job moved,
+# its new status and batch.
+_DEPENDENCY_FAILED = """CASE
+    WHEN d.after_job_id IS NOT NULL THEN a.id IS NULL OR a.status IN ('failed', 'cancelled')
+    ELSE b.id IS NULL OR (b.completed_at IS NOT NULL AND b.succeeded_at IS NULL)
+END"""
+_WHY = """CASE
+    WHEN d.after_job_id IS NOT NULL AND a.id IS NULL
+        THEN 'job ' || d.after_job_id || ' was deleted'
+    WHEN d.after_job_id IS NOT NULL AND a.status = 'failed'
+        THEN 'job ' || a.id || ' (' || a.task || ') is a dead letter: ' || a.last_error
+    WHEN d.after_job_id IS NOT NULL THEN 'job ' || a.id || ' (' || a.task || ') was cancelled'
+    WHEN b.id IS NULL THEN 'batch ' || d.after_batch_id || ' was deleted'
+    ELSE 'batch ' || b.id || ' completed with ' || b.failed || ' dead and ' || b.cancelled
+         || ' cancelled of ' || b.size || ' jobs'
+END"""
+RELEASE_WAITERS = f"""
+    WITH candidates AS (
+        SELECT job_id AS id FROM pgjobs_dependency WHERE after_job_id = ANY (%(jobs)s::uuid[])
+        UNION
+        SELECT job_id FROM pgjobs_dependency WHERE after_batch_id = ANY (%(batches)s::uuid[])
+        UNION
+        SELECT unnest(%(waiters)s::uuid[])
+    ),
+    judged AS (
+        SELECT w.id, w.status = 'cancelled' AS revived,
+               bool_and(CASE WHEN d.after_job_id IS NOT NULL THEN a.status = 'succeeded'
+                             ELSE b.succeeded_at IS NOT NULL END IS TRUE) AS released,
+               (array_agg(d.id ORDER BY d.id) FILTER (WHERE {_DEPENDENCY_FAILED}))[1] AS failing,
+               (array_agg({_WHY} ORDER BY d.id) FILTER (WHERE {_DEPENDENCY_FAILED}))[1] AS why
+        FROM pgjobs_job AS w
+        JOIN pgjobs_dependency AS d ON d.job_id = w.id
+        LEFT JOIN pgjobs_job AS a ON a.id = d.after_job_id
+        LEFT JOIN pgjobs_batch AS b ON b.id = d.after_batch_id
+        WHERE w.id IN (SELECT id FROM candidates)
+          AND (w.status = 'waiting'
+               OR (w.status = 'cancelled' AND EXISTS (
+                   SELECT FROM pgjobs_dependency AS f WHERE f.job_id = w.id AND f.failed)))
+        GROUP BY w.id
+    ),
+    moved AS (
+        UPDATE pgjobs_job AS w
+        SET status = CASE WHEN jd.released THEN 'ready' ELSE 'cancelled' END,
+            run_at = CASE WHEN jd.released THEN statement_timestamp() ELSE w.run_at END,
+            scheduled = false,
+            finished_at = CASE WHEN jd.released THEN NULL ELSE statement_timestamp() END,
+            last_error = CASE WHEN jd.released THEN '' ELSE 'DependencyFailed: ' || jd.why END
+        FROM judged AS jd
+        WHERE w.id = jd.id
+          AND CASE WHEN jd.released
+                   THEN w.status = 'waiting' OR (w.status = 'cancelled' AND jd.revived)
+                   ELSE w.status = 'waiting' AND jd.failing IS NOT NULL END
+        RETURNING w.id, w.status, w.batch_id
+    ),
+    marked AS (
+        UPDATE pgjobs_dependency AS d SET failed = (m.status = 'cancelled' AND d.id = jd.failing)
+        FROM moved AS m JOIN judged AS jd ON jd.id = m.id
+        WHERE d.job_id = m.id
+    )
+    SELECT id, status, batch_id FROM moved
+"""
+
+# A job enqueued with after=: the jobs and batches it names that do not exist (an EnqueueError),
+# then its dependencies, written in the enqueue's transaction.
+MISSING_DEPENDENCIES = """
+    SELECT id, false FROM unnest(%(jobs)s::uuid[]) AS g(id)
+    WHERE NOT EXISTS (SELECT FROM pgjobs_job WHERE pgjobs_job.id = g.id)
+    UNION ALL
+    SELECT id, true FROM unnest(%(batches)s::uuid[]) AS g(id)
+    WHERE NOT EXISTS (SELECT FROM pgjobs_batch WHERE pgjobs_batch.id = g.id)
+"""
+ADD_DEPENDENCIES = """
+    INSERT INTO pgjobs_dependency (job_id, after_job_id, after_batch_id, failed)
+    SELECT %(job)s::uuid, j, NULL, false FROM unnest(%(jobs)s::uuid[]) AS j
+    UNION ALL
+    SELECT %(job)s::uuid, NULL, b, false FROM unnest(%(batches)s::uuid[]) AS b
+    RETURNING id
+"""
+
+# What a worker's sweep follows up in case a follow-up was lost (its session died after the
+# commit): batches not yet succeeded, and jobs waiting or cancelled by a dependency, each from
+# after the last one the sweep looked at (%(after)s), a few at a time.
+OPEN_BATCHES = """
+    SELECT id FROM pgjobs_batch
+    WHERE succeeded_at IS NULL AND id > %(after)s::uuid ORDER BY id LIMIT %(limit)s
+"""
+HELD_WAITERS = """
+    SELECT d.id, d.job_id FROM pgjobs_dependency AS d
+    JOIN pgjobs_job AS w ON w.id = d.job_id
+    WHERE d.id > %(after)s::int8 AND (w.status = 'waiting' OR (w.status = 'cancelled' AND d.failed))
+    ORDER BY d.id LIMIT %(limit)s
+"""
+
+# Dependencies and batches left without jobs (pruned or deleted), deleted a few at a time.
+PRUNE_DEPENDENCIES = """
+    DELETE FROM pgjobs_dependency WHERE id = ANY (ARRAY(
+        SELECT d.id FROM pgjobs_dependency AS d
+        WHERE NOT EXISTS (SELECT FROM pgjobs_job WHERE pgjobs_job.id = d.job_id)
+        LIMIT %(limit)s
+    ))
+    RETURNING id
+"""
+PRUNE_BATCHES = """
+    DELETE FROM pgjobs_batch WHERE id = ANY (ARRAY(
+        SELECT b.id FROM pgjobs_batch AS b
+        WHERE b.completed_at < statement_timestamp() - make_interval(secs => %(older_than)s)
+          AND NOT EXISTS (SELECT FROM pgjobs_job WHERE pgjobs_job.batch_id = b.id)
+        LIMIT %(limit)s
     ))
     RETURNING id
 """

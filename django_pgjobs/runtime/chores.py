@@ -13,7 +13,7 @@ from uuid import UUID
 from django.db import DatabaseError, ProgrammingError, connections, transaction
 from django.db.models.functions import Now
 
-from django_pgjobs import registry, retry, signals
+from django_pgjobs import batches, registry, retry, signals
 from django_pgjobs.conf import get_settings
 from django_pgjobs.data import rows, sql
 from django_pgjobs.data.jobs import JobManager
@@ -165,6 +165,19 @@ class Promoter(Chore):
         return 0.0 if full else self.interval
 
 
+class Sweeper(Chore):
+    """Follows up what a lost follow-up left (batches.py): a session killed right after the
+    commit that ended a batch's last job, or released a waiting job's last dependency."""
+
+    def __init__(self, db: str, interval: float) -> None:
+        super().__init__(first_in=interval)
+        self.db, self.interval, self.sweep = db, interval, batches.Sweep()
+
+    def run(self) -> float:
+        self.sweep(self.db)
+        return self.interval
+
+
 class Pruner(Chore):
     """Deletes finished jobs past their retention, workers' statistics past theirs and full
     rate-limit buckets (limits.py): one
@@ -183,6 +196,9 @@ class Pruner(Chore):
             at__lt=Now() - settings.STATS_RETENTION
         ).delete()
         rows.execute(self.jobs.db, sql.PRUNE_BUCKETS, {"limit": settings.PRUNE_BATCH})
+        # Batches are kept as long as succeeded jobs, and then until their jobs are gone.
+        kept_for = settings.retention().get("succeeded") or timedelta(0)
+        batches.prune(self.jobs.db, kept_for.total_seconds(), settings.PRUNE_BATCH)
         if full:
             return 0.0
         kept = [age.total_seconds() for age in settings.retention().values() if age is not None]

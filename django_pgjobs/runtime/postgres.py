@@ -35,7 +35,7 @@ from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.registry import all_tasks
 from django_pgjobs.runtime import execute, policy
 from django_pgjobs.runtime import sessions as locks
-from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Scheduler
+from django_pgjobs.runtime.chores import Chore, Promoter, Pruner, Reaper, Scheduler, Sweeper
 from django_pgjobs.runtime.leases import LeaseKeeper
 from django_pgjobs.runtime.reporting import log_safely
 from django_pgjobs.runtime.sessions import LockWaits, application_name
@@ -92,7 +92,11 @@ class PostgresSource:
             self.jobs, seat.claims.all, self.lease_of, seat.lease, self.lock_waits
         )
         self.reaper = Reaper(self.jobs, options.reap_interval, seat.poll_now, seat.claims.all)
-        self.chores = [self.reaper, Promoter(self.jobs, options.promote_interval)]
+        self.chores = [
+            self.reaper,
+            Promoter(self.jobs, options.promote_interval),
+            Sweeper(seat.db, options.reap_interval),
+        ]
         if not options.once:
             ticks = Scheduler(seat.db, enqueued=seat.announcer.enqueued)
             self.chores += [Pruner(self.jobs, options.prune_interval), ticks]

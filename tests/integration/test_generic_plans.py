@@ -34,10 +34,13 @@ SAMPLES: dict[str, Any] = {
     "after_task": "", "after_key": "", "locking": ["tests.tasks.export"], "lock_class": 1,
     "tasks": ["tests.tasks.export"], "keys": ["c1"], "limited": ["tests.tasks.export"],
     "concurrency": [2], "every": [None], "burst": [None], "limit_key": None, "scan": 200,
+    "status": "ready", "batch": None, "batches": [uuid.uuid4()], "jobs": [uuid.uuid4()],
+    "waiters": [uuid.uuid4()], "job": uuid.uuid4(), "size": 1, "on_complete": None,
+    "on_success": None, "older_than": 60.0, "after": uuid.uuid4(),
 }  # fmt: skip
 
 #: Where one name stands for a value of another shape.
-SAMPLES_OF = {"WRITE_BACK": {"errors": "[]", "claims": 1}}
+SAMPLES_OF = {"WRITE_BACK": {"errors": "[]", "claims": 1}, "HELD_WAITERS": {"after": 0}}
 
 #: Run through Django's own cursor, which binds on the client: never planned without values.
 CLIENT_BOUND = {"LOCK_QUEUE", "QUEUE_CONTROLLED", "COUNT_RUNNING", "SPEND_QUEUE_RATE"}
