@@ -11,7 +11,9 @@ drain and W5's latency by default against prepare_threshold None on every connec
 job table at fillfactor 55 against 70: heartbeats' HOT share, the drain, W1), `claim` (W5 with
 sql.CLAIM for turns without outcomes, the default, against SETTLE_AND_CLAIM for every turn),
 `signals` (the drain with Prometheus metrics counting every outcome: its receivers on the
-signals thread, the default, against on the main thread; and against no receivers).
+signals thread, the default, against on the main thread; and against no receivers), `batches`
+(the drain with every job in a batch of 1,000, each with an on_complete callback, against
+none in a batch).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     comparisons = [
         "sync", "latency", "w7", "w4", "prepare", "insert", "bulk", "fillfactor", "claim",
-        "signals",
+        "signals", "batches",
     ]  # fmt: skip
     parser.add_argument("comparisons", nargs="+", choices=comparisons)
     parser.add_argument("--pairs", type=int, default=5)
@@ -97,6 +99,8 @@ def comparison(
     if name == "w7":
         return [("drain jobs/s: beside 200,000 scheduled / clean", drain(scheduled=200_000),
                  drain())]  # fmt: skip
+    if name == "batches":
+        return [("drain jobs/s: in batches of 1,000 / in none", drain(batched=1000), drain())]
     if name == "w4":
         return [("drain jobs/s: 10% failing once / the same task, none failing",
                  drain(fail_share=0.1), drain(fail_share=0.0))]  # fmt: skip

@@ -24,7 +24,7 @@ def reset(cluster: Cluster) -> None:
     """Empty the job table and its statistics' dead weight."""
     with cluster.connect() as conn:
         conn.execute("CREATE SEQUENCE IF NOT EXISTS bench_ids")
-        conn.execute("TRUNCATE pgjobs_job")
+        conn.execute("TRUNCATE pgjobs_job, pgjobs_batch, pgjobs_dependency")
         conn.execute("VACUUM ANALYZE pgjobs_job")
 
 

@@ -1,5 +1,5 @@
 """The benchmark's tasks: a no-op, one that fails its first attempt, one that stamps its start,
-and a no-op limited per key."""
+a no-op limited per key, and a batch's callback."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ if os.environ.get("BENCH_ANNOUNCE") == "inline":  # bench/ab.py signals: on the 
 @task
 def noop() -> None:
     pass
+
+
+@task
+def batch_done(batch: dict[str, object]) -> None:
+    """W3 batched's callback (bench/ab.py batches)."""
 
 
 @task(concurrency_limit=2, limit_by="key")

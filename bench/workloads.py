@@ -244,12 +244,14 @@ def startup_cpu(cluster: Cluster, logs: Path) -> float:
 def drain(
     cluster: Cluster, count: int, processes: int, args: list[str], logs: Path, startup: float,
     fail_share: float | None = None, env: dict[str, str] | None = None, supervised: bool = False,
-    scheduled: int = 0,
+    scheduled: int = 0, batched: int = 0,
 ) -> Drain:  # fmt: skip
     """Enqueue `count` jobs, then time `processes` × `runjobs --once` draining them; or, when
     `supervised`, one `runjobs --processes <processes>` (a supervisor and its children: they
     do not exit when drained, so it is stopped with SIGTERM once no job is left). `scheduled`:
-    that many jobs of a higher priority, due in an hour, enqueued first in the same queue."""
+    that many jobs of a higher priority, due in an hour, enqueued first in the same queue.
+    `batched`: the jobs in batches of that many, each with an on_complete callback (not
+    counted)."""
     reset(cluster)
     for start in range(0, scheduled, 50_000):
         later = (None for _ in range(min(50_000, scheduled - start)))
@@ -258,6 +260,10 @@ def drain(
         rng = random.Random(7)
         payloads = [{"fail": rng.random() < fail_share} for _ in range(count)]
         Job.objects.bulk_enqueue("bench.tasks.flaky", payloads)
+    elif batched:
+        for start in range(0, count, batched):
+            with Job.objects.batch(on_complete="bench.tasks.batch_done"):
+                Job.objects.bulk_enqueue(NOOP, (None for _ in range(min(batched, count - start))))
     else:
         Job.objects.bulk_enqueue(NOOP, (None for _ in range(count)))
     with cluster.connect() as conn:
@@ -288,7 +294,7 @@ def drain(
     with cluster.connect() as conn:
         row = conn.execute(
             "SELECT count(*), extract(epoch FROM max(finished_at) - min(finished_at)) "
-            "FROM pgjobs_job WHERE status = 'succeeded'"
+            "FROM pgjobs_job WHERE status = 'succeeded' AND task <> 'bench.tasks.batch_done'"
         ).fetchone()
     assert row is not None
     finished, window = int(row[0]), float(row[1] or 0.0)

@@ -129,12 +129,14 @@ def follow_up(
     jobs: Iterable[UUID] = (),
     batches: Iterable[UUID] = (),
     waiters: Iterable[UUID] = (),
-) -> None:
+) -> int:
     """After `jobs` ended (committed): move their batches and `batches` (complete, succeed:
     their callbacks), and release or cancel the jobs waiting for them, and `waiters`; then the
-    same for the jobs that cancelled. Each statement commits on its own."""
+    same for the jobs that cancelled. Each statement commits on its own. Returns how many
+    batches and jobs moved."""
     jobs, batches, waiters = list(jobs), list(set(batches)), list(waiters)
     channel = wakeups.CHANNEL if get_settings().NOTIFY else None
+    moves = 0
     while jobs or batches or waiters:
         moved: list[UUID] = []
         if jobs or batches:
@@ -147,6 +149,8 @@ def follow_up(
         jobs = [job_id for job_id, _ in cancelled]
         batches = list({batch_id for _, batch_id in cancelled if batch_id is not None})
         waiters = []
+        moves += len(moved) + len(changed)
+    return moves
 
 
 def after_commit(
@@ -188,8 +192,8 @@ class Sweep:
     dependency: int = 0
 
     def __call__(self, db: str) -> None:
-        """Follow up what a lost follow-up left: the open batches and the held waiters, a few
-        at a time."""
+        """Follow up what a lost follow-up left (its session died after its commit): the open
+        batches and the held waiters, a few at a time."""
         found = rows.execute(db, sql.OPEN_BATCHES, {"after": self.batch, "limit": SWEEP_LIMIT})
         self.batch = found[-1][0] if len(found) == SWEEP_LIMIT else UUID(int=0)
         params = {"after": self.dependency, "limit": SWEEP_LIMIT}

@@ -220,6 +220,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         results: Mapping[UUID, str] | None = None,
         after: Mapping[str, Position] | None = None,
         rooms: Mapping[str, int] | None = None,
+        follow_batches: bool = True,
     ) -> Settled:
         """Record the outcomes of `worker`'s finished jobs and claim up to `limit` due jobs
         from `queues` in one statement: one round trip and one commit per turn. A queue in
@@ -228,6 +229,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         `succeeded` keep their return values in `results` (job id → JSON text); each of `failed`
         is recorded as by `fail`. A queue's claim starts after its Position in `after`, else at
         the start. Returns what this worker still owned of the outcomes, and the claimed jobs.
+        The jobs waiting for those that ended are followed up (batches.py), and their batches
+        too unless `follow_batches` is False: then the caller does (Settled.batches).
         """
         if rooms is not None:
             queues = [queue for queue in queues if rooms.get(queue, limit) > 0]
@@ -247,10 +250,10 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         recorded = {(row[1], row[_CLAIMS]): row[_STATUS] for row in found if row[0] == "settled"}
         # Jobs that ended: their batches, and the jobs waiting for them (row[-1]: waited).
         last = [row for row in found if row[0] == "settled" and row[_STATUS] in FINISHED]
+        ending = frozenset(row[_BATCH] for row in last if row[_BATCH] is not None)
         batches.after_commit(
-            db, jobs=[row[1] for row in last if row[-1]],
-            batches={row[_BATCH] for row in last if row[_BATCH] is not None},
-        )  # fmt: skip
+            db, jobs=[row[1] for row in last if row[-1]], batches=ending if follow_batches else ()
+        )
         claimed_rows = [row for row in found if row[0] != "settled"]
         unread: Exception | None = None
         try:
@@ -276,6 +279,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             claimed,
             recorded,
             unread,
+            frozenset() if follow_batches else ending,
         )
 
     def claim_keyed(

@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from django.apps import apps
 from django.core.exceptions import EmptyResultSet
 from django.db import IntegrityError, connections, models, transaction
 from django.db.models.functions import Now
@@ -199,6 +200,15 @@ class JobQuerySet(models.QuerySet["Job"]):
         for status, age in kept.items():
             if age is not None:
                 old |= models.Q(status=status, finished_at__lt=Now() - age)
+        # Kept while a job waits for it, or its batch has not completed: their follow-ups read
+        # it (a dependency gone reads as deleted; a batch counts its jobs when it completes).
+        dependency, batch = (
+            apps.get_model("pgjobs", "Dependency"),
+            apps.get_model("pgjobs", "Batch"),
+        )
+        waited = dependency.objects.filter(after_job=models.OuterRef("pk"), job__status="waiting")
+        counting = batch.objects.filter(pk=models.OuterRef("batch_id"), completed_at__isnull=True)
+        old &= ~models.Exists(waited) & ~models.Exists(counting)
         ages = [age for age in kept.values() if age is not None]
         if not ages:
             return self.filter(old)

@@ -102,6 +102,8 @@ class Settled(NamedTuple):
     recorded: dict[ClaimKey, str]
     #: Why the claimed rows could not be made Job objects: they were given back, `claimed` empty.
     unread: Exception | None = None
+    #: The batches of the jobs that ended, when the caller follows them up (batches.py).
+    batches: frozenset[UUID] = frozenset()
 
 
 class TakenBack(NamedTuple):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 #: Scheduled jobs moved into the claim index per statement.
 PROMOTE_BATCH = 1000
+#: How long the batches of jobs a busy worker ended wait to be followed up (Sweeper): one
+#: statement for the turns of this long, the callbacks that much later.
+FOLLOW_UP_AFTER = 0.1
 
 
 class Chore:
@@ -166,16 +169,35 @@ class Promoter(Chore):
 
 
 class Sweeper(Chore):
-    """Follows up what a lost follow-up left (batches.py): a session killed right after the
+    """Follows up the batches of the jobs this worker's turns ended (batches.py): once for the
+    turns of FOLLOW_UP_AFTER seconds, not a statement after each; at once when idle. And every
+    `interval` seconds, sweeps what a lost follow-up left: a session killed right after the
     commit that ended a batch's last job, or released a waiting job's last dependency."""
 
     def __init__(self, db: str, interval: float) -> None:
         super().__init__(first_in=interval)
         self.db, self.interval, self.sweep = db, interval, batches.Sweep()
+        self.sweep_at = self.next_at
+        self.ending: set[UUID] = set()
+
+    def ended(self, batch_ids: Iterable[UUID]) -> None:
+        """Follow up these batches within FOLLOW_UP_AFTER seconds (their jobs' ends committed)."""
+        if batch_ids and not self.ending:
+            self.next_at = min(self.next_at, time.monotonic() + FOLLOW_UP_AFTER)
+        self.ending.update(batch_ids)
+
+    def follow_up_now(self) -> int:
+        """Follow up the batches ended so far; returns how many batches and jobs moved."""
+        moves = batches.follow_up(self.db, batches=self.ending) if self.ending else 0
+        self.ending.clear()
+        return moves
 
     def run(self) -> float:
-        self.sweep(self.db)
-        return self.interval
+        self.follow_up_now()
+        if time.monotonic() >= self.sweep_at:
+            self.sweep(self.db)
+            self.sweep_at = time.monotonic() + self.interval
+        return self.sweep_at - time.monotonic()
 
 
 class Pruner(Chore):

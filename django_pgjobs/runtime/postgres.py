@@ -92,11 +92,8 @@ class PostgresSource:
             self.jobs, seat.claims.all, self.lease_of, seat.lease, self.lock_waits
         )
         self.reaper = Reaper(self.jobs, options.reap_interval, seat.poll_now, seat.claims.all)
-        self.chores = [
-            self.reaper,
-            Promoter(self.jobs, options.promote_interval),
-            Sweeper(seat.db, options.reap_interval),
-        ]
+        self.sweeper = Sweeper(seat.db, options.reap_interval)
+        self.chores = [self.reaper, Promoter(self.jobs, options.promote_interval), self.sweeper]
         if not options.once:
             ticks = Scheduler(seat.db, enqueued=seat.announcer.enqueued)
             self.chores += [Pruner(self.jobs, options.prune_interval), ticks]
@@ -164,6 +161,10 @@ class PostgresSource:
 
     def close(self) -> None:
         self.lock_waits.stop()
+        try:
+            self.sweeper.follow_up_now()
+        except DatabaseError as error:  # another worker's sweep will
+            log_safely(logger.warning, "could not follow up batches at exit (%s)", error)
 
     # ---- a turn ------------------------------------------------------------------------------
 
@@ -235,8 +236,23 @@ class PostgresSource:
         if wanted:
             turn.poll_by = min(self.positions.poll_by(len(turn.claimed), wanted), wait)
             turn.held = wait < float("inf")
+        self.sweeper.ended(settled.batches)
+        if wanted and not turn.claimed and self._follow_up():
+            turn.poll_by = time.monotonic()  # callbacks enqueued, or jobs released: claim them
+            turn.held = True
         if settled.unread is not None:  # the claims were given back; the outcomes are recorded
             raise settled.unread
+
+    def _follow_up(self) -> int:
+        """Follow up the batches ended so far, now that the worker is idle; returns how many
+        batches and jobs moved. A failure is left to the sweeper's chore, which says why."""
+        try:
+            return self.sweeper.follow_up_now()
+        except DatabaseError as error:
+            if rows.connection_lost(error):
+                raise
+            self.sweeper.next_at = time.monotonic()
+            return 0
 
     def _claim_limited(self, wanted: int, into: list[Job]) -> float:
         """Claim up to `wanted` jobs from the queues with a limit, into `into` (which keeps
@@ -371,6 +387,7 @@ class PostgresSource:
                 results=_results(done),
                 after=self.positions.for_turn() if limit > 0 else None,
                 rooms=self.seat.controls.rooms,
+                follow_batches=False,  # the sweeper does, once for several turns
             )
             if limit > 0:
                 self.positions.turned(settled.claimed, time.monotonic() - started)
@@ -383,7 +400,7 @@ class PostgresSource:
                 raise  # only a claim: nothing of a job's to blame (e.g. a missing table)
             log_safely(
                 logger.error,
-                "the database refused a batch of %d outcomes (%s); recording them one by one",
+                "the database refused a turn's %d outcomes (%s); recording them one by one",
                 len(succeeded) + len(failed), str(error).strip().splitlines()[0],
             )  # fmt: skip
             self.seat.poll_now()  # the claim is taken again at the next turn

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
+from django.db.models.functions import Now
 
 import django_pgjobs
 from django_pgjobs import batches
@@ -269,3 +270,25 @@ def test_after_refuses_what_it_cannot_wait_for() -> None:
     with pytest.raises(EnqueueError, match="after its block"), django_pgjobs.batch() as b:
         tasks.step.using(after=b).enqueue(name="b")
     assert list(Job.objects.values_list("payload__name", flat=True)) == ["a"]
+
+
+def test_pruning_keeps_what_a_waiting_job_or_an_open_batch_still_reads() -> None:
+    from datetime import timedelta
+
+    a = tasks.step.enqueue(name="a")
+    b = tasks.step.enqueue(name="b")
+    waiting = tasks.step.using(after=[a, b]).enqueue(name="c")
+    with django_pgjobs.batch() as open_batch:
+        member = tasks.part.enqueue(n=1)
+        tasks.part.enqueue(n=2)
+    plain = tasks.step.enqueue(name="plain")
+    done = [a, member, plain]
+    Job.objects.filter(pk__in=[job.pk for job in done]).update(
+        status=Status.SUCCEEDED, finished_at=Now() - timedelta(seconds=1)
+    )
+    right_away = {"succeeded": timedelta(0)}
+    assert list(Job.objects.prunable(right_away)) == [plain]
+    assert Job.objects.prune(retention=right_away) == 1
+    run_jobs(queues=["batches"])  # b, then c (a still there: it succeeded), the other part
+    assert status(waiting) == Status.SUCCEEDED
+    assert Batch.objects.get(pk=open_batch.id).succeeded == 2
