@@ -189,21 +189,32 @@ class Sweep:
     """Where a worker's sweeps got to: each looks on from there, round to the start."""
 
     batch: UUID = field(default_factory=lambda: UUID(int=0))
-    dependency: int = 0
+    waiting: UUID = field(default_factory=lambda: UUID(int=0))
+    revivable: int = 0
 
     def __call__(self, db: str) -> None:
         """Follow up what a lost follow-up left (its session died after its commit): the open
-        batches and the held waiters, a few at a time."""
+        batches, the waiting jobs and those a dependency cancelled, a few at a time."""
         found = rows.execute(db, sql.OPEN_BATCHES, {"after": self.batch, "limit": SWEEP_LIMIT})
-        self.batch = found[-1][0] if len(found) == SWEEP_LIMIT else UUID(int=0)
-        params = {"after": self.dependency, "limit": SWEEP_LIMIT}
-        held = rows.execute(db, sql.HELD_WAITERS, params)
-        self.dependency = held[-1][0] if len(held) == SWEEP_LIMIT else 0
-        if found or held:
+        waiting = rows.execute(db, sql.WAITING_JOBS, {"after": self.waiting, "limit": SWEEP_LIMIT})
+        params = {"after": self.revivable, "limit": SWEEP_LIMIT}
+        revivable = rows.execute(db, sql.REVIVABLE_JOBS, params)
+        self.batch = _next(found, UUID(int=0))
+        self.waiting = _next(waiting, UUID(int=0))
+        self.revivable = _next(revivable, 0)
+        if found or waiting or revivable:
             follow_up(
                 db, batches=[batch_id for (batch_id,) in found],
-                waiters=list(dict.fromkeys(job_id for _, job_id in held)),
+                waiters=list(dict.fromkeys(
+                    [job_id for (job_id,) in waiting] + [job_id for _, job_id in revivable]
+                )),
             )  # fmt: skip
+
+
+def _next(found: list[Any], start: Any) -> Any:
+    """Where the next sweep looks on from: after the last row found, or at the start when
+    these were the last."""
+    return found[-1][0] if len(found) == SWEEP_LIMIT else start
 
 
 def prune(db: str, older_than: float, limit: int = 1000) -> int:

@@ -406,6 +406,8 @@ class Dependency(models.Model):
                 name="pgjobs_dep_after_batch_idx",
                 condition=Q(after_batch__isnull=False),
             ),
+            # The dependencies that cancelled a job: a sweep looks at those (batches.py).
+            models.Index(fields=["id"], name="pgjobs_dep_failed_idx", condition=Q(failed=True)),
         ]
         constraints = [
             models.CheckConstraint(

@@ -136,8 +136,13 @@ COPY_JOBS_TYPES = (
 # _ENDS: a failed attempt ends its job (cancelled, a permanent error, or no attempt left).
 _ENDS = "(j.cancel_requested OR f.permanent OR j.attempts >= j.max_attempts)"
 
-# Whether a job ended is followed up (batches.py): its batch, and whether a job waits for it.
-_WAITED = "EXISTS (SELECT FROM pgjobs_dependency AS d WHERE d.after_job_id = j.id) AS waited"
+# Whether a job ended is followed up (batches.py): its batch, and whether a job waits for it,
+# looked for only while some job waits or may be released again (a probe each, once a
+# statement), so that a queue without dependencies pays for none.
+_WAITED = """CASE WHEN (SELECT EXISTS (SELECT FROM pgjobs_job WHERE status = 'waiting')
+                           OR EXISTS (SELECT FROM pgjobs_dependency WHERE failed))
+                 THEN EXISTS (SELECT FROM pgjobs_dependency AS d WHERE d.after_job_id = j.id)
+                 ELSE false END AS waited"""
 
 _SETTLE = f"""
     succeeded AS (
@@ -808,17 +813,20 @@ ADD_DEPENDENCIES = """
 """
 
 # What a worker's sweep follows up in case a follow-up was lost (its session died after the
-# commit): batches not yet succeeded, and jobs waiting or cancelled by a dependency, each from
-# after the last one the sweep looked at (%(after)s), a few at a time.
+# commit): batches not yet succeeded, waiting jobs, and jobs a dependency cancelled (by the
+# dependency that did), each from after the last one the sweep looked at (%(after)s), a few at
+# a time.
 OPEN_BATCHES = """
     SELECT id FROM pgjobs_batch
     WHERE succeeded_at IS NULL AND id > %(after)s::uuid ORDER BY id LIMIT %(limit)s
 """
-HELD_WAITERS = """
-    SELECT d.id, d.job_id FROM pgjobs_dependency AS d
-    JOIN pgjobs_job AS w ON w.id = d.job_id
-    WHERE d.id > %(after)s::int8 AND (w.status = 'waiting' OR (w.status = 'cancelled' AND d.failed))
-    ORDER BY d.id LIMIT %(limit)s
+WAITING_JOBS = """
+    SELECT id FROM pgjobs_job
+    WHERE status = 'waiting' AND id > %(after)s::uuid ORDER BY id LIMIT %(limit)s
+"""
+REVIVABLE_JOBS = """
+    SELECT id, job_id FROM pgjobs_dependency
+    WHERE failed AND id > %(after)s::int8 ORDER BY id LIMIT %(limit)s
 """
 
 # Dependencies and batches left without jobs (pruned or deleted), deleted a few at a time.

@@ -86,6 +86,7 @@ class Migration(migrations.Migration):
                     models.Index(fields=['job'], name='pgjobs_dep_job_idx'),
                     models.Index(condition=models.Q(('after_job__isnull', False)), fields=['after_job'], name='pgjobs_dep_after_job_idx'),
                     models.Index(condition=models.Q(('after_batch__isnull', False)), fields=['after_batch'], name='pgjobs_dep_after_batch_idx'),
+                    models.Index(condition=models.Q(('failed', True)), fields=['id'], name='pgjobs_dep_failed_idx'),
                 ],
                 'constraints': [models.CheckConstraint(condition=models.Q(('after_job__isnull', True), ('after_batch__isnull', True), _connector='XOR'), name='pgjobs_dep_one_target')],
             },

@@ -40,7 +40,7 @@ SAMPLES: dict[str, Any] = {
 }  # fmt: skip
 
 #: Where one name stands for a value of another shape.
-SAMPLES_OF = {"WRITE_BACK": {"errors": "[]", "claims": 1}, "HELD_WAITERS": {"after": 0}}
+SAMPLES_OF = {"WRITE_BACK": {"errors": "[]", "claims": 1}, "REVIVABLE_JOBS": {"after": 0}}
 
 #: Run through Django's own cursor, which binds on the client: never planned without values.
 CLIENT_BOUND = {"LOCK_QUEUE", "QUEUE_CONTROLLED", "COUNT_RUNNING", "SPEND_QUEUE_RATE"}
