@@ -9,8 +9,7 @@ from django_pgjobs.errors import JobCancelled, PermanentError, Retry
 from django_pgjobs.registry import Task, task
 
 if TYPE_CHECKING:
-    from django_pgjobs.batches import Batch
-    from django_pgjobs.models import Job
+    from django_pgjobs.models import Batch, Job
 
 
 def current_job() -> Job | None:

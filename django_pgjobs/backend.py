@@ -79,6 +79,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 _STATUSES = {
     Status.READY: TaskResultStatus.READY,
     Status.RUNNING: TaskResultStatus.RUNNING,
+    Status.WAITING: TaskResultStatus.READY,  # enqueued with after=: not yet ready to run
     Status.SUCCEEDED: TaskResultStatus.SUCCESSFUL,
     Status.FAILED: TaskResultStatus.FAILED,
     # The framework has no "cancelled" (Django 6.0); FAILED means "raised, or could not start".

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from django.apps import apps
@@ -30,39 +30,28 @@ from django_pgjobs.data import rows, sql, wakeups
 from django_pgjobs.errors import EnqueueError
 from django_pgjobs.transports import POSTGRES, transport_of
 
+if TYPE_CHECKING:
+    from django_pgjobs.models import Batch
+
 logger = logging.getLogger(__name__)
 
 #: The most batches, and dependencies, one sweep looks at.
 SWEEP_LIMIT = 500
 
 
-@dataclass
-class Batch:
-    """The batch a ``with batch(...)`` block is writing: `id` names it (e.g. for after=)."""
-
-    id: UUID
-    db: str
-    size: int = 0
-    callbacks: dict[str, dict[str, Any] | None] = field(default_factory=dict)
-
-
+#: The batch whose block is running here (the innermost): the jobs enqueued here join it.
 _current: ContextVar[Batch | None] = ContextVar("pgjobs_batch", default=None)
 _at_once: ContextVar[bool] = ContextVar("pgjobs_follow_up_at_once", default=False)
 
 
 @contextmanager
 def writing(made: Batch) -> Iterator[Batch]:
-    """Within the block, jobs enqueued here join `made` (JobManager.batch)."""
+    """Within the block, jobs enqueued here join `made`, not yet saved (JobManager.batch)."""
     token = _current.set(made)
     try:
         yield made
     finally:
         _current.reset(token)
-
-
-def current() -> Batch | None:
-    """The batch whose block is running here (the innermost), if any: enqueues join it."""
-    return _current.get()
 
 
 def member_of(queue: str) -> Batch | None:
@@ -82,13 +71,13 @@ def member_of(queue: str) -> Batch | None:
 
 def targets(after: Iterable[Any]) -> tuple[list[UUID], list[UUID]]:
     """The job ids and batch ids `after` names (Jobs, Batches or their ids), checked."""
-    Job, BatchRow = apps.get_model("pgjobs", "Job"), apps.get_model("pgjobs", "Batch")
-    if isinstance(after, (str, bytes, UUID, Job, Batch, BatchRow)):
+    Job, Batch = apps.get_model("pgjobs", "Job"), apps.get_model("pgjobs", "Batch")
+    if isinstance(after, (str, bytes, UUID, Job, Batch)):
         after = [after]
     jobs: list[UUID] = []
     batches: list[UUID] = []
     for given in after:
-        if isinstance(given, (Batch, BatchRow)):
+        if isinstance(given, Batch):
             if given is _current.get():
                 raise EnqueueError(
                     "after=: a batch is waited for after its block; this job is enqueued in "
@@ -110,13 +99,27 @@ def targets(after: Iterable[Any]) -> tuple[list[UUID], list[UUID]]:
 
 
 def add_dependencies(db: str, job: UUID, jobs: Sequence[UUID], batches: Sequence[UUID]) -> None:
-    """Write that `job` waits for `jobs` and `batches`, in the enqueue's transaction, and judge
-    it once that commits (some may have succeeded already)."""
-    missing = rows.execute(db, sql.MISSING_DEPENDENCIES, {"jobs": jobs, "batches": batches})
+    """Write that `job` waits for `jobs` and `batches` (an id of `jobs` may name a batch), in
+    the enqueue's transaction, and judge it once that commits (some may have succeeded
+    already)."""
+    found = rows.execute(db, sql.DEPENDENCIES_FOUND, {"ids": [*jobs, *batches]})
+    missing = [str(i) for i, queue, is_batch in found if queue is None and not is_batch]
     if missing:
-        named = ", ".join(f"{'batch' if is_batch else 'job'} {i}" for i, is_batch in missing)
-        raise EnqueueError(f"after=: no such {named}: it was never written, or pruned.")
-    rows.execute(db, sql.ADD_DEPENDENCIES, {"job": job, "jobs": jobs, "batches": batches})
+        raise EnqueueError(
+            f"after=: no job or batch {', '.join(missing)}: it was never written, or pruned."
+        )
+    relayed = [f"{i} ({q})" for i, q, _ in found if q and transport_of(q) != POSTGRES]
+    if relayed:
+        raise EnqueueError(
+            f"after=: job {', '.join(relayed)} is of a queue carried by NATS, whose jobs leave "
+            "the database when relayed: only jobs of PostgreSQL's queues can be waited for."
+        )
+    params = {
+        "job": job,
+        "jobs": [i for i, queue, _ in found if queue is not None],
+        "batches": [i for i, queue, _ in found if queue is None],
+    }
+    rows.execute(db, sql.ADD_DEPENDENCIES, params)
     after_commit(db, waiters=[job])
 
 

@@ -105,9 +105,13 @@ def run_jobs(
         selected = selected.filter(task__in=names)
     worker = f"run_jobs:{os.getpid()}"
     run = JobsRun()
-    # A test's transaction never commits: batches and dependencies are followed up in it.
-    with batches.at_once() if connections[db].in_atomic_block else contextlib.nullcontext():
+    # A test's transaction never commits: batches and dependencies are followed up in it, and
+    # what the test's own enqueues and transitions left to follow up after a commit is swept.
+    in_test = connections[db].in_atomic_block
+    with batches.at_once() if in_test else contextlib.nullcontext():
         while True:
+            if in_test:
+                batches.Sweep()(db)
             if advance is not None:
                 selected.filter(run_at__gt=Now(), run_at__lte=Now() + advance).run_now()
             jobs.promote()  # limited tasks' scheduled jobs come due: their claim reads only these

@@ -171,6 +171,11 @@ def insert(
     """Insert one job (one statement); `payload` is the checked payload its JSON was made from
     (the returned Job holds it). None when its unique_key is held by a live job. `waiting`: it
     waits for dependencies (batches.add_dependencies), in no queue's claim until they succeed."""
+    if waiting and transport_of(job.queue) != POSTGRES:
+        raise EnqueueError(
+            f"after=: queue {job.queue!r} is carried by {transport_of(job.queue)}, whose jobs "
+            "cannot wait in the database: enqueue it to a queue of PostgreSQL's (queue=...)."
+        )
     member = batches.member_of(job.queue)
     wake_up = not waiting and bool(wakeups.to_send(db, [job.queue]))
     statement = sql.INSERT_JOBS[_due(job), job.unique_key is not None, wake_up]

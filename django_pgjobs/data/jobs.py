@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from django.apps import apps
 from django.db import connections, models, router, transaction
 
 from django_pgjobs import batches, signals
@@ -33,13 +34,12 @@ from django_pgjobs.data.records import (
     as_claim,
 )
 from django_pgjobs.errors import EnqueueError
-from django_pgjobs.ids import uuid7
 from django_pgjobs.limits import LOCK_CLASS, TaskLimits
 from django_pgjobs.status import FINISHED, HOLDS_KEY, Status
 from django_pgjobs.validation import json_text
 
 if TYPE_CHECKING:
-    from django_pgjobs.models import Job
+    from django_pgjobs.models import Batch, Job
     from django_pgjobs.registry import Task
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         on_complete: Task | str | None = None,
         on_success: Task | str | None = None,
         **payload: Any,
-    ) -> Iterator[batches.Batch]:
+    ) -> Iterator[Batch]:
         """Make the jobs enqueued in the block one batch, and enqueue `on_complete` once when
         they have all finished (succeeded, dead letter or cancelled) and `on_success` once when
         they have all succeeded (maybe later, after replays). Each callback gets `payload` and
@@ -182,14 +182,11 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
             except EnqueueError as error:
                 raise EnqueueError(f"batch({name}=...): {error}") from error.__cause__
         db = self._write_db()
-        made = batches.Batch(uuid7(), db)
+        made = apps.get_model("pgjobs", "Batch")(size=0, **callbacks)  # saved at the block's end
         with transaction.atomic(using=db):
             with batches.writing(made):
                 yield made
-            rows.execute(db, sql.INSERT_BATCH, {
-                "id": made.id, "size": made.size,
-                **{name: None if cb is None else json.dumps(cb) for name, cb in callbacks.items()},
-            })  # fmt: skip
+            made.save(using=db, force_insert=True)
             if made.size == 0:  # nothing to wait for: its callbacks now, with it
                 batches.follow_up(db, batches=[made.id])
 

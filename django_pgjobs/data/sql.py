@@ -663,10 +663,11 @@ PRUNE_BUCKETS = """
 # checked again on the row as it is written, and its callbacks are inserted in the same statement.
 #
 # FINISH_BATCHES: the batches (%(batches)s, and those of the jobs %(jobs)s) with no live member
-# complete (on_complete enqueued), and those whose members all succeeded succeed (on_success
-# enqueued), maybe after replays. Each callback gets the batch's id and counts as `batch` beside
-# its payload; %(channel)s (NULL: none) wakes its queue's workers. The rows: each batch moved,
-# whether it completed and whether it succeeded.
+# complete (on_complete enqueued), and those whose jobs all succeeded, every one of its `size`,
+# succeed (on_success enqueued), maybe after replays; a batch whose dead job was deleted never
+# does. Each callback gets the batch's id and counts as `batch` beside its payload;
+# %(channel)s (NULL: none) wakes its queue's workers. The rows: each batch moved, whether it
+# completed and whether it succeeded.
 FINISH_BATCHES = """
     WITH finished AS (
         SELECT b.id, b.completed_at FROM pgjobs_batch AS b
@@ -693,11 +694,11 @@ FINISH_BATCHES = """
     moved AS (
         UPDATE pgjobs_batch AS b
         SET completed_at = COALESCE(b.completed_at, statement_timestamp()),
-            succeeded_at = CASE WHEN c.failed + c.cancelled = 0 THEN statement_timestamp() END,
+            succeeded_at = CASE WHEN c.succeeded = b.size THEN statement_timestamp() END,
             succeeded = c.succeeded, failed = c.failed, cancelled = c.cancelled
         FROM counted AS c
         WHERE b.id = c.id AND b.succeeded_at IS NULL
-          AND (b.completed_at IS NULL OR c.failed + c.cancelled = 0)
+          AND (b.completed_at IS NULL OR c.succeeded = b.size)
         RETURNING b.id, c.completed_at IS NULL AS completes, b.succeeded_at IS NOT NULL AS succeeds,
                   b.on_complete, b.on_success, b.succeeded, b.failed, b.cancelled
     ),
@@ -722,19 +723,13 @@ FINISH_BATCHES = """
     FROM moved AS m
 """
 
-# A batch, written at the end of its block, in the transaction of its jobs.
-INSERT_BATCH = """
-    INSERT INTO pgjobs_batch (id, size, on_complete, on_success)
-    VALUES (%(id)s, %(size)s, %(on_complete)s::jsonb, %(on_success)s::jsonb)
-    RETURNING id
-"""
-
 # RELEASE_WAITERS judges the jobs that wait (after=) for %(jobs)s or %(batches)s, and %(waiters)s
 # themselves: a job whose dependencies all succeeded becomes ready; one whose dependency is a dead
 # letter, cancelled or deleted (or a batch that completed without succeeding) is cancelled, the
-# reason in last_error and that dependency marked `failed`. A job cancelled so is released
-# again once its dependencies all succeed (the failed one replayed). The rows: each job moved,
-# its new status and batch.
+# reason in last_error and that dependency marked `failed`. A job cancelled so (its last_error
+# says it: an operator's cancel or a replay leaves another) is released again once its
+# dependencies all succeed (the failed one replayed). A job released keeps a run_at still to
+# come. The rows: each job moved, its new status and batch.
 _DEPENDENCY_FAILED = """CASE
     WHEN d.after_job_id IS NOT NULL THEN a.id IS NULL OR a.status IN ('failed', 'cancelled')
     ELSE b.id IS NULL OR (b.completed_at IS NOT NULL AND b.succeeded_at IS NULL)
@@ -769,15 +764,15 @@ RELEASE_WAITERS = f"""
         LEFT JOIN pgjobs_batch AS b ON b.id = d.after_batch_id
         WHERE w.id IN (SELECT id FROM candidates)
           AND (w.status = 'waiting'
-               OR (w.status = 'cancelled' AND EXISTS (
-                   SELECT FROM pgjobs_dependency AS f WHERE f.job_id = w.id AND f.failed)))
+               OR (w.status = 'cancelled' AND w.last_error LIKE 'DependencyFailed: %%'))
         GROUP BY w.id
     ),
     moved AS (
         UPDATE pgjobs_job AS w
         SET status = CASE WHEN jd.released THEN 'ready' ELSE 'cancelled' END,
-            run_at = CASE WHEN jd.released THEN statement_timestamp() ELSE w.run_at END,
-            scheduled = false,
+            run_at = CASE WHEN jd.released THEN GREATEST(w.run_at, statement_timestamp())
+                          ELSE w.run_at END,
+            scheduled = jd.released AND w.run_at > statement_timestamp(),
             finished_at = CASE WHEN jd.released THEN NULL ELSE statement_timestamp() END,
             last_error = CASE WHEN jd.released THEN '' ELSE 'DependencyFailed: ' || jd.why END
         FROM judged AS jd
@@ -795,14 +790,12 @@ RELEASE_WAITERS = f"""
     SELECT id, status, batch_id FROM moved
 """
 
-# A job enqueued with after=: the jobs and batches it names that do not exist (an EnqueueError),
-# then its dependencies, written in the enqueue's transaction.
-MISSING_DEPENDENCIES = """
-    SELECT id, false FROM unnest(%(jobs)s::uuid[]) AS g(id)
-    WHERE NOT EXISTS (SELECT FROM pgjobs_job WHERE pgjobs_job.id = g.id)
-    UNION ALL
-    SELECT id, true FROM unnest(%(batches)s::uuid[]) AS g(id)
-    WHERE NOT EXISTS (SELECT FROM pgjobs_batch WHERE pgjobs_batch.id = g.id)
+# A job enqueued with after=: what each id it names is (a job, with its queue, or a batch, or
+# neither: an EnqueueError), then its dependencies, written in the enqueue's transaction.
+DEPENDENCIES_FOUND = """
+    SELECT g.id, j.queue, EXISTS (SELECT FROM pgjobs_batch AS b WHERE b.id = g.id)
+    FROM unnest(%(ids)s::uuid[]) AS g(id)
+    LEFT JOIN pgjobs_job AS j ON j.id = g.id
 """
 ADD_DEPENDENCIES = """
     INSERT INTO pgjobs_dependency (job_id, after_job_id, after_batch_id, failed)

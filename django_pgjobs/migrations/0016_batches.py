@@ -1,9 +1,9 @@
-"""Batches and dependencies (django_pgjobs.batch, after=): the batch and dependency tables, a
-job's batch, and the status `waiting`.
+"""Batches and dependencies (django_pgjobs.batch, after=), first step: the batch and dependency
+tables, a job's batch, and the status `waiting`.
 
 The job table is locked only briefly (BoundedLockWait): its new column has no default, and the
-status checks are replaced unchecked, then checked without locking writers out. The indexes are
-built CONCURRENTLY, so the migration is not atomic: if it is interrupted, run migrate again.
+status checks are replaced unchecked (NOT VALID). 0017 checks them and builds the indexes
+without locking writers out.
 """
 
 import django.db.models.deletion
@@ -11,7 +11,7 @@ import django.db.models.functions.datetime
 from django.db import migrations, models
 
 import django_pgjobs.ids
-from django_pgjobs.migrating import BoundedLockWait, CreateIndexConcurrently
+from django_pgjobs.migrating import BoundedLockWait
 
 STATUSES = "'ready', 'running', 'succeeded', 'failed', 'cancelled'"
 CHECKS = """
@@ -24,18 +24,6 @@ CHECKS = """
         OR (finished_at IS NULL AND status IN ({live}))
     ) NOT VALID
 """
-VALIDATE = """
-    ALTER TABLE pgjobs_job VALIDATE CONSTRAINT pgjobs_job_status_valid;
-    ALTER TABLE pgjobs_job VALIDATE CONSTRAINT pgjobs_job_finished_iff_finished_at
-"""
-BATCH_INDEX = (
-    'CREATE INDEX CONCURRENTLY "pgjobs_job_batch_idx" ON "pgjobs_job" ("batch_id", "status") '
-    'WHERE "batch_id" IS NOT NULL'
-)
-WAITING_INDEX = (
-    'CREATE INDEX CONCURRENTLY "pgjobs_job_waiting_idx" ON "pgjobs_job" ("id") '
-    "WHERE \"status\" = 'waiting'"
-)
 STATUS_CHOICES = [
     ('ready', 'ready'), ('running', 'running'), ('succeeded', 'succeeded'), ('failed', 'failed'),
     ('cancelled', 'cancelled'), ('waiting', 'waiting'),
@@ -43,8 +31,6 @@ STATUS_CHOICES = [
 
 
 class Migration(migrations.Migration):
-    atomic = False
-
     dependencies = [
         ('pgjobs', '0015_keyed_indexes'),
     ]
@@ -122,22 +108,5 @@ class Migration(migrations.Migration):
                     ),
                 ],
             ),
-        ),
-        migrations.RunSQL(VALIDATE, reverse_sql=migrations.RunSQL.noop),
-        migrations.SeparateDatabaseAndState(
-            state_operations=[
-                migrations.AddIndex(
-                    model_name='job',
-                    index=models.Index(condition=models.Q(('batch__isnull', False)), fields=['batch', 'status'], name='pgjobs_job_batch_idx'),
-                ),
-                migrations.AddIndex(
-                    model_name='job',
-                    index=models.Index(condition=models.Q(('status', 'waiting')), fields=['id'], name='pgjobs_job_waiting_idx'),
-                ),
-            ],
-            database_operations=[
-                CreateIndexConcurrently("pgjobs_job_batch_idx", BATCH_INDEX),
-                CreateIndexConcurrently("pgjobs_job_waiting_idx", WAITING_INDEX),
-            ],
         ),
     ]

@@ -265,7 +265,7 @@ def test_after_refuses_what_it_cannot_wait_for() -> None:
     with pytest.raises(EnqueueError, match="is not a job, a batch"):
         tasks.step.using(after=["nonsense"]).enqueue(name="b")
     missing = "0190d7a4-0000-7000-8000-000000000000"
-    with pytest.raises(EnqueueError, match=f"no such job {missing}"):
+    with pytest.raises(EnqueueError, match=f"no job or batch {missing}"):
         tasks.step.using(after=[a, missing]).enqueue(name="b")
     with pytest.raises(EnqueueError, match="after its block"), django_pgjobs.batch() as b:
         tasks.step.using(after=b).enqueue(name="b")
@@ -292,3 +292,47 @@ def test_pruning_keeps_what_a_waiting_job_or_an_open_batch_still_reads() -> None
     run_jobs(queues=["batches"])  # b, then c (a still there: it succeeded), the other part
     assert status(waiting) == Status.SUCCEEDED
     assert Batch.objects.get(pk=open_batch.id).succeeded == 2
+
+
+def test_a_batch_whose_dead_job_was_deleted_never_succeeds() -> None:
+    with django_pgjobs.batch(on_complete=tasks.batch_done, on_success=tasks.mail, name="z") as b:
+        tasks.part.enqueue(n=1)
+        dead = tasks.part.enqueue(n=2, fail=True)
+    after = tasks.step.using(after=b).enqueue(name="after")
+    run_jobs(queues=["batches"], tasks=[tasks.part])
+    assert status(after) == Status.CANCELLED
+    assert Job.objects.filter(pk=dead.pk).discard() == [dead.pk]
+    batches.Sweep()("default")
+    assert callbacks(tasks.mail) == [] and status(after) == Status.CANCELLED
+    assert Batch.objects.get(pk=b.id).succeeded_at is None
+
+
+def test_an_operators_cancel_after_a_replay_is_never_undone() -> None:
+    a = tasks.step.enqueue(name="a", fail=True)
+    w = tasks.step.using(after=[a]).enqueue(name="w")
+    run_jobs(queues=["batches"])
+    assert status(w) == Status.CANCELLED  # by its dependency
+    Job.objects.filter(pk=w.pk).replay()
+    assert status(w) == Status.CANCELLED  # judged again: a is still dead
+    Job.objects.filter(pk=a.pk).replace_payload({"name": "a"})
+    Job.objects.filter(pk=a.pk).replay()
+    Job.objects.filter(pk=w.pk).replay()
+    assert status(w) == Status.WAITING
+    assert Job.objects.filter(pk=w.pk).cancel() == [w.pk]  # the operator's
+    run_jobs(queues=["batches"])
+    assert (status(a), status(w)) == (Status.SUCCEEDED, Status.CANCELLED)
+
+
+def test_a_batchs_id_may_be_waited_for_and_a_delay_is_kept() -> None:
+    from datetime import timedelta
+
+    with django_pgjobs.batch() as b:
+        tasks.part.enqueue(n=1)
+    later = tasks.step.using(after=[b.id], delay=timedelta(hours=1)).enqueue(name="later")
+    assert list(Dependency.objects.filter(job=later).values_list("after_batch", flat=True)) == [
+        b.id
+    ]
+    run_jobs(queues=["batches"])
+    later.refresh_from_db()
+    assert later.status == Status.READY and later.scheduled
+    assert later.run_at > later.created_at + timedelta(minutes=59)

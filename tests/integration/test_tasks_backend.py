@@ -928,3 +928,15 @@ def test_a_backend_without_queues_accepts_any_valid_queue_name():
 
     result.refresh()
     assert result.status == TaskResultStatus.SUCCESSFUL
+
+
+def test_a_django_task_enqueued_in_a_batch_joins_it():
+    import django_pgjobs
+    from django_pgjobs.models import Batch
+
+    with django_pgjobs.batch() as batch:
+        result = tasks.noop.enqueue(1)
+    assert job_of(result).batch_id == batch.id
+    assert Batch.objects.get(pk=batch.id).size == 1
+    run_jobs()
+    assert Batch.objects.get(pk=batch.id).succeeded_at is not None

@@ -287,3 +287,21 @@ def test_run_jobs_sends_the_lifecycle_signals_the_worker_sends():
         ("job_started", "tests.tasks.noop"),
         ("job_succeeded", "tests.tasks.noop"),
     ]
+
+
+def test_run_jobs_in_a_tests_transaction_follows_up_what_the_test_did():
+    """In a test's transaction nothing commits: run_jobs() sweeps what the test's enqueues and
+    transitions would have followed up after their commits."""
+    import django_pgjobs
+    from tests import tasks
+
+    done = tasks.step.enqueue(name="done")
+    run_jobs(queues=["batches"])
+    waiting = tasks.step.using(after=[done]).enqueue(name="after done")
+    with django_pgjobs.batch(on_complete=tasks.batch_done):
+        cancelled = tasks.part.enqueue(n=1)
+    Job.objects.filter(pk=cancelled.pk).cancel()
+    run_jobs(queues=["batches"])
+    waiting.refresh_from_db()
+    assert waiting.status == Status.SUCCEEDED
+    assert Job.objects.filter(task=tasks.batch_done.name, status=Status.SUCCEEDED).count() == 1
