@@ -65,9 +65,10 @@ class Job(models.Model):
     #: task and key, out of the claim index's way, and are claimed a key at a time (limits.py).
     limit_key = models.CharField(max_length=200, null=True, blank=True, editable=False)
     #: The batch the job was enqueued in (django_pgjobs.batch): no constraint, so that a
-    #: member's insert and settle never touch the batch's row (batches.py).
+    #: member's insert and settle never touch the batch's row (batches.py); indexed by
+    #: pgjobs_job_batch_idx, which holds only the jobs of a batch.
     batch = models.ForeignKey(
-        "Batch", null=True, blank=True, editable=False, db_constraint=False,
+        "Batch", null=True, blank=True, editable=False, db_constraint=False, db_index=False,
         on_delete=models.DO_NOTHING, related_name="jobs",
     )  # fmt: skip
 
@@ -379,15 +380,19 @@ class Dependency(models.Model):
     """One of the jobs or batches a job enqueued with after= waits for (batches.py)."""
 
     id = models.BigAutoField(primary_key=True)
+    # Indexed below (partial where most rows have no value), not by Django's default index.
     job = models.ForeignKey(
-        Job, db_constraint=False, on_delete=models.DO_NOTHING, related_name="dependencies"
-    )
+        Job, db_constraint=False, db_index=False, on_delete=models.DO_NOTHING,
+        related_name="dependencies",
+    )  # fmt: skip
     after_job = models.ForeignKey(
-        Job, null=True, db_constraint=False, on_delete=models.DO_NOTHING, related_name="+"
-    )
+        Job, null=True, db_constraint=False, db_index=False, on_delete=models.DO_NOTHING,
+        related_name="+",
+    )  # fmt: skip
     after_batch = models.ForeignKey(
-        Batch, null=True, db_constraint=False, on_delete=models.DO_NOTHING, related_name="+"
-    )
+        Batch, null=True, db_constraint=False, db_index=False, on_delete=models.DO_NOTHING,
+        related_name="+",
+    )  # fmt: skip
     #: This dependency's failure cancelled the job: its success releases the job again.
     failed = models.BooleanField(default=False, db_default=False)
 

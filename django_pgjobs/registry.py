@@ -127,8 +127,11 @@ class TaskCall:
 
 
 _NO_SIGNATURES = (
-    "there are no signatures, chains, groups or chords: enqueue the next job from the handler "
-    "(task.enqueue(**payload) at its end), or several jobs in one transaction"
+    "there are no signatures; for a chain, enqueue each step with "
+    "task.using(after=[previous_job]).enqueue(**payload), which runs once that job succeeded "
+    "(or enqueue the next job from the handler); for a group or a chord, enqueue the jobs "
+    "inside with django_pgjobs.batch(on_success=..., on_complete=...), whose callbacks are "
+    "enqueued once when they have all succeeded, or all finished (docs/howto/batches.md)"
 )
 
 #: Celery's attributes of a task, and what to write instead (docs/howto/from-celery.md).

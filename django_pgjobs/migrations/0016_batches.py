@@ -61,9 +61,9 @@ class Migration(migrations.Migration):
             fields=[
                 ('id', models.BigAutoField(primary_key=True, serialize=False)),
                 ('failed', models.BooleanField(db_default=False, default=False)),
-                ('after_batch', models.ForeignKey(db_constraint=False, null=True, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='pgjobs.batch')),
-                ('after_job', models.ForeignKey(db_constraint=False, null=True, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='pgjobs.job')),
-                ('job', models.ForeignKey(db_constraint=False, on_delete=django.db.models.deletion.DO_NOTHING, related_name='dependencies', to='pgjobs.job')),
+                ('after_batch', models.ForeignKey(db_constraint=False, db_index=False, null=True, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='pgjobs.batch')),
+                ('after_job', models.ForeignKey(db_constraint=False, db_index=False, null=True, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to='pgjobs.job')),
+                ('job', models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.DO_NOTHING, related_name='dependencies', to='pgjobs.job')),
             ],
             options={
                 'verbose_name': 'dependency',
@@ -81,7 +81,7 @@ class Migration(migrations.Migration):
             migrations.AddField(
                 model_name='job',
                 name='batch',
-                field=models.ForeignKey(blank=True, db_constraint=False, editable=False, null=True, on_delete=django.db.models.deletion.DO_NOTHING, related_name='jobs', to='pgjobs.batch'),
+                field=models.ForeignKey(blank=True, db_constraint=False, db_index=False, editable=False, null=True, on_delete=django.db.models.deletion.DO_NOTHING, related_name='jobs', to='pgjobs.batch'),
             ),
             migrations.SeparateDatabaseAndState(
                 state_operations=[
