@@ -132,7 +132,8 @@ CANCEL = Action(
     skipped=gettext_lazy("only ready jobs, and running ones not asked to stop yet, are cancelled"),
     button=gettext_lazy("Cancel…"),
     applies=lambda job: (
-        job.status == Status.READY or (job.status == Status.RUNNING and not job.cancel_requested)
+        job.status in (Status.READY, Status.WAITING)
+        or (job.status == Status.RUNNING and not job.cancel_requested)
     ),
     # A running job is not cancelled yet: its handler may stop, or finish.
     logged_for=lambda job: (
@@ -163,13 +164,15 @@ def perform(
     request: HttpRequest,
     queryset: QuerySet[Any],
     action: Action,
+    *,
+    cancel_url: str | None = None,
 ) -> HttpResponse | None:
     """Ask for confirmation (and the action's options), then apply and report. None sends the
-    user back to the list, as Django's actions do."""
+    user back to the list, as Django's actions do; `cancel_url`: where "No" goes instead."""
     confirmed = "post" in request.POST
     form = action.form(request.POST if confirmed else None) if action.form else None
     if not confirmed or (form is not None and not form.is_valid()):
-        return confirm(model_admin, request, queryset, action, form)
+        return confirm(model_admin, request, queryset, action, form, cancel_url=cancel_url)
     options = form.options() if isinstance(form, ActionForm) else {}
     if action.by_user:
         options["by"] = request.user.get_username()
@@ -275,6 +278,8 @@ def confirm(
     queryset: QuerySet[Any],
     action: Action,
     form: forms.Form | None = None,
+    *,
+    cancel_url: str | None = None,
 ) -> TemplateResponse:
     """The intermediate page of a bulk action: what it does, to how many jobs."""
     count = queryset.count()
@@ -289,7 +294,7 @@ def confirm(
         "action": request.POST.get("action", ""),
         "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
         "select_across": request.POST.get("select_across") == "1",
-        "cancel_url": changelist_url(model_admin, request),
+        "cancel_url": cancel_url or changelist_url(model_admin, request),
     }
     return TemplateResponse(request, "admin/pgjobs/confirm_action.html", context)
 

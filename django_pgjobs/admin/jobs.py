@@ -43,7 +43,9 @@ from django_pgjobs.admin.lists import (
     TaskFilter,
     newest,
 )
+from django_pgjobs.admin.members import BatchFilter
 from django_pgjobs.admin.missing import MigrateFirst
+from django_pgjobs.admin.waits import WaitColumns, related
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.models import Job
@@ -62,10 +64,25 @@ TRIES = "attempts_display"
 PROGRESS = "progress_display"
 TIMES = ("run_at_display", "created_at_display", "started_at_display", "finished_at_display")
 LEASE = ("worker", "leased_until_display", "cancel_requested", "unique_key", "limit_key")
+WAITS = ("batch_display", "dependencies_display")
 
 
-class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
-    list_filter = ("status", QueueFilter, TaskFilter)
+class JobPermissions:
+    """The Job model's permissions, which every page of jobs answers with: Jobs, Dead letters
+    (a proxy) and Batches (whose pages count jobs and replay them)."""
+
+    def _has(self, request: HttpRequest, action: str) -> bool:
+        return request.user.has_perm(f"pgjobs.{get_permission_codename(action, Job._meta)}")
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self._has(request, "view") or self._has(request, "change")
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "replay")
+
+
+class BaseJobAdmin(MigrateFirst, JobPermissions, JobColumns, WaitColumns, ModelAdmin):
+    list_filter = ("status", QueueFilter, TaskFilter, BatchFilter)
     list_per_page = 50
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts would count the table per filter choice
@@ -87,16 +104,10 @@ class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
     ]
     readonly_fields = [
         "id", "task", "queue", "status_display", PROGRESS, "priority", TRIES, *TIMES, *LEASE,
-        "payload_display", "result_display", "last_error", "error_history",
+        "payload_display", "result_display", "last_error", "error_history", *WAITS,
     ]  # fmt: skip
 
     # ---- permissions: the proxy (dead letters) answers with the Job permissions ---------------
-
-    def _has(self, request: HttpRequest, action: str) -> bool:
-        return request.user.has_perm(f"pgjobs.{get_permission_codename(action, Job._meta)}")
-
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return self._has(request, "view") or self._has(request, "change")
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # jobs change only through the actions
@@ -107,9 +118,6 @@ class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # A running job's worker still runs its handler: deleting the row would not stop it.
         return self._has(request, "delete") and not _running(obj)
-
-    def has_replay_permission(self, request: HttpRequest) -> bool:
-        return self._has(request, "replay")
 
     def has_run_now_permission(self, request: HttpRequest) -> bool:
         return self._has(request, "replay")  # making a job run is the replay permission's job
@@ -140,6 +148,13 @@ class BaseJobAdmin(MigrateFirst, JobColumns, ModelAdmin):
         return search.search(queryset, search_term), False
 
     # ---- detail ------------------------------------------------------------------------------
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        """The job page's fields; its batch and what it waits for, when it has either."""
+        fieldsets = list(super().get_fieldsets(request, obj))
+        if isinstance(obj, Job) and related(obj):
+            fieldsets.insert(1, (gettext_lazy("Batch and dependencies"), {"fields": WAITS}))
+        return fieldsets
 
     def change_view(
         self,

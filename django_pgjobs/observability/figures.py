@@ -38,6 +38,8 @@ class Figures:
     yielding: list[stats.QueueYield] = field(default_factory=list)
     #: The limited tasks' jobs waiting and running.
     limits: list[stats.LimitUse] = field(default_factory=list)
+    #: The batches not yet succeeded, and the jobs waiting for others (after=).
+    batches: stats.BatchStats = field(default_factory=stats.BatchStats)
 
     def yielding_of(self, queue: str) -> stats.QueueYield | None:
         return next((y for y in self.yielding if y.queue == queue), None)
@@ -84,6 +86,7 @@ def measure(db: str | None = None) -> Figures:
             (now,) = cursor.fetchone()
         activity, workers = stats.activity_stats(db), stats.worker_stats(db)
         yielding, limits = stats.yield_stats(db), stats.limit_stats(db)
+        batches = stats.batch_stats(db)
         seen = {a.queue for a in activity} | {queue for w in workers for queue in w.queues}
         queues = stats.queue_depths(db, also=seen)
         table, database = dbstats.table_stats(db), dbstats.database_stats(db)
@@ -100,6 +103,7 @@ def measure(db: str | None = None) -> Figures:
         locks=locks,
         yielding=yielding,
         limits=limits,
+        batches=batches,
     )
 
 

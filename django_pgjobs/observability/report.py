@@ -82,6 +82,13 @@ def as_dict(report: Report) -> dict[str, Any]:
         "locks": [asdict(lock) for lock in report.locks],
         "yielding": [asdict(y) for y in report.yielding],
         "limits": [asdict(use) for use in report.limits],
+        "batches": {
+            "open": report.batches.open,
+            "completed_not_succeeded": report.batches.completed_not_succeeded,
+        }
+        if report.batches.readable
+        else None,
+        "waiting": report.batches.waiting,
     }
 
 

@@ -135,6 +135,20 @@ class LimitUse:
 
 
 @dataclass(frozen=True)
+class BatchStats:
+    """The batches not yet succeeded (batches.py): `open` ones, whose jobs are not all finished,
+    and those that completed without succeeding (failed or cancelled jobs, to replay); and the
+    jobs `waiting` (after=) for jobs or batches to succeed. `readable` False: the database user
+    may not read pgjobs_batch (a role granted the tables jobstats read before it), so the
+    batches are not counted."""
+
+    open: int = 0
+    completed_not_succeeded: int = 0
+    waiting: int = 0
+    readable: bool = True
+
+
+@dataclass(frozen=True)
 class StreamStats:
     """A queue carried by NATS JetStream (transports.py): its stream and durable consumer, as
     the server reports them; its outbox is the queue's due jobs in QueueDepth."""
@@ -385,6 +399,32 @@ def limit_stats(db: str | None = None) -> list[LimitUse]:
         LimitUse(task, limits.describe(known[task]) if task in known else "", *map(int, counts))
         for task, *counts in found
     ]
+
+
+# The batches through pgjobs_batch_open_idx (those not yet succeeded), the waiting jobs through
+# pgjobs_job_waiting_idx: a literal `status = 'waiting'`, which its predicate matches.
+BATCHES_SQL = """
+    SELECT count(*) FILTER (WHERE completed_at IS NULL),
+           count(*) FILTER (WHERE completed_at IS NOT NULL)
+    FROM pgjobs_batch WHERE succeeded_at IS NULL
+"""
+WAITING_SQL = "SELECT count(*) FROM pgjobs_job WHERE status = 'waiting'"
+# Whether the report's database user may read the batches (a missing table: "run migrate").
+BATCHES_READABLE_SQL = "SELECT has_table_privilege('pgjobs_batch', 'SELECT')"
+
+
+def batch_stats(db: str | None = None) -> BatchStats:
+    """How many batches are open and completed without succeeding, and how many jobs wait."""
+    with connections[job_database(db)].cursor() as cursor:
+        cursor.execute(WAITING_SQL)
+        (waiting,) = cursor.fetchone()
+        cursor.execute(BATCHES_READABLE_SQL)
+        (readable,) = cursor.fetchone()
+        if not readable:
+            return BatchStats(waiting=int(waiting), readable=False)
+        cursor.execute(BATCHES_SQL)
+        open_, completed = cursor.fetchone()
+    return BatchStats(int(open_), int(completed), int(waiting))
 
 
 def yield_stats(db: str | None = None) -> list[QueueYield]:

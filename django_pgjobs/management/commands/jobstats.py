@@ -36,7 +36,8 @@ class Command(BaseCommand):
         "Report per queue the jobs due, scheduled, retrying, running and failed, the oldest due "
         "job's age, throughput, retry rate and claim latency; the job table's size, tuples and "
         "vacuum; the database's oldest snapshot, idle transactions, NOTIFY queue and "
-        "connections; then a health verdict. Exit status: 0 healthy, 1 warning, 2 critical "
+        "connections; the batches open and completed without succeeding, and the jobs waiting "
+        "for others; then a health verdict. Exit status: 0 healthy, 1 warning, 2 critical "
         "(also: the database cannot be used, the pgjobs tables are missing, or the job table is "
         "locked against the workers), 3 unknown "
         "(the report could not be taken)."
@@ -161,6 +162,7 @@ def render(report: Report) -> str:
     lines += _streams(report)
     lines += _yielding(report)
     lines += _limits(report)
+    lines += _batches(report)
     lines += ["", _workers(report), *_table(report), *_database(report), ""]
     lines.append(f"verdict: {report.verdict.status.upper()}")
     for reason in report.verdict.reasons:
@@ -217,6 +219,22 @@ def _limits(report: Report) -> list[str]:
         running = f"{use.running} running" + (f" over {use.running_keys} keys" if keys else "")
         lines.append(f"{use.task}: {use.limits or 'limits unknown here'}; {running}, {waiting}")
     return ["", "limited tasks", *lines] if lines else []
+
+
+def _batches(report: Report) -> list[str]:
+    """The batches not yet succeeded and the jobs waiting for others, when there are any."""
+    b = report.batches
+    waiting = f"{b.waiting} jobs waiting (after=)"
+    if not b.readable:
+        return ["", f"batches: not counted: this database user may not read pgjobs_batch "
+                    f"(grant it SELECT); {waiting}"]  # fmt: skip
+    if not (b.open or b.completed_not_succeeded or b.waiting):
+        return []
+    return [
+        "",
+        f"batches: {b.open} open, {b.completed_not_succeeded} completed, not succeeded "
+        f"(failed or cancelled jobs to replay); {waiting}",
+    ]
 
 
 def _age(count: int, seconds: float | None) -> str:
