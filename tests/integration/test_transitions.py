@@ -586,10 +586,12 @@ def test_finding_prunable_jobs_reads_a_range_of_ids_not_every_finished_job():
     backlog(finished=20_000)
     sql, params = Job.objects.prunable().values("pk").query.sql_with_params()
     plan = plans.explain(sql, params, analyze=True)
-    # None is old enough: the ids (UUIDv7, enqueue time first) bound the search to nothing.
-    assert plan["Node Type"] in ("Index Scan", "Index Only Scan", "Bitmap Heap Scan"), plan
-    assert plan["Actual Rows"] == 0
-    assert plan.get("Rows Removed by Filter", 0) == 0
+    # None is old enough: the ids (UUIDv7, enqueue time first) bound the search to nothing
+    # (then what a batch or a waiting job keeps is looked up for no row).
+    scan = next(node for node in plans.nodes(plan) if node.get("Relation Name") == "pgjobs_job")
+    assert scan["Node Type"] in ("Index Scan", "Index Only Scan", "Bitmap Heap Scan"), plan
+    assert scan["Actual Rows"] == 0
+    assert scan.get("Rows Removed by Filter", 0) == 0
 
 
 def test_a_worker_prunes_again_within_a_quarter_of_the_shortest_retention(settings):
