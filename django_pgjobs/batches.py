@@ -14,7 +14,6 @@ lost with its session (killed after its commit) is done by any worker's `sweep`.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -32,8 +31,6 @@ from django_pgjobs.transports import POSTGRES, transport_of
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Batch
-
-logger = logging.getLogger(__name__)
 
 #: The most batches, and dependencies, one sweep looks at.
 SWEEP_LIMIT = 500
@@ -145,9 +142,10 @@ def follow_up(
         if jobs or batches:
             params = {"jobs": jobs, "batches": batches, "channel": channel}
             moved = [batch_id for batch_id, *_ in rows.execute(db, sql.FINISH_BATCHES, params)]
-        changed = rows.execute(
-            db, sql.RELEASE_WAITERS, {"jobs": jobs, "batches": moved, "waiters": waiters}
-        )
+        changed = []
+        if jobs or moved or waiters:
+            params = {"jobs": jobs, "batches": moved, "waiters": waiters}
+            changed = rows.execute(db, sql.RELEASE_WAITERS, params)
         cancelled = [(job_id, batch) for job_id, status, batch in changed if status == "cancelled"]
         jobs = [job_id for job_id, _ in cancelled]
         batches = list({batch_id for _, batch_id in cancelled if batch_id is not None})
