@@ -52,7 +52,7 @@ def writing(made: Batch) -> Iterator[Batch]:
 
 
 def member_of(queue: str) -> Batch | None:
-    """The batch a job of `queue` enqueued here joins (None: no batch); its insert counts it."""
+    """The batch a job of `queue` enqueued here joins (None: no batch)."""
     made = _current.get()
     if made is not None and transport_of(queue) != POSTGRES:
         raise EnqueueError(

@@ -393,3 +393,14 @@ def step(name: str, fail: bool = False) -> str:
 @task(queue="batches")
 def mail(batch: dict[str, Any], name: str) -> None:
     """Another batch's callback."""
+
+
+@task(queue="batches")
+def slow_step(name: str, seconds: float = 0.0, fail: bool = False) -> str:
+    """A job of a chain (after=) that takes `seconds` (tests/crash/test_batches_processes.py)."""
+    import time
+
+    time.sleep(seconds)
+    if fail:
+        raise PermanentError(f"step {name} failed")
+    return name

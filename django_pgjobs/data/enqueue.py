@@ -191,8 +191,6 @@ def insert(
         found = rows.execute(db, statement, params | {"headers": _text(headers)}, binary=True)
     if not found:
         return None  # its unique_key is held by a live job
-    if member is not None:
-        member.size += 1
     ((_, run_at, created_at, scheduled, *_),) = found
     columns = _columns(job, run_at, created_at, scheduled, headers) | {
         "limit_key": job.limit_key, "status": params["status"], "batch_id": params["batch"],
@@ -247,8 +245,6 @@ def insert_many(
                     )
                 )  # fmt: skip
                 rows.copy(db, sql.COPY_JOBS, sql.COPY_JOBS_TYPES, records)
-    if member is not None:
-        member.size += len(made)
     return made
 
 

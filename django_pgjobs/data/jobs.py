@@ -186,6 +186,8 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         with transaction.atomic(using=db):
             with batches.writing(made):
                 yield made
+            # Counted as written: a job whose insert a savepoint rolled back is not one.
+            made.size = self.using(db).filter(batch_id=made.id).count()
             made.save(using=db, force_insert=True)
             if made.size == 0:  # nothing to wait for: its callbacks now, with it
                 batches.follow_up(db, batches=[made.id])
@@ -246,7 +248,11 @@ class JobManager(models.Manager.from_queryset(JobQuerySet)):  # type: ignore[mis
         found = rows.execute(db, statement, params, binary=True)
         recorded = {(row[1], row[_CLAIMS]): row[_STATUS] for row in found if row[0] == "settled"}
         # Jobs that ended: their batches, and the jobs waiting for them (row[-1]: waited).
-        last = [row for row in found if row[0] == "settled" and row[_STATUS] in FINISHED]
+        last = [
+            row for row in found
+            if (row[_BATCH] is not None or row[-1]) and row[0] == "settled"
+            and row[_STATUS] in FINISHED
+        ]  # fmt: skip
         ending = frozenset(row[_BATCH] for row in last if row[_BATCH] is not None)
         batches.after_commit(
             db, jobs=[row[1] for row in last if row[-1]], batches=ending if follow_batches else ()

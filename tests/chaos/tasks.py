@@ -91,3 +91,19 @@ def flaky(n: int, recovers_at: float) -> None:
         record(ok=False)
         raise DependencyDown("dependency unavailable")
     record(ok=True)
+
+
+# ---- batches (test_batches_under_kills.py) -------------------------------------------------------
+
+
+@task(name="chaos.member", queue="batches", max_attempts=3, backoff=lambda attempt: 0)
+def member(n: int, dies: bool = False, seconds: float = 0.0) -> int:
+    """A batch's member: takes `seconds`. One that `dies` fails every attempt (a dead letter
+    after its third) until it is replayed: then it succeeds."""
+    if seconds:
+        time.sleep(seconds)
+    job = current_job()
+    assert job is not None
+    if dies and not any("replayed_at" in entry for entry in job.errors):
+        raise RuntimeError(f"member {n} dies")
+    return n
