@@ -222,12 +222,12 @@ def test_the_same_race_with_the_follow_up_before_the_commit_loses_callbacks():
 
 def test_a_replay_racing_the_last_members_end_still_calls_back_once_each() -> None:
     """A worker ends a batch's last live member while an operator replays its dead one, at the
-    same moment, 300 times. Whichever commits first, on_complete comes once: with the dead
+    same moment, 100 times. Whichever commits first, on_complete comes once: with the dead
     member counted if the end's follow-up did not see the replay, else when the replayed one
     ends; and on_success once, when the replayed one succeeds."""
     made = []
     with pair() as pairs:
-        for n in range(300):
+        for n in range(100):
             with django_pgjobs.batch(
                 on_complete=tasks.batch_done, on_success=tasks.mail, name=n
             ) as b:
