@@ -258,7 +258,8 @@ def django_version() -> str:
 #: from 2; crash gains from 2 (about 230 s against 330 s in one) and fails timing assertions from
 #: 3 on; chaos loses (its workers, SIGKILLed and restarted every 2 s, spend their lives starting
 #: up: 170 s and "stuck" jobs in 2, against about 90 s in one), and browser gains nothing.
-#: PGJOBS_TEST_PROCESSES=N runs every tier in N (0: one process each).
+#: PGJOBS_TEST_PROCESSES=N runs every tier in N (0: one process each); PGJOBS_TIERS=a,b only
+#: those tiers.
 TIERS = {"unit": 0, "integration": 2, "property": 2, "crash": 2, "chaos": 0, "browser": 0}
 
 #: pytest's exit code when a run selects no test: a tier the arguments leave empty.
@@ -275,10 +276,14 @@ def pytest_in_tiers(args: list[str]) -> int:
     selected = False
     names = list(TIERS)
     leg = LEGS[os.environ.get("PGJOBS_LEG", "5.2")]
+    only = os.environ.get("PGJOBS_TIERS")  # e.g. CI runs one tier beside the others
     for n, (tier, processes) in enumerate(TIERS.items()):
         marker = leg.tiers.get(tier, tier)
         if marker is None:
             times.append(f"{tier} not on this leg")
+            continue
+        if only is not None and tier not in only.split(","):
+            times.append(f"{tier} not in PGJOBS_TIERS")
             continue
         processes = int(os.environ.get("PGJOBS_TEST_PROCESSES", processes))
         parallel = [] if processes == 0 or chooses_processes(args) else ["-n", str(processes)]

@@ -42,6 +42,9 @@ def database_config() -> dict[str, Any]:
     if os.environ.get("PGJOBS_LEG", "5.2") != "5.2":
         leg = os.environ["PGJOBS_LEG"].replace(".", "_")
         config["TEST"] = {"NAME": f"test_{config['NAME']}_django{leg}"}
+    # And a run beside them (CI's chaos tier) has its own too.
+    if os.environ.get("PGJOBS_TEST_BESIDE"):
+        config["TEST"] = {"NAME": f"test_{config['NAME']}_{os.environ['PGJOBS_TEST_BESIDE']}"}
     # Tests run worker subprocesses against the test database pytest-django created.
     if os.environ.get("PGJOBS_TEST_DATABASE"):
         config["NAME"] = os.environ["PGJOBS_TEST_DATABASE"]
