@@ -123,18 +123,20 @@ class Hold:
 
 
 def cut_follow_ups(stop: threading.Event, holds: list[Hold]) -> None:
-    """Cut off follow-ups that were completing batches. A few times, hold the rows of the five
+    """Cut off follow-ups that were completing batches. A few times, hold the rows of the ten
     open batches with the fewest live members locked for a second: FINISH_BATCHES waits for
     one only when it is moving that batch (it updates no other). Every worker's session caught
     waiting so is terminated: its follow-up (or sweep) rolls back, after the commit that ended
     the members, and a later sweep must complete the batch."""
     with open_test_database() as db, open_test_database() as locker:
-        while not stop.wait(1.0) and len(holds) < HOLDS:
+        # HOLDS rounds, and more until one has caught a session (a loaded machine's workers
+        # may move no held batch within a round's second).
+        while not stop.wait(0.5) and (len(holds) < HOLDS or not any(h.cut for h in holds)):
             with locker.transaction():
                 held = [batch for (batch,) in locker.execute(
                     "SELECT id FROM pgjobs_batch WHERE id = ANY (ARRAY("
                     "  SELECT batch_id FROM pgjobs_job WHERE status IN ('ready', 'running') "
-                    "  AND batch_id IS NOT NULL GROUP BY batch_id ORDER BY count(*) LIMIT 5"
+                    "  AND batch_id IS NOT NULL GROUP BY batch_id ORDER BY count(*) LIMIT 10"
                     ")) AND completed_at IS NULL FOR UPDATE"
                 ).fetchall()]  # fmt: skip
                 if not held:
