@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from django.contrib.postgres.fields import ArrayField
 from django.core.checks import CheckMessage
 from django.db import connections, models
 from django.db.models import Q
@@ -279,6 +280,9 @@ class QueueStat(models.Model):
     retried = models.IntegerField(default=0)
     failed = models.IntegerField(default=0)
     latency_buckets = models.JSONField(default=list)
+    #: Per task: {task: {"succeeded", "retried", "failed", "durations"}}, the durations a
+    #: histogram over DURATION_BUCKETS; None from workers that predate it.
+    tasks = models.JSONField(null=True, blank=True)
     # Yielding to the application (runtime/controls.py): the seconds of the interval the queue
     # yielded; the rate it was allowed at the report, in jobs/s (None: not yielding); and the
     # application's open transaction time, smoothed, and its baseline, in ms (None: unmeasured).
@@ -294,6 +298,67 @@ class QueueStat(models.Model):
 
     def __str__(self) -> str:
         return f"{self.queue} by {self.worker} at {self.at}"
+
+
+#: Upper bounds (seconds) of a task's run durations (Rollup.durations); the last bucket the rest.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+
+class Rollup(models.Model):
+    """The workers' statistics added up by minute and by hour (`step`), per queue and per task
+    (`kind`): what the report's charts and windows read, a few hundred rows whatever the number
+    of workers. Kept by the database (a trigger on the QueueStat rows, migration 0018), so that
+    every report adds to it in the statement that writes its rows."""
+
+    id = models.BigAutoField(primary_key=True)
+    kind = models.CharField(max_length=5)  # "queue" or "task"
+    name = models.CharField(max_length=200)
+    step = models.IntegerField()  # 60 or 3600
+    at = models.DateTimeField()  # the minute's or the hour's start
+    #: The earliest instant the rows added up cover (a row covers `seconds` before its `at`).
+    since = models.DateTimeField()
+    claimed = models.BigIntegerField(default=0)
+    succeeded = models.BigIntegerField(default=0)
+    retried = models.BigIntegerField(default=0)
+    failed = models.BigIntegerField(default=0)
+    # A queue's yielding: the workers' seconds, those spent yielding, and the jobs allowed.
+    seconds = models.FloatField(default=0.0)
+    yielded = models.FloatField(default=0.0)
+    allowed = models.FloatField(null=True, blank=True)
+    #: Claims per LATENCY_BUCKETS (queues), and runs per DURATION_BUCKETS (tasks).
+    latency = ArrayField(models.BigIntegerField(), default=list)
+    durations = ArrayField(models.BigIntegerField(), default=list)
+
+    class Meta:
+        verbose_name = _("rollup")
+        verbose_name_plural = _("rollups")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["kind", "step", "at", "name"], name="pgjobs_rollup_unique"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name} at {self.at} ({self.step}s)"
+
+
+class Worker(models.Model):
+    """A worker as its last report left it (kept by the same trigger as Rollup): the queues it
+    serves, when it reported and over how long, and whether it said it stopped."""
+
+    name = models.CharField(max_length=200, primary_key=True)
+    seen_at = models.DateTimeField()
+    seconds = models.FloatField()  # the interval its last report covered
+    queues = ArrayField(models.CharField(max_length=100), default=list)
+    stopped = models.BooleanField(default=False)
+
+    class Meta:
+        verbose_name = _("worker")
+        verbose_name_plural = _("workers")
+        indexes = [models.Index(fields=["seen_at"], name="pgjobs_worker_seen_idx")]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class Schedule(models.Model):

@@ -1,5 +1,6 @@
-"""Observability: the figures read back (the job table, the QueueStat rows workers write,
-PostgreSQL's statistics), the health verdict and the report. It only reads.
+"""Observability: the figures read back (the job table, the workers' statistics and their
+rollup, PostgreSQL's statistics), the health verdict, the report, and the per-task figures of
+the dashboard. It only reads.
 
-Each module imports only those before it: stats, dbstats, load, figures, health, report.
+Each module imports only those before it: stats, dbstats, load, figures, health, report, tasks.
 """

@@ -40,6 +40,8 @@ class Figures:
     limits: list[stats.LimitUse] = field(default_factory=list)
     #: The batches not yet succeeded, and the jobs waiting for others (after=).
     batches: stats.BatchStats = field(default_factory=stats.BatchStats)
+    #: The live and failed jobs by queue and task, which `queues` adds up by queue.
+    depths: list[stats.Depth] = field(default_factory=list)
 
     def yielding_of(self, queue: str) -> stats.QueueYield | None:
         return next((y for y in self.yielding if y.queue == queue), None)
@@ -88,7 +90,8 @@ def measure(db: str | None = None) -> Figures:
         yielding, limits = stats.yield_stats(db), stats.limit_stats(db)
         batches = stats.batch_stats(db)
         seen = {a.queue for a in activity} | {queue for w in workers for queue in w.queues}
-        queues = stats.queue_depths(db, also=seen)
+        depths = stats.depths(db)
+        queues = stats.queue_depths(db, also=seen, found=depths)
         table, database = dbstats.table_stats(db), dbstats.database_stats(db)
         load = queue_load(db)
     return Figures(
@@ -104,6 +107,7 @@ def measure(db: str | None = None) -> Figures:
         yielding=yielding,
         limits=limits,
         batches=batches,
+        depths=depths,
     )
 
 

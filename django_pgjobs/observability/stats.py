@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any
 
 from django.db import connections, router
@@ -179,21 +180,26 @@ def window_label(window: int) -> str:
     return f"{window // 60}m"
 
 
-def latency_quantile(buckets: list[int], quantile: float) -> float | None:
-    """Estimate a quantile of the claim latency from histogram counts, as Prometheus's
-    histogram_quantile does: linear within the bucket it falls in. Claims above the last bound
-    are reported as that bound. None when nothing was claimed."""
+def latency_quantile(buckets: list[int], q: float) -> float | None:
+    """A quantile of the claim latency from its histogram over LATENCY_BUCKETS."""
     from django_pgjobs.models import LATENCY_BUCKETS  # not at the top: see the imports
 
-    total = sum(buckets)
+    return quantile(buckets, q, LATENCY_BUCKETS)
+
+
+def quantile(counts: list[int], q: float, bounds: tuple[float, ...]) -> float | None:
+    """Estimate a quantile from histogram counts over `bounds` (upper bounds; the last count
+    holds the rest), as Prometheus's histogram_quantile does: linear within the bucket it falls
+    in. Counts above the last bound are reported as that bound. None when there are none."""
+    total = sum(counts)
     if not total:
         return None
-    rank, seen, lower = quantile * total, 0, 0.0
-    for upper, count in zip(LATENCY_BUCKETS, buckets, strict=False):
+    rank, seen, lower = q * total, 0, 0.0
+    for upper, count in zip(bounds, counts, strict=False):
         if count and seen + count >= rank:
             return lower + (upper - lower) * (rank - seen) / count
         seen, lower = seen + count, float(upper)
-    return float(LATENCY_BUCKETS[-1])
+    return float(bounds[-1])
 
 
 def job_database(db: str | None = None) -> str:
@@ -204,13 +210,14 @@ def job_database(db: str | None = None) -> str:
 
 
 # One branch per status, each with a literal `status = '…'` so that it reads only its partial
-# index's rows (a bound parameter or an IN list would not match the index predicates).
+# index's rows (a bound parameter or an IN list would not match the index predicates); per queue
+# and task, which queue_depths and task_depths add up.
 QUEUES_SQL = """
-    SELECT queue, sum(due), sum(scheduled), sum(retrying), sum(running), sum(failed),
+    SELECT queue, task, sum(due), sum(scheduled), sum(retrying), sum(running), sum(failed),
            COALESCE(EXTRACT(EPOCH FROM now() - min(oldest_due)), 0),
            sum(expired), COALESCE(EXTRACT(EPOCH FROM now() - min(oldest_expired)), 0)
     FROM (
-        SELECT queue,
+        SELECT queue, task,
                count(*) FILTER (WHERE run_at <= now()) AS due,
                count(*) FILTER (WHERE run_at > now()) AS scheduled,
                count(*) FILTER (WHERE attempts > 0) AS retrying,
@@ -218,134 +225,155 @@ QUEUES_SQL = """
                min(run_at) FILTER (WHERE run_at <= now()) AS oldest_due,
                0 AS expired, NULL::timestamptz AS oldest_expired
         FROM (  -- each part through its own partial index
-            SELECT queue, run_at, attempts FROM pgjobs_job
+            SELECT queue, task, run_at, attempts FROM pgjobs_job
             WHERE status = 'ready' AND NOT scheduled AND limit_key IS NULL
             UNION ALL
-            SELECT queue, run_at, attempts FROM pgjobs_job
+            SELECT queue, task, run_at, attempts FROM pgjobs_job
             WHERE status = 'ready' AND NOT scheduled AND limit_key IS NOT NULL
             UNION ALL
-            SELECT queue, run_at, attempts FROM pgjobs_job WHERE status = 'ready' AND scheduled
+            SELECT queue, task, run_at, attempts FROM pgjobs_job
+            WHERE status = 'ready' AND scheduled
         ) AS ready
-        GROUP BY queue
+        GROUP BY queue, task
         UNION ALL
-        SELECT queue, 0, 0, 0, count(*), 0, NULL,
+        SELECT queue, task, 0, 0, 0, count(*), 0, NULL,
                count(*) FILTER (WHERE leased_until < now()),
                min(leased_until) FILTER (WHERE leased_until < now())
-        FROM pgjobs_job WHERE status = 'running' GROUP BY queue
+        FROM pgjobs_job WHERE status = 'running' GROUP BY queue, task
         UNION ALL
-        SELECT queue, 0, 0, 0, 0, count(*), NULL, 0, NULL FROM pgjobs_job
-        WHERE status = 'failed' GROUP BY queue
+        SELECT queue, task, 0, 0, 0, 0, count(*), NULL, 0, NULL FROM pgjobs_job
+        WHERE status = 'failed' GROUP BY queue, task
     ) AS per_status
-    GROUP BY queue
+    GROUP BY queue, task
 """
 
 
-def queue_depths(db: str | None = None, also: Iterable[str] = ()) -> list[QueueDepth]:
+@dataclass(frozen=True)
+class Depth:
+    """The jobs of a queue and task now, by state (QUEUES_SQL's row)."""
+
+    queue: str
+    task: str
+    due: int
+    scheduled: int
+    retrying: int
+    running: int
+    failed: int
+    oldest_due_seconds: float
+    expired: int
+    oldest_expired_seconds: float
+
+
+def depths(db: str | None = None) -> list[Depth]:
+    """The live and failed jobs by queue and task."""
+    with connections[job_database(db)].cursor() as cursor:
+        cursor.execute(QUEUES_SQL)
+        found = cursor.fetchall()
+    shown = []
+    for queue, task, due, scheduled, retrying, running, failed, oldest, expired, since in found:
+        counts = (int(due), int(scheduled), int(retrying), int(running), int(failed))
+        shown.append(Depth(queue, task, *counts, float(oldest), int(expired), float(since)))
+    return shown
+
+
+def added_up(rows: list[Depth]) -> dict[str, int | float]:
+    """Several rows of depths as one: the counts summed, the oldest ages the oldest."""
+    return {
+        "due": sum(r.due for r in rows),
+        "scheduled": sum(r.scheduled for r in rows),
+        "retrying": sum(r.retrying for r in rows),
+        "running": sum(r.running for r in rows),
+        "failed": sum(r.failed for r in rows),
+        "oldest_due_seconds": max((r.oldest_due_seconds for r in rows), default=0.0),
+        "expired": sum(r.expired for r in rows),
+        "oldest_expired_seconds": max((r.oldest_expired_seconds for r in rows), default=0.0),
+    }
+
+
+def queue_depths(
+    db: str | None = None, also: Iterable[str] = (), found: list[Depth] | None = None
+) -> list[QueueDepth]:
     """Every queue that has live or failed jobs or a Queue row (its controls), and those named
-    in `also` (queues that workers serve or recently worked on)."""
+    in `also` (queues that workers serve or recently worked on); from `found` (depths()) when
+    given."""
     from django_pgjobs.models import Queue  # not at the top: see the imports
 
     db = job_database(db)
-    with connections[db].cursor() as cursor:
-        cursor.execute(QUEUES_SQL)
-        rows = {row[0]: row for row in cursor.fetchall()}
+    by_queue: dict[str, list[Depth]] = {}
+    for row in depths(db) if found is None else found:
+        by_queue.setdefault(row.queue, []).append(row)
     controls = {queue.name: queue for queue in Queue.objects.using(db)}
-    depths = []
-    for name in sorted(rows.keys() | controls.keys() | set(also)):
-        _, due, scheduled, retrying, running, failed, oldest, expired, expired_for = rows.get(
-            name, (name, 0, 0, 0, 0, 0, 0, 0, 0)
-        )
+    shown = []
+    for name in sorted(by_queue.keys() | controls.keys() | set(also)):
         control = controls.get(name)
-        depths.append(
+        shown.append(
             QueueDepth(
                 name,
-                int(due),
-                int(scheduled),
-                int(retrying),
-                int(running),
-                int(failed),
-                float(oldest),
+                **added_up(by_queue.get(name, [])),  # type: ignore[arg-type]
                 paused=bool(control and control.paused),
                 max_running=control.max_running if control else None,
                 rate_limit=(control.rate_limit or None) if control else None,
-                expired=int(expired),
-                oldest_expired_seconds=float(expired_for),
             )
         )
-    return depths
+    return shown
 
 
-# Rows of the longest window only (the index on `at`), each counted in every window it is in;
-# rows stamped in the future (the clock stepped back) would count a dead worker as alive.
+# The minutes (Rollup rows) of the longest window, through the rollup's unique index; rows
+# stamped in the future (the clock stepped back) are left out.
 ACTIVITY_SQL = """
-    SELECT s.queue, w.seconds, sum(s.claimed), sum(s.succeeded), sum(s.retried), sum(s.failed),
-           least(w.seconds,
-                 EXTRACT(EPOCH FROM now() - min(s.at - make_interval(secs => s.seconds))))
-    FROM pgjobs_queuestat AS s
-    JOIN unnest(%(windows)s::int[]) AS w(seconds)
-      ON s.at > now() - make_interval(secs => w.seconds)
-    WHERE s.at > now() - make_interval(secs => %(longest)s) AND s.at <= statement_timestamp()
-    GROUP BY 1, 2
-"""
-BUCKETS_SQL = """
-    SELECT s.queue, w.seconds, b.n, sum(b.count::bigint)
-    FROM pgjobs_queuestat AS s
-    JOIN unnest(%(windows)s::int[]) AS w(seconds)
-      ON s.at > now() - make_interval(secs => w.seconds)
-    CROSS JOIN LATERAL jsonb_array_elements_text(s.latency_buckets) WITH ORDINALITY AS b(count, n)
-    WHERE s.at > now() - make_interval(secs => %(longest)s) AND s.at <= statement_timestamp()
-    GROUP BY 1, 2, 3
+    SELECT name, EXTRACT(EPOCH FROM now() - at), EXTRACT(EPOCH FROM now() - since), claimed,
+           succeeded, retried, failed, latency
+    FROM pgjobs_rollup
+    WHERE kind = 'queue' AND step = 60
+      AND at > now() - make_interval(secs => %(longest)s + 60) AND at <= statement_timestamp()
 """
 
 
 def activity_stats(
     db: str | None = None, windows: tuple[int, ...] = WINDOWS
 ) -> list[QueueActivity]:
-    """Per queue and window, what workers recorded in the QueueStat rows written within it."""
-    params: dict[str, Any] = {"windows": list(windows), "longest": max(windows)}
+    """Per queue and window, what workers recorded in the minutes that overlap it: a window's
+    counts are to the minute, and its rates over the time its minutes cover."""
     with connections[job_database(db)].cursor() as cursor:
-        cursor.execute(ACTIVITY_SQL, params)
-        counts = cursor.fetchall()
-        cursor.execute(BUCKETS_SQL, params)
-        buckets: dict[tuple[str, int], dict[int, int]] = {}
-        for queue, window, n, count in cursor.fetchall():
-            buckets.setdefault((queue, window), {})[n] = int(count)
+        cursor.execute(ACTIVITY_SQL, {"longest": max(windows)})
+        minutes = cursor.fetchall()
     activity = []
-    for queue, window, claimed, succeeded, retried, failed, covered in sorted(counts):
-        by_n = buckets.get((queue, window), {})
-        histogram = [by_n.get(n, 0) for n in range(1, max(by_n, default=0) + 1)]
-        activity.append(
-            QueueActivity(
-                queue,
-                window,
-                int(claimed),
-                int(succeeded),
-                int(retried),
-                int(failed),
-                histogram,
-                float(covered),
+    for window in windows:
+        by_queue: dict[str, list[Any]] = {}
+        for queue, age, covered, *counts, latency in minutes:
+            if age < window + 60:  # the minute began less than a minute before the window
+                by_queue.setdefault(queue, []).append((float(covered), counts, latency))
+        for queue, rows in sorted(by_queue.items()):
+            histogram = [sum(column) for column in zip_longest(*(r[2] for r in rows), fillvalue=0)]
+            claimed, succeeded, retried, failed = (
+                sum(c) for c in zip(*(r[1] for r in rows), strict=True)
             )
-        )
-    return activity
+            covered = min(max(r[0] for r in rows), window + 60.0)
+            activity.append(
+                QueueActivity(
+                    queue, window, claimed, succeeded, retried, failed, histogram, covered
+                )
+            )
+    return sorted(activity, key=lambda a: (a.queue, a.window))
 
 
-# A worker that stops writes rows of `seconds = 0` after its last report (activity.stopped_rows):
-# from then on it is not alive, however recent its last report. Worker ids are never reused.
+# Each worker as its last report left it (pgjobs_worker, kept by the rollup's trigger); a worker
+# that stopped said so in its last report, and worker ids are never reused.
 WORKERS_SQL = """
-    SELECT worker, array_agg(DISTINCT queue ORDER BY queue),
-           EXTRACT(EPOCH FROM now() - max(at)),
-           bool_or(at + make_interval(secs => %(intervals)s * seconds + %(slack)s) >= now())
-             AND NOT bool_or(seconds = 0),
-           bool_or(seconds = 0)
-    FROM pgjobs_queuestat
-    WHERE at > now() - make_interval(secs => %(longest)s) AND at <= statement_timestamp()
-    GROUP BY worker ORDER BY worker
+    SELECT name, queues, EXTRACT(EPOCH FROM now() - seen_at),
+           seen_at + make_interval(secs => %(intervals)s * seconds + %(slack)s) >= now()
+             AND NOT stopped,
+           stopped
+    FROM pgjobs_worker
+    WHERE seen_at > now() - make_interval(secs => %(longest)s)
+      AND seen_at <= statement_timestamp()
+    ORDER BY name
 """
 
 
 def worker_stats(db: str | None = None) -> list[WorkerStats]:
-    """Workers that wrote a QueueStat row in the last 15 minutes: the queues they serve, whether
-    they are alive (a row within their last two intervals, and not stopped), and stopped."""
+    """Workers that reported in the last 15 minutes: the queues they serve, whether they are
+    alive (a report within their last two intervals, and not stopped), and stopped."""
     params = {"intervals": ALIVE_INTERVALS, "slack": ALIVE_SLACK, "longest": max(WINDOWS)}
     with connections[job_database(db)].cursor() as cursor:
         cursor.execute(WORKERS_SQL, params)

@@ -19,7 +19,7 @@ from django_pgjobs.data import rows, sql
 from django_pgjobs.data.jobs import JobManager
 from django_pgjobs.data.records import Claim, TakenBack
 from django_pgjobs.errors import UnknownTask, text_of
-from django_pgjobs.models import Job, QueueStat, Schedule
+from django_pgjobs.models import Job, QueueStat, Rollup, Schedule, Worker
 from django_pgjobs.periodic import MAX_WAIT, Periodic, declared
 from django_pgjobs.runtime import policy
 from django_pgjobs.runtime.reporting import log_safely
@@ -214,9 +214,12 @@ class Pruner(Chore):
     def run(self) -> float:
         settings = get_settings()
         full = self.jobs.prune(max_batches=1) == settings.PRUNE_BATCH
-        QueueStat.objects.using(self.jobs.db).filter(
-            at__lt=Now() - settings.STATS_RETENTION
-        ).delete()
+        for stats in (
+            QueueStat.objects.filter(at__lt=Now() - settings.STATS_RETENTION),
+            Rollup.objects.filter(at__lt=Now() - settings.STATS_RETENTION),
+            Worker.objects.filter(seen_at__lt=Now() - settings.STATS_RETENTION),
+        ):
+            stats.using(self.jobs.db).delete()
         rows.execute(self.jobs.db, sql.PRUNE_BUCKETS, {"limit": settings.PRUNE_BATCH})
         # Batches are kept as long as succeeded jobs, and then until their jobs are gone.
         kept_for = settings.retention().get("succeeded") or timedelta(0)

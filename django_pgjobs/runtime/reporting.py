@@ -24,7 +24,7 @@ from django.db import (
 from django_pgjobs import schema, signals
 from django_pgjobs.data import rows
 from django_pgjobs.errors import first_line
-from django_pgjobs.models import LATENCY_BUCKETS, Job, QueueStat
+from django_pgjobs.models import DURATION_BUCKETS, LATENCY_BUCKETS, Job, QueueStat
 from django_pgjobs.outcomes import Handled, Outcome, Verdict
 from django_pgjobs.runtime import policy
 
@@ -136,6 +136,18 @@ class QueueTally:
     cancelled: int = 0
     lost: int = 0
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    #: Per task run in the queue: its outcomes and its run durations (QueueStat.tasks).
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def ran(self, task: str, outcome: str, duration: float) -> None:
+        counts = self.tasks.get(task)
+        if counts is None:
+            counts = self.tasks[task] = {
+                "succeeded": 0, "retried": 0, "failed": 0,
+                "durations": [0] * (len(DURATION_BUCKETS) + 1),
+            }  # fmt: skip
+        counts[outcome] += 1
+        counts["durations"][bisect_left(DURATION_BUCKETS, duration)] += 1
 
 
 class ActivityTally:
@@ -161,9 +173,11 @@ class ActivityTally:
                 latency = (job.started_at - job.run_at).total_seconds()
                 counts.latency_buckets[bisect_left(LATENCY_BUCKETS, latency)] += 1
 
-    def finished(self, job: Job, outcome: str) -> None:
+    def finished(self, job: Job, outcome: str, duration: float) -> None:
         counts = self._of(job.queue)
         setattr(counts, outcome, getattr(counts, outcome) + 1)
+        if outcome in ("succeeded", "retried", "failed"):
+            counts.ran(job.task, outcome, duration)
 
     def total(self, outcome: str) -> int:
         return sum(getattr(counts, outcome) for counts in self.queues.values())
@@ -186,6 +200,7 @@ class ActivityTally:
                 retried=counts.retried,
                 failed=counts.failed,
                 latency_buckets=counts.latency_buckets,
+                tasks=counts.tasks or None,
             )
             for name in names
             for counts in [self.queues.get(name) or QueueTally()]

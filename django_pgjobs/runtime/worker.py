@@ -270,7 +270,7 @@ class Worker(Stoppable):
         """Forget a claim whose outcome was recorded (or refused), count and announce it."""
         job, handled, outcome, logged = recorded
         self.claims.forget([job])
-        self.activity.finished(job, outcome)
+        self.activity.finished(job, outcome, handled.duration)
         self._recorded += 1
         if self.options.max_jobs and self._recorded >= self.options.max_jobs:
             self._recycle(f"it recorded {self._recorded} outcomes (--max-jobs-per-child)")

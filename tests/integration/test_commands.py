@@ -80,7 +80,7 @@ def test_jobstats_that_may_not_read_the_figures_exits_unknown_in_one_line():
     assert exited.value.code == 3
     assert out.getvalue() == (
         "verdict: UNKNOWN: the report could not be read (permission denied for table "
-        "pgjobs_queuestat): the database user needs SELECT on the pgjobs tables, and the "
+        "pgjobs_rollup): the database user needs SELECT on the pgjobs tables, and the "
         "pg_monitor role to read PostgreSQL's statistics\n"
     )
 
@@ -90,7 +90,9 @@ def test_jobstats_says_when_other_users_sessions_are_hidden_from_it():
         cursor.execute("SELECT pg_has_role('pg_read_all_stats', 'USAGE')")
         (sees_all,) = cursor.fetchone()
     assert ("hidden from this database user" in report()) is not sees_all
-    as_a_user_who_reads("pgjobs_job", "pgjobs_queue", "pgjobs_queuestat")
+    as_a_user_who_reads(
+        "pgjobs_job", "pgjobs_queue", "pgjobs_queuestat", "pgjobs_rollup", "pgjobs_worker"
+    )
     assert "(other users' sessions are hidden from this database user: " in report()
     assert json.loads(report("--json"))["database"]["sees_all_sessions"] is False
 

@@ -104,7 +104,9 @@ def test_a_database_user_who_may_not_read_the_batches_still_gets_the_report():
     """A monitoring role granted the tables jobstats read before batches keeps its report; the
     batches are said to be unread, and how to read them."""
     some_of_each()
-    as_a_user_who_reads("pgjobs_job", "pgjobs_queue", "pgjobs_queuestat")
+    as_a_user_who_reads(
+        "pgjobs_job", "pgjobs_queue", "pgjobs_queuestat", "pgjobs_rollup", "pgjobs_worker"
+    )
     text = jobstats()
     assert (
         "batches: not counted: this database user may not read pgjobs_batch (grant it SELECT); "

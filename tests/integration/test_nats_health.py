@@ -14,7 +14,7 @@ from django.urls import reverse
 
 from django_pgjobs import transports
 from django_pgjobs.jetstream import streams as figures
-from django_pgjobs.models import Job, Queue, QueueStat
+from django_pgjobs.models import Job, Queue, QueueStat, Rollup, Worker
 from django_pgjobs.observability import report as reports
 from django_pgjobs.observability import stats
 from tests import tasks
@@ -93,12 +93,14 @@ def unserved(queue: str) -> tuple[Any, str]:
 
 def a_consumer_its_worker_left(queue: str) -> None:
     """The queue's consumer exists, having delivered one job, and its only worker has stopped
-    (its QueueStat row, which says it is alive for a while, deleted)."""
+    (its statistics, which say it is alive for a while, deleted)."""
     Job.objects.bulk_enqueue(tasks.ledger, [{"n": 1}], queue=queue)
     relay().round()
     with WorkerThread(queue):
         wait_until(lambda: ChaosExecution.objects.exists(), timeout=30)
     QueueStat.objects.all().delete()
+    Worker.objects.all().delete()
+    Rollup.objects.all().delete()
 
 
 def a_stream_its_worker_left(queue: str, **waiting: Any) -> None:

@@ -498,7 +498,7 @@ def test_what_a_report_could_not_write_is_written_by_the_next(other_connection):
     # interval were missing from every throughput and retry rate.
     worker = Worker(Options(queues=["default"], listen=False))
     job = Job(queue="default", task="tests.tasks.record", attempts=1)
-    worker.activity.finished(job, Outcome.SUCCEEDED)
+    worker.activity.finished(job, Outcome.SUCCEEDED, 0.01)
     QueueStat.objects.count()  # a connection, which the server then ends
     other_connection.execute(
         "SELECT pg_terminate_backend(%s, 10000)", [connection.connection.info.backend_pid]

@@ -49,7 +49,7 @@ def test_the_rate_shows_two_significant_digits_under_ten_and_none_for_a_short_sp
 def test_the_summary_line_of_three_jobs(caplog):
     tally = ActivityTally()
     for job in JobFactory.build_batch(3):
-        tally.finished(job, Outcome.SUCCEEDED)
+        tally.finished(job, Outcome.SUCCEEDED, 0.01)
     with caplog.at_level(logging.INFO, logger="django_pgjobs.runtime.worker"):
         log_activity(tally, 10.0, in_flight=0)
         log_activity(tally, 0.2, in_flight=0)
