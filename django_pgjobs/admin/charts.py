@@ -1,6 +1,7 @@
 """The health report's charts: throughput, claim latency (p50, p95), retries, failures and
 yielding (the rate claimed, and the rate allowed while yielding) per queue over the last hour
-and the last day, from the QueueStat rows workers write.
+(a point a minute) and the last day (a point an hour), from the workers' statistics rolled up
+(Rollup).
 
 Drawn on the server as inline SVG (no script), coloured with the admin's CSS variables so that
 they read in its light and dark themes; each chart has a table of its numbers.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connections
@@ -19,14 +20,13 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
 from django_pgjobs.admin import times
-from django_pgjobs.models import LATENCY_BUCKETS
 from django_pgjobs.observability.figures import limited
 from django_pgjobs.observability.stats import job_database, latency_quantile
 
-#: (label, seconds shown, seconds per point).
+#: (label, seconds shown, seconds per point: the Rollup rows' step).
 WINDOWS = (
     (gettext_lazy("Last hour"), 3600, 60),
-    (gettext_lazy("Last day"), 86400, 1800),
+    (gettext_lazy("Last day"), 86400, 3600),
 )
 WIDTH, HEIGHT = 520, 150
 LEFT, RIGHT, TOP, BOTTOM = 48, 10, 10, 22
@@ -35,17 +35,13 @@ COLOURS = (
     "#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
 )  # fmt: skip
 
-# Each latency bucket summed by its position, per queue and point, over the window's rows alone.
-_HISTOGRAM = ", ".join(
-    f"sum(COALESCE((latency_buckets->>{n})::bigint, 0))" for n in range(len(LATENCY_BUCKETS) + 1)
-)
-SERIES_SQL = f"""
-    SELECT queue, floor(EXTRACT(EPOCH FROM at) / %(step)s)::bigint AS slot,
-           sum(succeeded), sum(retried), sum(failed), sum(claimed),
-           sum(allowed * seconds) FILTER (WHERE allowed IS NOT NULL), {_HISTOGRAM}
-    FROM pgjobs_queuestat
-    WHERE at > %(since)s AND at <= %(now)s
-    GROUP BY 1, 2
+# A window's points are its Rollup rows: one per queue and minute (or hour), through the
+# rollup's unique index, whatever the number of workers.
+SERIES_SQL = """
+    SELECT name, floor(EXTRACT(EPOCH FROM at) / step)::bigint, succeeded, retried, failed,
+           claimed, allowed, latency
+    FROM pgjobs_rollup
+    WHERE kind = 'queue' AND step = %(step)s AND at >= %(since)s AND at <= %(now)s
 """
 
 
@@ -57,7 +53,8 @@ class Chart:
     unit: str
     slots: list[int]  # the points' slot numbers (start time // step)
     step: int
-    series: list[dict[str, Any]] = field(default_factory=list)  # name, colour, dashed, values
+    # Each: name, queue, colour, dashed, values.
+    series: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def top(self) -> float:
@@ -74,6 +71,33 @@ class Chart:
     def label(self, index: int) -> str:
         moment = datetime.fromtimestamp(self.slots[index] * self.step, UTC)
         return timezone.localtime(moment).strftime("%H:%M")
+
+    @property
+    def zone(self) -> str:
+        """The name of the time zone the labels are in: the active one."""
+        return timezone.get_current_timezone_name()
+
+    def description(self) -> str:
+        """The chart in words, for those who cannot see it (its <desc>): the queues, the highest
+        value and when, and each line's latest value."""
+        queues = ", ".join(dict.fromkeys(serie["queue"] for serie in self.series))
+        latest, points = [], []
+        for serie in self.series:
+            known = [(v, i) for i, v in enumerate(serie["values"]) if v is not None]
+            points += [(v, i, serie["name"]) for v, i in known]
+            if known:
+                value, index = known[-1]
+                latest.append(f"{serie['name']} {show(value)} {self.unit} ({self.label(index)})")
+        if not points:
+            return _("Queues %(queues)s: no data.") % {"queues": queues}
+        value, index, name = max(points, key=lambda point: point[0])
+        return _(
+            "Queues %(queues)s, times in %(zone)s. Highest: %(value)s %(unit)s (%(name)s, "
+            "%(at)s). Latest: %(latest)s."
+        ) % {
+            "queues": queues, "zone": self.zone, "value": show(value), "unit": self.unit,
+            "name": name, "at": self.label(index), "latest": "; ".join(latest),
+        }  # fmt: skip
 
     def drawing(self) -> dict[str, Any]:
         """What the template draws: lines (split where there is no data), points with their
@@ -132,7 +156,8 @@ def windows(db: str | None = None) -> list[dict[str, Any]]:
         (now,) = cursor.fetchone()
         shown = []
         for label, span, step in WINDOWS:
-            since = now - timedelta(seconds=span)
+            first = math.floor(now.timestamp() / step) - span // step + 1  # the first point
+            since = datetime.fromtimestamp(first * step, UTC)
             cursor.execute(SERIES_SQL, {"step": step, "since": since, "now": now})
             shown.append({"label": label, "charts": charts(cursor.fetchall(), now, span, step)})
     return shown
@@ -140,7 +165,7 @@ def windows(db: str | None = None) -> list[dict[str, Any]]:
 
 def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> list[Any]:
     """The five charts of one window from its rows (queue, slot, succeeded, retried, failed,
-    claimed, allowed jobs while yielding, histogram...)."""
+    claimed, allowed jobs while yielding, latency histogram)."""
     last = math.floor(now.timestamp() / step)
     slots = list(range(last - span // step + 1, last + 1))
     by_queue: dict[str, dict[int, tuple[Any, ...]]] = {}
@@ -158,7 +183,7 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
     for number, (queue, by_slot) in enumerate(sorted(by_queue.items())):
         colour = COLOURS[number % len(COLOURS)]
         at = [by_slot.get(slot) for slot in slots]
-        line = {"name": queue, "colour": colour, "dashed": False}
+        line = {"name": queue, "queue": queue, "colour": colour, "dashed": False}
         for name, values in (
             ("throughput", [None if f is None else (f[0] + f[2]) * 60 / step for f in at]),
             ("retries", [None if f is None else float(f[1]) for f in at]),
@@ -181,4 +206,4 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
 
 
 def latency(figures: tuple[Any, ...], quantile: float) -> float | None:
-    return latency_quantile([int(n) for n in figures[5:]], quantile)
+    return latency_quantile([int(n) for n in figures[5]], quantile)

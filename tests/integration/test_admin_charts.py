@@ -49,7 +49,7 @@ def test_the_report_draws_throughput_latency_retries_and_failures_per_queue(admi
     # The day has the older row; the hour has not.
     day_throughput = day["charts"][0]["chart"]
     assert sum(v or 0 for v in day_throughput.series[0]["values"]) == pytest.approx(
-        (120 + 30) * 60 / 1800
+        (120 + 30) * 60 / 3600  # a point an hour
     )
 
 
@@ -98,3 +98,31 @@ def test_the_yielding_chart_draws_the_rate_claimed_and_the_rate_allowed_while_yi
     assert max(v for v in named["emails allowed"]["values"] if v is not None) == 100
     assert named["emails allowed"]["dashed"] and not named["emails"]["dashed"]
     assert all(v is None for v in named["reports allowed"]["values"])  # never yielded
+
+
+def test_each_chart_says_in_words_what_it_shows_and_names_the_time_zone(admin_client, settings):
+    settings.TIME_ZONE = "Asia/Kolkata"  # +05:30: no hour of it reads as UTC
+    stat(3, succeeded=118, failed=2, claimed=120, latency_buckets=[120])
+    stat(2, queue="reports", succeeded=6, claimed=6, latency_buckets=[6])
+    response = admin_client.get(REPORT)
+    content = html.unescape(response.content.decode())
+    throughput = response.context["charts"][0]["charts"][0]["chart"]
+    at = {  # each queue's last point, as the axis labels it
+        serie["name"]: throughput.label(max(i for i, v in enumerate(serie["values"]) if v))
+        for serie in throughput.series
+    }
+    assert (
+        '<svg viewBox="0 0 520 150" role="img" aria-labelledby="chart-1-1-title" '
+        'aria-describedby="chart-1-1-desc">'
+    ) in content
+    assert '<title id="chart-1-1-title">Throughput (jobs/min), Last hour</title>' in content
+    assert (
+        '<desc id="chart-1-1-desc">Last hour. Queues emails, reports, times in Asia/Kolkata. '
+        f"Highest: 120 jobs/min (emails, {at['emails']}). Latest: emails 120 jobs/min "
+        f"({at['emails']}); reports 6 jobs/min ({at['reports']}).</desc>"
+    ) in content
+    # The axes' times are the zone's, and the caption and the table say which.
+    three_minutes_ago = timezone.localtime(timezone.now() - timedelta(minutes=3))
+    assert at["emails"] == three_minutes_ago.strftime("%H:%M")
+    assert 'Throughput <span class="unit">(jobs/min; times in Asia/Kolkata)</span>' in content
+    assert "<th>Time (Asia/Kolkata)</th>" in content
