@@ -12,10 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cached_property
+from itertools import zip_longest
 from typing import Any
 
 from django.db import connections
 from django.utils import timezone
+from django.utils.html import format_html_join
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
@@ -30,6 +33,8 @@ WINDOWS = (
 )
 WIDTH, HEIGHT = 520, 150
 LEFT, RIGHT, TOP, BOTTOM = 48, 10, 10, 22
+#: The most lines a chart draws: past it, the quietest queues are drawn added up as one.
+LINES = 8
 #: One colour per queue, mid-tone so that they read on the light and the dark theme alike.
 COLOURS = (
     "#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
@@ -56,7 +61,7 @@ class Chart:
     # Each: name, queue, colour, dashed, values.
     series: list[dict[str, Any]] = field(default_factory=list)
 
-    @property
+    @cached_property  # read for every point; the series are complete before it is
     def top(self) -> float:
         values = [v for s in self.series for v in s["values"] if v is not None]
         return nice(max(values, default=0.0))
@@ -100,36 +105,55 @@ class Chart:
         }  # fmt: skip
 
     def drawing(self) -> dict[str, Any]:
-        """What the template draws: lines (split where there is no data), points with their
-        numbers, axis ticks, and the table."""
-        lines, points = [], []
+        """What the template draws: lines (split where there is no data), a column per point
+        whose title gives every line's number there, axis ticks, and the table."""
+        lines = []
         for serie in self.series:
             segments: list[list[str]] = [[]]
             for index, value in enumerate(serie["values"]):
                 if value is None:
                     segments.append([])
                     continue
-                x, y = self.x(index), self.y(value)
-                segments[-1].append(f"{x:.1f},{y:.1f}")
-                when = times.full(datetime.fromtimestamp(self.slots[index] * self.step, UTC))
-                points.append({
-                    "x": f"{x:.1f}", "y": f"{y:.1f}", "colour": serie["colour"],
-                    "title": f"{serie['name']} · {when} · {show(value)} {self.unit}",
-                })  # fmt: skip
+                segments[-1].append(f"{self.x(index):.1f},{self.y(value):.1f}")
             for segment in segments:
                 if segment:
                     lines.append({**serie, "points": " ".join(segment)})
         count = len(self.slots)
+        width = (WIDTH - LEFT - RIGHT) / max(count - 1, 1)
+        points = []
+        for index in range(count):
+            shown = [
+                f"{s['name']} {show(s['values'][index])} {self.unit}"
+                for s in self.series
+                if s["values"][index] is not None
+            ]
+            if shown:
+                when = times.full(datetime.fromtimestamp(self.slots[index] * self.step, UTC))
+                points.append({
+                    "x": f"{self.x(index) - width / 2:.1f}", "width": f"{width:.1f}",
+                    "title": f"{when} · {'; '.join(shown)}",
+                })  # fmt: skip
         ticks = [{"x": f"{self.x(i):.1f}", "label": self.label(i)} for i in range(0, count, 10)]
         levels = [
             {"y": f"{self.y(self.top * part):.1f}", "label": show(self.top * part)}
             for part in (0, 0.5, 1)
         ]
-        rows = [[self.label(i), *(show(s["values"][i]) for s in self.series)] for i in range(count)]
+        # Made here, not cell by cell in the template: thousands of cells with many queues.
+        rows = format_html_join(
+            "", "<tr>{}</tr>",
+            (
+                (format_html_join("", '<td class="n">{}</td>', ((cell,) for cell in row)),)
+                for row in (
+                    [self.label(i), *(show(s["values"][i]) for s in self.series)]
+                    for i in range(count)
+                )
+            ),
+        )  # fmt: skip
         return {
             "chart": self, "lines": lines, "points": points, "ticks": ticks, "levels": levels,
             "rows": rows, "width": WIDTH, "height": HEIGHT, "left": LEFT,
-            "right": WIDTH - RIGHT, "bottom": HEIGHT - BOTTOM,
+            "right": WIDTH - RIGHT, "bottom": HEIGHT - BOTTOM, "top": TOP,
+            "plot_height": HEIGHT - TOP - BOTTOM,
         }  # fmt: skip
 
 
@@ -171,6 +195,7 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
     by_queue: dict[str, dict[int, tuple[Any, ...]]] = {}
     for queue, slot, *figures in rows:
         by_queue.setdefault(queue, {})[slot] = tuple(figures)
+    by_queue = busiest(by_queue)
     made = {
         "throughput": Chart(_("Throughput"), _("jobs/min"), slots, step),
         "latency": Chart(_("Claim latency, p50 and p95 (dashed)"), "s", slots, step),
@@ -180,7 +205,7 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
             _("Claimed, and allowed while yielding (dashed)"), _("jobs/s"), slots, step
         ),
     }
-    for number, (queue, by_slot) in enumerate(sorted(by_queue.items())):
+    for number, (queue, by_slot) in enumerate(by_queue.items()):
         colour = COLOURS[number % len(COLOURS)]
         at = [by_slot.get(slot) for slot in slots]
         line = {"name": queue, "queue": queue, "colour": colour, "dashed": False}
@@ -203,6 +228,29 @@ def charts(rows: list[tuple[Any, ...]], now: datetime, span: int, step: int) -> 
                 "values": [None if f is None else latency(f, quantile) for f in at],
             })  # fmt: skip
     return [chart.drawing() for chart in made.values()]
+
+
+def busiest(by_queue: dict[str, dict[int, tuple[Any, ...]]]) -> dict[str, dict[int, Any]]:
+    """The LINES - 1 queues that claimed most in the window, and the rest added up as one line
+    ("other queues"): a chart stays readable, and its page small, whatever the number of queues."""
+    if len(by_queue) <= LINES:
+        return dict(sorted(by_queue.items()))
+    ranked = sorted(by_queue, key=lambda q: (-sum(f[3] for f in by_queue[q].values()), q))
+    shown = {queue: by_queue[queue] for queue in sorted(ranked[: LINES - 1])}
+    rest = ranked[LINES - 1 :]
+    other: dict[int, tuple[Any, ...]] = {}
+    for queue in rest:
+        for slot, figures in by_queue[queue].items():
+            other[slot] = figures if slot not in other else added(other[slot], figures)
+    shown[_("%d other queues") % len(rest)] = other
+    return shown
+
+
+def added(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Two points' figures (succeeded, retried, failed, claimed, allowed, latency) as one."""
+    allowed = None if a[4] is None and b[4] is None else (a[4] or 0) + (b[4] or 0)
+    latency = [x + y for x, y in zip_longest(a[5], b[5], fillvalue=0)]
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], allowed, latency)
 
 
 def latency(figures: tuple[Any, ...], quantile: float) -> float | None:

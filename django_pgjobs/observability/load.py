@@ -15,8 +15,9 @@ from django.db import connections
 
 from django_pgjobs.observability.stats import job_database
 
-#: pg_stat_activity samples taken, and the pause between them, without pg_stat_statements.
-SAMPLES, SAMPLE_INTERVAL = 10, 0.02
+#: pg_stat_activity samples taken, and the pause between them, without pg_stat_statements: the
+#: report (and the dashboard) waits for them.
+SAMPLES, SAMPLE_INTERVAL = 10, 0.005
 #: Samples that must see an active backend before a share is judged: one statement of an idle
 #: worker's poll, caught alone, is not "the queue takes the database".
 BUSY_SAMPLES = 3

@@ -43,8 +43,8 @@ def test_the_report_draws_throughput_latency_retries_and_failures_per_queue(admi
     assert content.count("<svg viewBox") == 10
     assert "<script" not in content.split('id="charts-1"')[1].split("Queues now")[0]
     # The numbers: on hover (<title>) and in a table.
-    assert "emails · " in text and " · 120 jobs/min</title>" in text
-    assert "emails p95" in text and " · 2 per point</title>" in text  # failures
+    assert "emails 120 jobs/min</title>" in text
+    assert "emails p95" in text and "emails 2 per point</title>" in text  # failures
     assert "<details><summary>The numbers</summary>" in content
     # The day has the older row; the hour has not.
     day_throughput = day["charts"][0]["chart"]
@@ -126,3 +126,14 @@ def test_each_chart_says_in_words_what_it_shows_and_names_the_time_zone(admin_cl
     assert at["emails"] == three_minutes_ago.strftime("%H:%M")
     assert 'Throughput <span class="unit">(jobs/min; times in Asia/Kolkata)</span>' in content
     assert "<th>Time (Asia/Kolkata)</th>" in content
+
+
+def test_past_eight_queues_the_quietest_are_drawn_added_up_as_one_line(admin_client):
+    for n in range(12):
+        stat(1, queue=f"q{n:02}", claimed=100 + n, succeeded=100 + n, latency_buckets=[n])
+    hour = admin_client.get(REPORT).context["charts"][0]
+    throughput = hour["charts"][0]["chart"]
+    names = [s["name"] for s in throughput.series]
+    assert names == ["q05", "q06", "q07", "q08", "q09", "q10", "q11", "5 other queues"]
+    other = max(v for v in throughput.series[-1]["values"] if v is not None)
+    assert other == sum(100 + n for n in range(5))  # q00–q04, a minute each
