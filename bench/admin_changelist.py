@@ -41,6 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument(
+        "--stats", default="100x50", help="a day of statistics from WORKERSxQUEUES (0: none)"
+    )
     args = parser.parse_args()
     if not os.environ.get("DATABASE_URL"):
         raise SystemExit("Set DATABASE_URL to a scratch database: this script fills it.")
@@ -54,6 +57,9 @@ def main() -> None:
     setup_test_environment()  # lets the test client's host through ALLOWED_HOSTS
     call_command("migrate", verbosity=0)
     fill(args.rows)
+    if args.stats != "0":
+        workers, queues = map(int, args.stats.split("x"))
+        fill_stats(workers, queues)
     report(args.repeat)
     explain_searches()
 
@@ -101,6 +107,49 @@ def fill(rows: int) -> None:
         raw.autocommit = True
         cursor.execute("VACUUM ANALYZE pgjobs_job")
     print(f"filled pgjobs_job with {rows:,} rows in {time.monotonic() - started:.0f}s")
+
+
+def fill_stats(workers: int, queues: int, interval: int = 10) -> None:
+    """A day of the statistics `workers` workers write every `interval` seconds, each serving
+    `queues` queues, up to now: an hour at a time, each statement rolled up by the trigger as a
+    worker's report is. Kept from an earlier run, they are brought up to now."""
+    from django.db import connection
+
+    params = {"workers": workers, "queues": queues, "step": interval, "tasks": TASKS}
+    started = time.monotonic()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*), EXTRACT(EPOCH FROM now() - max(at)) FROM pgjobs_queuestat")
+        have, behind = cursor.fetchone()
+        if have and behind < 86400 / 2:
+            cursor.execute(STATS, {**params, "ago": float(behind), "span": float(behind)})
+            print(f"statistics brought up to now ({behind:.0f}s behind)")
+            return
+        cursor.execute("TRUNCATE pgjobs_queuestat, pgjobs_rollup, pgjobs_worker")
+        for hour in range(24, 0, -1):
+            cursor.execute(STATS, {**params, "ago": hour * 3600.0, "span": 3600.0})
+        for table in ("pgjobs_queuestat", "pgjobs_rollup", "pgjobs_worker"):
+            cursor.execute(f"VACUUM ANALYZE {table}")
+        cursor.execute("SELECT count(*) FROM pgjobs_queuestat")
+        (rows,) = cursor.fetchone()
+    print(f"filled pgjobs_queuestat with {rows:,} rows in {time.monotonic() - started:.0f}s")
+
+
+# `span` seconds from `ago` seconds ago of every worker's report for every queue: claims,
+# outcomes, a latency histogram and, for one queue in three, the task it ran.
+STATS = """
+    INSERT INTO pgjobs_queuestat (at, seconds, worker, queue, claimed, succeeded, retried,
+                                  failed, latency_buckets, yielded, tasks)
+    SELECT now() - make_interval(secs => %(ago)s) + make_interval(secs => t),
+           %(step)s, 'bench-' || w, 'queue-' || q, 20, 18, 1, 1,
+           '[0, 2, 6, 8, 3, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]', 0,
+           CASE WHEN q %% 3 = 0 THEN jsonb_build_object(
+               (%(tasks)s::text[])[1 + q %% 3], jsonb_build_object(
+                   'succeeded', 18, 'retried', 1, 'failed', 1,
+                   'durations', '[0, 3, 8, 5, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]'::jsonb))
+           END
+    FROM generate_series(%(step)s, %(span)s::int, %(step)s) AS t,
+         generate_series(1, %(workers)s) AS w, generate_series(1, %(queues)s) AS q
+"""
 
 
 def row(n: int, rows: int, now_ms: int) -> tuple[Any, ...]:
@@ -167,6 +216,11 @@ def report(repeat: int) -> None:
         ("dead letters, search short", f"{dead_letters}?q={dead.short_id}"),
         ("dead letters, search task", f"{dead_letters}?q=charge_card"),
         ("job detail", f"{jobs}{dead.pk}/change/"),
+        ("health report", "/admin/pgjobs/queue/report/"),
+        ("dashboard", "/admin/pgjobs/job/dashboard/"),
+        ("jobs, stuck", f"{jobs}?status__exact=stuck"),
+        ("jobs, search error", f"{jobs}?q=Connection+refused"),
+        ("queues", "/admin/pgjobs/queue/"),
     ]
     print(f"\n{'page':<26}{'median ms':>10}{'max ms':>9}{'SQL ms':>8}{'queries':>9}  slowest query")
     for label, url in pages:
@@ -193,6 +247,31 @@ def report(repeat: int) -> None:
             cursor.execute("SELECT count(*) FROM pgjobs_job")
             times.append((time.perf_counter() - started) * 1000)
     label = "exact COUNT(*) (reference)"
+    print(f"{label:<26}{statistics.median(times):>10.1f}{max(times):>9.1f}")
+    time_large_replay(client, repeat)
+
+
+def time_large_replay(client: Any, repeat: int, dead: int = 200_000) -> None:
+    """The "Replay all matching" request over `dead` dead letters (more made so, then put back):
+    it counts them, enqueues the job that replays them, logs once and returns."""
+    from django.db import connection, transaction
+
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE pgjobs_job SET status = 'failed', attempts = 5, last_error = 'E: x' "
+                "WHERE id IN (SELECT id FROM pgjobs_job WHERE status = 'succeeded' LIMIT "
+                "%s - (SELECT count(*) FROM pgjobs_job WHERE status = 'failed'))",
+                [dead],
+            )
+        times = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            response = client.post("/admin/pgjobs/deadletter/replay-matching/", {"post": "yes"})
+            times.append((time.perf_counter() - started) * 1000)
+            assert response.status_code == 302, response.status_code
+        transaction.set_rollback(True)
+    label = f"replay all {dead:,}"
     print(f"{label:<26}{statistics.median(times):>10.1f}{max(times):>9.1f}")
 
 

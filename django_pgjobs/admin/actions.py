@@ -26,11 +26,13 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.translation import gettext_lazy, ngettext, ngettext_lazy
 
+from django_pgjobs.admin import operations
 from django_pgjobs.admin.forms import ActionForm, ReplayForm
 from django_pgjobs.data import rows as data_rows
 from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
+from django_pgjobs.transports import nats_queues
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -176,23 +178,51 @@ def perform(
     options = form.options() if isinstance(form, ActionForm) else {}
     if action.by_user:
         options["by"] = request.user.get_username()
+    if operations.whole(request) and (count := queryset.count()) > operations.LARGE:
+        return operations.start(
+            model_admin, request, str(action.title), action.transition.__name__,
+            action.permission, count, options,
+        )  # fmt: skip
     logged: str | Callable[[Any], str]
     if action.logged_for is not None:
         logged_for = action.logged_for
         logged = lambda job: str(logged_for(job))  # noqa: E731
     else:
         logged = str(action.logged) if form is None else form.change_message(str(action.logged))
-    changed, seen = apply(
-        request,
-        queryset,
-        lambda rows: action.transition(rows, **options),
-        action.flag,
-        logged,
-        only=LOGGED,
-    )
+    streams: list[str] = []
+
+    def transition(rows: Any) -> Sequence[Any]:
+        changed = action.transition(rows, **options)
+        if action is REPLAY:  # read before the batch commits: then the relay may delete them
+            streams.extend(streamed(changed))
+        return changed
+
+    changed, seen = apply(request, queryset, transition, action.flag, logged, only=LOGGED)
     skipped = seen - changed if action.skipped is not None else 0
-    report(model_admin, request, action.done % changed, skipped, str(action.skipped or ""))
+    done = action.done % changed + handed(streams)
+    report(model_admin, request, done, skipped, str(action.skipped or ""))
     return None
+
+
+def streamed(ids: Sequence[Any]) -> list[str]:
+    """The stream each of the replayed jobs `ids` of a NATS queue goes to: its row is an outbox
+    entry now, which the relay deletes once it hands it to the stream."""
+    queues = nats_queues()
+    if not queues or not ids:
+        return []
+    found = Job.objects.filter(pk__in=ids, queue__in=queues).values_list("queue", flat=True)
+    return [queues[queue].stream for queue in found]
+
+
+def handed(streams: Sequence[str]) -> str:
+    """What a replay's message adds for jobs of NATS queues: where they went."""
+    if not streams:
+        return ""
+    return " " + ngettext(
+        "%(n)d went to NATS JetStream (%(streams)s): its row leaves the job table once relayed.",
+        "%(n)d went to NATS JetStream (%(streams)s): their rows leave the job table once relayed.",
+        len(streams),
+    ) % {"n": len(streams), "streams": ", ".join(sorted(set(streams)))}
 
 
 def apply(
@@ -295,6 +325,7 @@ def confirm(
         "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
         "select_across": request.POST.get("select_across") == "1",
         "cancel_url": cancel_url or changelist_url(model_admin, request),
+        "as_a_job": operations.whole(request) and count > operations.LARGE,
     }
     return TemplateResponse(request, "admin/pgjobs/confirm_action.html", context)
 

@@ -27,7 +27,7 @@ from django.utils.translation import gettext_lazy
 
 from django_pgjobs.admin import members, progress, times
 from django_pgjobs.admin.actions import REPLAY, perform
-from django_pgjobs.admin.columns import pretty_json, status_text
+from django_pgjobs.admin.columns import STATE_FIELDS, pretty_json, status_text, with_clock
 from django_pgjobs.admin.jobs import JobPermissions
 from django_pgjobs.admin.lists import EstimatedCountPaginator
 from django_pgjobs.admin.missing import MigrateFirst
@@ -305,6 +305,6 @@ def _callback_jobs(batch: Batch) -> dict[str, Job]:
             if isinstance(spec, dict):
                 with suppress(ValueError):  # not as batch() writes one: no job to look for
                     ids.append(UUID(str(spec.get("id"))))
-        found = Job.objects.only("id", "task", "status", "cancel_requested").in_bulk(ids)
+        found = with_clock(Job.objects.only(*STATE_FIELDS)).in_bulk(ids)
         kept = batch.__dict__[_CALLBACK_JOBS] = {str(pk): job for pk, job in found.items()}
     return kept

@@ -1,24 +1,33 @@
 """What the job lists and the job page show of a job: status, times, progress, the last error on one
-line, payload, result and history. Everything shown from job data is escaped."""
+line, payload, result and history. Everything shown from job data is escaped.
+
+A running job whose lease ran out is shown as stuck, judged by the database's clock as the job
+was read (with_clock), never the app's: leases are written and reaped on that clock."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from django.contrib import admin
+from django.db.models import QuerySet
+from django.db.models.functions import Now
 from django.template.loader import render_to_string
+from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 from django.utils.text import Truncator
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_lazy
+from django.utils.translation import gettext_lazy, ngettext
 
 from django_pgjobs import registry
 from django_pgjobs.admin import progress, times
+from django_pgjobs.conf import get_settings
 from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.errors import UnknownTask
 from django_pgjobs.models import Job
@@ -34,9 +43,36 @@ ERROR_WIDTH = 80
 _ERROR_MODULE = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))")
 
 
+#: The fields status_text reads: a page that shows other jobs' status reads only these.
+STATE_FIELDS = ("id", "task", "status", "cancel_requested", "leased_until")
+
+
+def with_clock(jobs: QuerySet[Job]) -> QuerySet[Job]:
+    """`jobs`, each read with the database's clock (`db_now`), by which stuck_for judges it."""
+    return jobs.annotate(db_now=Now())
+
+
+def stuck_for(job: Job) -> timedelta | None:
+    """How long ago a running job's lease ran out: its worker stopped heartbeating. None when
+    it is not stuck, or was read without the database's clock (with_clock)."""
+    now: datetime | None = getattr(job, "db_now", None)
+    if job.status != Status.RUNNING or now is None or job.leased_until is None:
+        return None
+    return now - job.leased_until if job.leased_until < now else None
+
+
+def stuck_note(job: Job, overdue: timedelta) -> str:
+    return _(
+        "Its worker (%(worker)s) stopped heartbeating: its lease ran out %(ago)s ago. Any running "
+        "worker takes the job back at its next reap, within seconds."
+    ) % {"worker": job.worker, "ago": times.span(overdue.total_seconds())}
+
+
 def status_text(job: Job) -> str:
     """The status, and whether a cancellation is under way: a running job asked to cancel is
-    "cancelling" until its attempt ends."""
+    "cancelling" until its attempt ends; one whose lease ran out is "stuck"."""
+    if stuck_for(job) is not None:
+        return _("stuck")
     if job.cancel_requested and job.status == Status.RUNNING:
         return _("cancelling")
     if job.cancel_requested and job.status == Status.SUCCEEDED:
@@ -47,7 +83,15 @@ def status_text(job: Job) -> str:
 @admin.display(description=gettext_lazy("status"))
 def status(job: Job) -> SafeString:
     """The lists' status column (a function, so that its cells keep the class field-status); a
-    running job's with its last progress report beside it (admin/progress.py)."""
+    running job's with its last progress report beside it (admin/progress.py), but a stuck
+    one's, whose report no longer moves: why it is stuck, on hover."""
+    overdue = stuck_for(job)
+    if overdue is not None:
+        return format_html(
+            '<span class="pgjobs-status stuck" title="{}">{}</span>',
+            stuck_note(job, overdue),
+            status_text(job),
+        )
     running = job.status == Status.RUNNING
     marked = "cancelling" if job.cancel_requested and running else ""
     return format_html(
@@ -116,15 +160,44 @@ class JobColumns:
     # ---- the job page ------------------------------------------------------------------------
 
     @admin.display(description=gettext_lazy("status"))
-    def status_display(self, job: Job) -> str:
-        return status_text(job)
+    def status_display(self, job: Job) -> SafeString | str:
+        overdue = stuck_for(job)
+        if overdue is None:
+            return status_text(job)
+        return format_html(
+            '<strong class="pgjobs-status stuck">{}</strong><div class="pgjobs-age">{}</div>',
+            status_text(job),
+            stuck_note(job, overdue),
+        )
 
     @admin.display(description=gettext_lazy("progress"))
     def progress_display(self, job: Job) -> SafeString | str:
-        """The last progress report of the running (or last) attempt, and when it was written."""
+        """The last progress report of the running (or last) attempt, and when it was written;
+        a stuck job's greyed, as it no longer moves."""
         if isinstance(job.progress, Unreadable):
             return pretty_json(job.progress)
+        if stuck_for(job) is not None and progress.report_of(job.progress) is not None:
+            return format_html(
+                '<div class="pgjobs-stalled">{}</div><div class="pgjobs-age">{}</div>',
+                progress.on_page(job.progress),
+                _("No report since its worker stopped heartbeating."),
+            )
         return progress.on_page(job.progress)
+
+    @admin.display(description=gettext_lazy("time spent"))
+    def time_spent(self, job: Job) -> SafeString | str:
+        rows = spent(job)
+        if not rows:
+            return "—"
+        return format_html_join("", '<div class="pgjobs-spent"><strong>{}</strong> {}</div>', rows)
+
+    @admin.display(description=gettext_lazy("worker"))
+    def worker_display(self, job: Job) -> SafeString | str:
+        """The worker that claimed the job last, and a link to the jobs it holds now."""
+        if not job.worker:
+            return "—"
+        url = f"{reverse('admin:pgjobs_job_changelist')}?{urlencode({'worker': job.worker})}"
+        return format_html('{} · <a href="{}">{}</a>', job.worker, url, _("the jobs it holds"))
 
     run_at_display = _time("run_at", gettext_lazy("run at"), times.moment)
     created_at_display = _time("created_at", gettext_lazy("created at"), times.moment)
@@ -147,7 +220,66 @@ class JobColumns:
         if isinstance(job.errors, Unreadable):
             return pretty_json(job.errors)
         entries = [history_entry(e) for e in job.errors or []]
-        return render_to_string("admin/pgjobs/error_history.html", {"entries": entries})
+        kept = get_settings().ERRORS_KEPT
+        # Each failure and each replay adds an entry, and only the last `kept` stay: a replay
+        # after five failed attempts drops attempt 1.
+        trimmed = len(entries) >= kept
+        return render_to_string(
+            "admin/pgjobs/error_history.html",
+            {"entries": entries, "trimmed": trimmed, "kept": kept},
+        )
+
+
+def spent(job: Job) -> list[tuple[str, str]]:
+    """Where the job's time went, from its own timestamps: waiting once due, running, its
+    retries and their backoff, and in all; "now" is the database's clock as it was read."""
+    now: datetime | None = getattr(job, "db_now", None)
+    if now is None:  # read without the database's clock (with_clock): nothing to measure to
+        return []
+    end = job.finished_at or now
+    so_far = _("so far") if job.finished_at is None else ""
+    # started_at is the latest claim's: this attempt's while it runs, else only if it came
+    # after run_at (a retry or a replay moves run_at on, and the next claim started_at).
+    started = job.started_at
+    if started is not None and job.status != Status.RUNNING and started < job.run_at:
+        started = None
+    rows = []
+    if started is not None:
+        rows.append((_("waited"), _("%s from due to started") % _span(started, job.run_at)))
+        rows.append((_("ran"), f"{_span(end, started)} {so_far}".strip()))
+    elif job.status == Status.READY and job.run_at <= now:
+        rows.append((_("waited"), _("%s since due, not started yet") % _span(now, job.run_at)))
+    elif job.status == Status.READY:
+        rows.append((_("waited"), _("not due yet: due in %s") % _span(job.run_at, now)))
+    retries = job.attempts - 1 if started is not None else job.attempts
+    if retries > 0:
+        backoff = _last_backoff(job, retries)
+        said = ngettext("%d time", "%d times", retries) % retries
+        if backoff is not None:
+            said += _("; a backoff of %s after the last") % backoff
+        rows.append((_("retried"), said))
+    rows.append((_("in all"), f"{_span(end, job.created_at)} {so_far}".strip()))
+    return rows
+
+
+def _span(later: datetime, earlier: datetime) -> str:
+    return times.span(max((later - earlier).total_seconds(), 0.0))
+
+
+def _last_backoff(job: Job, attempt: int) -> str | None:
+    """How long the job waited after attempt `attempt` failed: from that failure, as the
+    history recorded it, to the run_at it was given. None if the history does not say."""
+    entries = job.errors if isinstance(job.errors, list) else []
+    for entry in reversed(entries):
+        if isinstance(entry, dict) and "replayed_at" in entry:
+            return None  # attempts count from 1 again after a replay: not this cycle's
+        if isinstance(entry, dict) and entry.get("attempt") == attempt:
+            try:
+                failed = datetime.fromisoformat(str(entry.get("at")))
+            except ValueError:
+                return None
+            return _span(job.run_at, failed) if timezone.is_aware(failed) else None
+    return None
 
 
 def history_entry(entry: Any) -> dict[str, Any]:

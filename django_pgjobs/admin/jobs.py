@@ -6,11 +6,13 @@ permission and recorded in Django's admin log.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION
 from django.contrib.admin.options import IS_POPUP_VAR, IncorrectLookupParameters
+from django.contrib.admin.templatetags.admin_urls import add_preserved_filters
 from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import ERROR_FLAG, PAGE_VAR, ChangeList
 from django.contrib.auth import get_permission_codename
@@ -22,7 +24,7 @@ from django.urls import path, reverse
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from django_pgjobs.admin import payloads, search
+from django_pgjobs.admin import dashboard, payloads, search
 from django_pgjobs.admin.actions import (
     ACTIONS,
     DELETE,
@@ -32,7 +34,7 @@ from django_pgjobs.admin.actions import (
     changelist_url,
     perform,
 )
-from django_pgjobs.admin.columns import JobColumns, status, task
+from django_pgjobs.admin.columns import JobColumns, status, task, with_clock
 from django_pgjobs.admin.lists import (
     ERROR_TYPE,
     NEWEST,
@@ -40,7 +42,9 @@ from django_pgjobs.admin.lists import (
     EstimatedCountPaginator,
     JobChangeList,
     QueueFilter,
+    StatusFilter,
     TaskFilter,
+    WorkerFilter,
     newest,
 )
 from django_pgjobs.admin.members import BatchFilter
@@ -50,6 +54,7 @@ from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
+from django_pgjobs.transports import NATS, transport_of
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -62,8 +67,11 @@ else:
 # The job page's fields: the times are shown in the active time zone, with their age.
 TRIES = "attempts_display"
 PROGRESS = "progress_display"
-TIMES = ("run_at_display", "created_at_display", "started_at_display", "finished_at_display")
-LEASE = ("worker", "leased_until_display", "cancel_requested", "unique_key", "limit_key")
+TIMES = (
+    "run_at_display", "created_at_display", "started_at_display", "finished_at_display",
+    "time_spent",
+)  # fmt: skip
+LEASE = ("worker_display", "leased_until_display", "cancel_requested", "unique_key", "limit_key")
 WAITS = ("batch_display", "dependencies_display")
 
 
@@ -82,7 +90,7 @@ class JobPermissions:
 
 
 class BaseJobAdmin(MigrateFirst, JobPermissions, JobColumns, WaitColumns, ModelAdmin):
-    list_filter = ("status", QueueFilter, TaskFilter, BatchFilter)
+    list_filter = (StatusFilter, QueueFilter, TaskFilter, BatchFilter, WorkerFilter)
     list_per_page = 50
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts would count the table per filter choice
@@ -130,6 +138,10 @@ class BaseJobAdmin(MigrateFirst, JobPermissions, JobColumns, WaitColumns, ModelA
 
     # ---- list --------------------------------------------------------------------------------
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
+        # Each job read with the database's clock, by which a running one is judged stuck.
+        return with_clock(super().get_queryset(request))
+
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return JobChangeList
 
@@ -164,10 +176,48 @@ class BaseJobAdmin(MigrateFirst, JobPermissions, JobColumns, WaitColumns, ModelA
         extra_context: dict[str, Any] | None = None,
     ) -> HttpResponse:
         job = self.get_object(request, object_id)
+        if request.method == "POST" and "action" in request.POST:
+            return self.job_action_view(request, job, object_id)
         context = {**(extra_context or {}), "job_actions": self.job_actions(request, job)}
         if job is not None and payloads.applies(job) and payloads.may_edit(self, request, job):
-            context["edit_payload_url"] = reverse(self.url_name("edit_payload"), args=[job.pk])
+            refused = payloads.refused(job)
+            if refused:
+                context["edit_payload_refused"] = refused
+            else:
+                context["edit_payload_url"] = reverse(self.url_name("edit_payload"), args=[job.pk])
         return super().change_view(request, object_id, form_url, context)
+
+    def job_action_view(
+        self, request: HttpRequest, job: Job | None, object_id: str
+    ) -> HttpResponse:
+        """A button of the job's page: confirmed on its own page, then back to the job's page."""
+        if job is None:  # Django's page and message for it
+            return self._get_obj_does_not_exist_redirect(  # type: ignore[attr-defined,no-any-return]
+                request, self.opts, object_id
+            )
+        name = request.POST["action"]
+        action = next((a for a in ACTIONS if a.button and a.name == name), None)
+        if action is None or name not in self.get_actions(request):
+            raise PermissionDenied
+        page = request.get_full_path()  # with the list's filters (_changelist_filters)
+        selected = self.get_queryset(request).filter(pk=job.pk)
+        response = perform(self, request, selected, action, cancel_url=page)
+        return response or HttpResponseRedirect(self.after_action(request, job.pk, page))
+
+    def after_action(self, request: HttpRequest, job_id: Any, page: str) -> str:
+        """Where the job's page sends the user once an action is done: back to it; to the job's
+        page under Jobs once it left this list (a replayed dead letter); to the list (with its
+        filters) once its row is gone, or going to a NATS stream (the relay deletes it)."""
+        job = Job.objects.only("status", "queue").filter(pk=job_id).first()
+        if job is None or (job.status == Status.READY and transport_of(job.queue) == NATS):
+            filters = self.get_preserved_filters(request)
+            changelist = reverse(self.url_name("changelist"))
+            return add_preserved_filters(
+                {"opts": self.opts, "preserved_filters": filters}, changelist
+            )
+        if self.get_queryset(request).filter(pk=job_id).exists():
+            return page
+        return reverse("admin:pgjobs_job_change", args=[job_id])
 
     def job_actions(self, request: HttpRequest, job: Job | None) -> list[tuple[str, StrOrPromise]]:
         """The actions the detail page offers for this job: permitted and applicable."""
@@ -267,6 +317,7 @@ class BaseJobAdmin(MigrateFirst, JobPermissions, JobColumns, WaitColumns, ModelA
         context = getattr(response, "context_data", None)
         if context and "cl" in context and IS_POPUP_VAR not in request.GET:
             cl = context["cl"]
+            context["dashboard_url"] = reverse("admin:pgjobs_job_dashboard")
             if self.has_replay_permission(request) and self.offers_replay_matching(request):
                 url = reverse(self.url_name("replay_matching"))
                 context["replay_matching_url"] = url + cl.get_query_string(remove=[PAGE_VAR])
@@ -287,6 +338,10 @@ class JobAdmin(BaseJobAdmin):
         "finished", "error_line",
     ]  # fmt: skip
 
+    def get_urls(self) -> list[Any]:
+        view = self.admin_site.admin_view(partial(dashboard.view, self))
+        return [path("dashboard/", view, name="pgjobs_job_dashboard"), *super().get_urls()]
+
 
 class DeadLetterAdmin(BaseJobAdmin):
     list_display = [
@@ -306,16 +361,26 @@ class DeadLetterAdmin(BaseJobAdmin):
         return (QueueFilter, TaskFilter, ErrorTypeFilter)
 
     def changelist_extra(self, cl: ChangeList) -> dict[str, Any]:
-        """The summary above the list: dead letters (as filtered) by task and error type."""
+        """The summary above the list: dead letters (as filtered) by task and error type. It
+        shows the ten largest groups and the ten that failed last, so that a new error shows
+        however few its jobs, and the rest under a toggle."""
         groups = list(
             newest(cl.queryset)
             .annotate(error_type=ERROR_TYPE)
             .values("task", "error_type")
-            .annotate(jobs=Count("*"))
+            .annotate(jobs=Count("*"), latest=models.Max("finished_at"))
             .order_by("-jobs", "task", "error_type")
         )
         read = sum(group["jobs"] for group in groups)
-        return {"summary": groups[:20], "summary_of_newest": NEWEST if read >= NEWEST else None}
+        last = sorted(groups[10:], key=lambda group: group["latest"], reverse=True)[:10]
+        rest = [group for group in groups[10:] if group not in last]
+        return {
+            "summary": [group for group in groups if group not in rest],
+            "summary_groups": len(groups),
+            "summary_rest": rest,
+            "summary_rest_jobs": sum(group["jobs"] for group in rest),
+            "summary_of_newest": NEWEST if read >= NEWEST else None,
+        }
 
 
 def _running(job: Job | None) -> bool:

@@ -11,16 +11,20 @@ from functools import cached_property
 from typing import Any
 
 from django.contrib import admin
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
 from django.db.models import CharField, F, Func, Q, QuerySet, Subquery, Value
 from django.db.models.functions import Left
 from django.http import HttpRequest
+from django.utils.formats import number_format
 from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry
 from django_pgjobs.conf import get_settings
+from django_pgjobs.data.queryset import JobQuerySet
 from django_pgjobs.models import DeadLetter
+from django_pgjobs.status import Status
 
 #: Up to this many rows a changelist counts exactly; beyond, it shows the planner's estimate.
 EXACT_COUNT_LIMIT = 10_000
@@ -61,6 +65,12 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
         self.estimated = True
         plan = queryset.explain(format="json")
         return max(int(json.loads(plan)[0]["Plan"]["Plan Rows"]), capped)
+
+    @property
+    def rounded_count(self) -> str:
+        """The count as the pages show an estimate: to two significant figures, grouped
+        ("41,000"), as close as the planner's estimate is."""
+        return number_format(round(self.count, 2 - len(str(self.count))), force_grouping=True)
 
 
 class JobChangeList(ChangeList):
@@ -125,3 +135,47 @@ class ErrorTypeFilter(admin.SimpleListFilter):
         return queryset.filter(
             Q(last_error=self.value()) | Q(last_error__startswith=f"{self.value()}:")
         )
+
+
+class StatusFilter(admin.SimpleListFilter):
+    """Each status, and stuck: running jobs whose lease ran out by the database's clock, read
+    from pgjobs_job_running_idx (running jobs only). Its parameter is the one Django's status
+    filter has, so that links such as ?status__exact=failed still work."""
+
+    title = gettext_lazy("status")
+    parameter_name = "status__exact"
+    STUCK = "stuck"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        choices: list[tuple[str, Any]] = []
+        for value, label in Status.choices:
+            choices.append((value, label))
+            if value == Status.RUNNING:
+                choices.append((self.STUCK, gettext_lazy("stuck (lease ran out)")))
+        return choices
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        if value == self.STUCK:
+            assert isinstance(queryset, JobQuerySet)
+            return queryset.expired()
+        if value not in Status.values:  # as Django's own filter answers it: the list's ?e=1
+            raise IncorrectLookupParameters(f"not a status: {value!r}")
+        return queryset.filter(status=value)
+
+
+class WorkerFilter(RegisteredValueFilter):
+    """The jobs a worker holds (running), through pgjobs_job_running_idx, which is keyed on the
+    worker; the job page links here. Shown only while a worker is named."""
+
+    title = gettext_lazy("held by worker")
+    parameter_name = "worker"
+
+    def known(self) -> set[str]:
+        return set()
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        held = super().queryset(request, queryset)
+        return held if self.value() is None else held.filter(status=Status.RUNNING)

@@ -23,6 +23,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
 from django_pgjobs import registry, validation
+from django_pgjobs.admin.actions import handed
 from django_pgjobs.admin.columns import shown_payload
 from django_pgjobs.arguments import check_arguments
 from django_pgjobs.conf import get_settings
@@ -30,6 +31,7 @@ from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.errors import EnqueueError, PayloadMismatch, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
+from django_pgjobs.transports import nats_queues
 
 if TYPE_CHECKING:
     ModelAdmin = admin.ModelAdmin[Job]
@@ -43,6 +45,15 @@ EDITABLE = (Status.FAILED, Status.CANCELLED)
 
 def applies(job: Job) -> bool:
     return job.status in EDITABLE
+
+
+def refused(job: Job) -> str | None:
+    """Why this job's payload cannot be edited though its status allows it, or None."""
+    try:
+        registry.get_task(job.task)
+    except UnknownTask:
+        return _("The task %s is not registered here, so its payload cannot be checked.") % job.task
+    return None
 
 
 class PayloadForm(forms.Form):
@@ -66,13 +77,9 @@ class PayloadForm(forms.Form):
         except ValueError as error:
             raise ValidationError(_("Not valid JSON: %s") % error) from None
         payload = self.unredacted(payload)
-        try:
-            task = registry.get_task(self.job.task)
-        except UnknownTask:
-            raise ValidationError(
-                _("The task %s is not registered here, so its payload cannot be checked.")
-                % self.job.task
-            ) from None
+        if why := refused(self.job):  # unregistered since the page was shown
+            raise ValidationError(why)
+        task = registry.get_task(self.job.task)
         try:
             validation.payload_json(payload, get_settings().MAX_PAYLOAD_BYTES)  # as enqueue
             check_arguments(task.func, task.name, (), payload)
@@ -118,13 +125,21 @@ def edit_payload_view(model_admin: Any, request: HttpRequest, object_id: str) ->
             request, _("Only a failed or cancelled job's payload can be edited."), messages.ERROR
         )
         return HttpResponseRedirect(page)
+    if why := refused(job):
+        model_admin.message_user(request, why, messages.ERROR)
+        return HttpResponseRedirect(page)
     form = PayloadForm(job, request.POST if request.method == "POST" else None)
     stored = _compact(job.payload)
     if request.method == "POST" and form.is_valid() and fix_and_replay(request, job, form):
         if _compact(job.payload) == stored:  # saved as it was: say so, not "changed"
-            model_admin.message_user(request, _("The job replayed, its payload unchanged."))
+            said = _("The job replayed, its payload unchanged.")
         else:
-            model_admin.message_user(request, _("Payload changed, and the job replayed."))
+            said = _("Payload changed, and the job replayed.")
+        nats = nats_queues().get(job.queue)
+        if nats is not None:  # its row goes once relayed: no page to show
+            model_admin.message_user(request, said + handed([nats.stream]))
+            return HttpResponseRedirect(reverse("admin:pgjobs_job_changelist"))
+        model_admin.message_user(request, said)
         # The job's page under Jobs: a replayed job is no longer a dead letter.
         return HttpResponseRedirect(reverse("admin:pgjobs_job_change", args=[job.pk]))
     context = {

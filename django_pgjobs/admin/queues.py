@@ -45,11 +45,26 @@ else:
 
 
 class QueueAdmin(MigrateFirst, ModelAdmin):
-    list_display = ["name", "paused", "max_running", "rate_limit", "updated"]
+    list_display = ["name", "state", "paused", "max_running", "rate_limit", "updated"]
     list_editable = ["paused", "max_running", "rate_limit"]
     search_fields = ["name"]
     ordering = ["name"]
     actions = ["pause", "resume"]
+
+    @admin.display(description=gettext_lazy("state"))
+    def state(self, queue: Queue) -> str:
+        """Whether workers claim the queue's jobs, in words."""
+        if queue.paused:
+            return _("Paused")
+        if queue.max_running == 0:
+            return _("Stopped (max running 0)")
+        return _("Running")
+
+    def get_list_display(self, request: HttpRequest) -> list[Any]:
+        # `paused` is the list's pause toggle. Read-only, it would be Django's boolean icon: a
+        # green tick for a stopped queue; `state` says it in words.
+        editable = self.has_change_permission(request)
+        return [name for name in self.list_display if editable or name != "paused"]
 
     @admin.display(description=gettext_lazy("updated"))
     def updated(self, queue: Queue) -> SafeString | str:
@@ -124,7 +139,12 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        context = {**(extra_context or {}), "report_url": reverse("admin:pgjobs_queue_report")}
+        context = {
+            **(extra_context or {}),
+            "report_url": reverse("admin:pgjobs_queue_report"),
+            # Every queue's size, age, latency and throughput, not only those with controls.
+            "dashboard_url": reverse("admin:pgjobs_job_dashboard"),
+        }
         return super().changelist_view(request, context)
 
     def _charts(self, request: HttpRequest) -> list[Any]:
@@ -190,6 +210,9 @@ class Guarded(ModelForm):
                 with suppress(forms.ValidationError):
                     self.initial[name] = field.to_python(raw)
             field.widget = _showing(field.widget, self.initial.get(name))
+        if "paused" in self.fields:  # in the list, a checkbox without a label of its own
+            label = _("%s paused") % self.instance.pk
+            self.fields["paused"].widget.attrs.update({"aria-label": label, "title": label})
 
     def clean(self) -> dict[str, Any]:
         cleaned: dict[str, Any] = super().clean() or {}

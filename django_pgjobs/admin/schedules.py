@@ -7,8 +7,12 @@ from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
 from django.contrib import admin
+from django.db.models import QuerySet
+from django.db.models.functions import Now
 from django.http import HttpRequest
+from django.utils.html import format_html
 from django.utils.safestring import SafeString
+from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from django_pgjobs import periodic
@@ -46,11 +50,20 @@ class ScheduleAdmin(MigrateFirst, ModelAdmin):
         """The last tick handled, in the active time zone (cron reads the schedule's own)."""
         return times.moment(schedule.last_tick)
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Schedule]:
+        # The database's clock, which workers judge ticks by, read with the rows.
+        return super().get_queryset(request).annotate(now=Now())
+
     @admin.display(description=_("next tick"))
     def next(self, schedule: Schedule) -> SafeString | str:
         """When a worker will next enqueue it, in the active time zone; "—" for a schedule no
-        longer declared."""
-        return times.moment(self.next_tick(schedule))
+        longer declared. Overdue, said so, when it passed on the database's clock: no worker
+        enqueued it."""
+        tick = self.next_tick(schedule)
+        if tick is not None and tick < schedule.now:  # type: ignore[attr-defined]
+            overdue = gettext("<strong>Overdue</strong> since {}: no worker has enqueued it.")
+            return format_html(overdue, times.moment(tick))
+        return times.moment(tick)
 
     def next_tick(self, schedule: Schedule) -> datetime | None:
         """When a worker will next enqueue it; none for a schedule no longer declared."""

@@ -25,18 +25,22 @@ def full(value: datetime | None) -> str:
 def age(value: datetime, now: datetime | None = None) -> str:
     """How long ago `value` was ("3 min ago"), or how soon it comes ("in 20 s")."""
     seconds = ((now or timezone.now()) - value).total_seconds()
-    amount = abs(seconds)
-    if amount < 1:
+    if abs(seconds) < 1:
         return _("now")
-    if amount < 60:
-        span = ngettext("%d s", "%d s", int(amount)) % amount
-    elif amount < 3600:
-        span = ngettext("%d min", "%d min", int(amount // 60)) % (amount // 60)
-    elif amount < 86400:
-        span = ngettext("%d h", "%d h", int(amount // 3600)) % (amount // 3600)
-    else:
-        span = ngettext("%d day", "%d days", int(amount // 86400)) % (amount // 86400)
-    return (_("in %s") if seconds < 0 else _("%s ago")) % span
+    # The amount and its unit never part: a narrow list column breaks "10 min ago" before "ago".
+    amount = span(abs(seconds)).replace(" ", "\N{NO-BREAK SPACE}")
+    return (_("in %s") if seconds < 0 else _("%s ago")) % amount
+
+
+def span(seconds: float) -> str:
+    """A length of time in its largest whole unit: "0 s", "20 s", "3 min", "2 h", "4 days"."""
+    if seconds < 60:
+        return ngettext("%d s", "%d s", int(seconds)) % seconds
+    if seconds < 3600:
+        return ngettext("%d min", "%d min", int(seconds // 60)) % (seconds // 60)
+    if seconds < 86400:
+        return ngettext("%d h", "%d h", int(seconds // 3600)) % (seconds // 3600)
+    return ngettext("%d day", "%d days", int(seconds // 86400)) % (seconds // 86400)
 
 
 def moment(value: datetime | None) -> SafeString | str:

@@ -17,7 +17,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
 from django_pgjobs.admin import members
-from django_pgjobs.admin.columns import status_text
+from django_pgjobs.admin.columns import STATE_FIELDS, status_text, with_clock
 from django_pgjobs.data.rows import Unreadable
 from django_pgjobs.models import Batch, Dependency, Job
 
@@ -68,7 +68,7 @@ def _read(job: Job) -> Related:
     if len(found) > DEPENDENCIES_SHOWN:
         found = found[:DEPENDENCIES_SHOWN]
         more = Dependency.objects.filter(job_id=job.pk).count() - DEPENDENCIES_SHOWN
-    jobs = Job.objects.only("id", "task", "status", "cancel_requested").in_bulk(
+    jobs = with_clock(Job.objects.only(*STATE_FIELDS)).in_bulk(
         [d.after_job_id for d in found if d.after_job_id]
     )
     batches = Batch.objects.in_bulk([d.after_batch_id for d in found if d.after_batch_id])

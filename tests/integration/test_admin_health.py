@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.test import Client
@@ -161,7 +163,7 @@ def test_charts_that_cannot_be_drawn_in_time_leave_the_report_page_and_say_so(
 
     settings.PGJOBS = {"HEALTH": {"REPORT_STATEMENT_SECONDS": 0.2}}
     monkeypatch.setattr(charts, "SERIES_SQL", charts.SERIES_SQL.replace(
-        "WHERE at >", "WHERE pg_sleep(1)::text IS NOT NULL AND at >"
+        "WHERE kind", "WHERE pg_sleep(1)::text IS NOT NULL AND kind"
     ))  # fmt: skip
     QueueStat.objects.create(seconds=10, worker="host:1:aa", queue="default", succeeded=1)
     page = admin_client.get(REPORT)
@@ -193,3 +195,23 @@ def test_saving_a_queue_another_session_holds_gives_up_and_says_so(
     assert said and "canceling statement due to lock timeout" in said[0], said
     other_connection.execute("ROLLBACK")
     assert Queue.objects.get().max_running is None
+
+
+@pytest.mark.django_db
+def test_the_queue_list_says_running_or_paused_in_words_and_labels_the_pause_toggle():
+    # A viewer saw `paused` as Django's boolean icon: a green tick for a paused queue, a red
+    # cross for a running one.
+    Queue.objects.create(name="emails")
+    Queue.objects.create(name="reports", paused=True)
+    Queue.objects.create(name="batch", max_running=0)
+    viewer = staff("view_queue").get(QUEUES).content.decode()
+    assert re.findall(r'<td class="field-state">(.*?)</td>', viewer) == [
+        "Stopped (max running 0)", "Running", "Paused",
+    ]  # fmt: skip
+    assert "field-paused" not in viewer and "icon-yes.svg" not in viewer
+    pauser = staff("view_queue", "change_queue", "pause_queue").get(QUEUES).content.decode()
+    assert re.findall(r'<td class="field-state">(.*?)</td>', pauser) == [
+        "Stopped (max running 0)", "Running", "Paused",
+    ]  # fmt: skip
+    toggle = re.search(r'<input type="checkbox" name="form-2-paused"[^>]*>', pauser)
+    assert toggle and 'aria-label="reports paused"' in toggle[0] and "checked" in toggle[0]

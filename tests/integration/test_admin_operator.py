@@ -8,10 +8,12 @@ import html
 import pytest
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.urls import reverse
+from django.utils import dateformat, timezone
+from django.utils.formats import get_format
 
 from django_pgjobs import registry
 from django_pgjobs.admin import actions
-from django_pgjobs.models import Job, QueueStat
+from django_pgjobs.models import Job, Queue, QueueStat
 from django_pgjobs.status import Status
 from tests.factories import JobFactory
 from tests.integration.test_admin import DEAD, JOBS, act, log_for, messages_of, reload
@@ -147,6 +149,24 @@ def test_a_replay_joins_the_history_with_who_when_and_the_queue_and_clears_the_l
     page = admin_client.get(reverse("admin:pgjobs_job_change", args=[job.pk])).content.decode()
     assert "Replayed" in page and f"by {admin_user.username}" in page
     assert "into queue emails" in page
+
+
+def test_the_history_pages_name_the_time_zone_of_their_times(admin_client, settings):
+    # Django's History page showed "Dec. 5, 2026, 3:10 p.m." with no zone, beside job pages
+    # that name theirs.
+    settings.TIME_ZONE = "America/New_York"
+    job = JobFactory(dead=True)
+    act(admin_client, DEAD, "replay", [job])
+    logged = LogEntry.objects.get().action_time
+    page = admin_client.get(reverse("admin:pgjobs_job_history", args=[job.pk])).content.decode()
+    assert '<th scope="col">Date/time (America/New_York)</th>' in page
+    shown = dateformat.format(timezone.localtime(logged), get_format("DATETIME_FORMAT"))
+    assert f'<th scope="row">{shown}</th>' in page
+    Queue.objects.create(name="emails")  # and the other models' history pages alike
+    queues = reverse("admin:pgjobs_queue_changelist")
+    admin_client.post(queues, {"action": "pause", "_selected_action": ["emails"]})
+    queue = admin_client.get(reverse("admin:pgjobs_queue_history", args=["emails"]))
+    assert "Date/time (America/New_York)" in queue.content.decode()
 
 
 def test_the_replay_entries_keep_the_history_bounded(settings):

@@ -134,3 +134,29 @@ def test_when_replay_would_not_take_the_job_the_payload_is_not_changed_either():
     assert "Nothing changed: the job was not replayed" in html.unescape(response.content.decode())
     assert (reload(dead).status, reload(dead).payload) == (Status.FAILED, {})
     assert not LogEntry.objects.exists()
+
+
+def test_a_job_of_an_unregistered_task_is_not_offered_the_payload_edit_and_says_why():
+    job = JobFactory(dead=True, task="shop.tasks.retired", payload={})
+    editor = staff(*EDITORS)
+    content = html.unescape(editor.get(page_url(job)).content.decode())
+    assert edit_url(job) not in content
+    assert 'title="The task shop.tasks.retired is not registered here, so its payload' in content
+    response = editor.get(edit_url(job), follow=True)
+    assert response.redirect_chain == [(page_url(job), 302)]
+    assert messages_of(response) == [
+        "The task shop.tasks.retired is not registered here, so its payload cannot be checked."
+    ]
+
+
+def test_a_corrected_job_of_a_nats_queue_is_said_handed_to_its_stream_and_leads_to_the_list(
+    settings,
+):
+    settings.PGJOBS = {**settings.PGJOBS, "QUEUES": {"events": {"TRANSPORT": "nats"}}}
+    job = JobFactory(dead=True, task="tests.tasks.send_email", payload={}, queue="events")
+    response = post(staff(*EDITORS), job, {"to": "ada@example.com"})
+    assert response.redirect_chain == [(reverse("admin:pgjobs_job_changelist"), 302)]
+    assert messages_of(response) == [
+        "Payload changed, and the job replayed. 1 went to NATS JetStream (PGJOBS_events): its "
+        "row leaves the job table once relayed."
+    ]

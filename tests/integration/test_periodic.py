@@ -10,6 +10,7 @@ import pytest
 from django.db import OperationalError, connection
 from django.db.models.functions import Now
 from django.urls import reverse
+from django.utils import timezone
 
 from django_pgjobs.models import Job, Schedule
 from django_pgjobs.periodic import MAX_WAIT, Periodic
@@ -165,6 +166,27 @@ def test_schedules_in_the_admin_are_read_only_with_their_next_tick(admin_client,
     assert reverse("admin:pgjobs_schedule_add") not in page
     detail = admin_client.get(reverse("admin:pgjobs_schedule_change", args=["report"]))
     assert detail.status_code == 200 and 'name="_save"' not in detail.content.decode()
+
+
+def test_a_schedule_whose_next_tick_passed_on_the_database_clock_is_flagged_overdue(
+    admin_client, settings, monkeypatch
+):
+    # A next tick in the past (no worker running them) read as any other next tick.
+    settings.PGJOBS = {"PERIODIC": {
+        "hourly": {"task": "tests.tasks.periodic_tick", "cron": "0 * * * *", "pass_tick": True},
+        "report": {"task": "tests.tasks.periodic_tick", "cron": YEARLY, "pass_tick": True},
+    }}  # fmt: skip
+    Scheduler("default").enqueue_due()
+    rewind("hourly", timedelta(hours=3))  # as if no worker had run since
+    last_tick = Schedule.objects.get(name="hourly").last_tick
+    tick = (last_tick + timedelta(hours=1)).replace(minute=0, second=0, microsecond=0)
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - timedelta(days=1))  # app behind
+    page = admin_client.get(reverse("admin:pgjobs_schedule_changelist")).content.decode()
+    hourly, report = page.split('<td class="field-next">')[1:]
+    overdue = f'<strong>Overdue</strong> since <time datetime="{tick.isoformat()}">'
+    assert hourly.startswith(overdue) and "no worker has enqueued it." in hourly.split("</td>")[0]
+    assert "Overdue" not in report
 
 
 def test_a_step_back_of_the_machines_wall_clock_does_not_move_the_schedulers_now(monkeypatch):

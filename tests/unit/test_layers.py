@@ -57,7 +57,7 @@ NEVER = {
 }
 
 #: (c) Inside observability/, each module imports only those before it (as its __init__ lists).
-OBSERVABILITY_ORDER = ("stats", "dbstats", "load", "figures", "health", "report")
+OBSERVABILITY_ORDER = ("stats", "dbstats", "load", "figures", "health", "report", "tasks")
 
 #: (d) The only modules outside jetstream/ that import it (or nats), each only when a queue uses
 #: NATS: jetstream/ needs nats-py, which a project without such queues does not install.
