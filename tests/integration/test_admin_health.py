@@ -215,3 +215,14 @@ def test_the_queue_list_says_running_or_paused_in_words_and_labels_the_pause_tog
     ]  # fmt: skip
     toggle = re.search(r'<input type="checkbox" name="form-2-paused"[^>]*>', pauser)
     assert toggle and 'aria-label="reports paused"' in toggle[0] and "checked" in toggle[0]
+
+
+@pytest.mark.django_db
+def test_each_live_worker_on_the_report_links_to_the_jobs_it_holds(admin_client):
+    QueueStat.objects.create(seconds=10, worker="web-1:7:a&b", queue="emails")
+    JobFactory(running=True, worker="web-1:7:a&b", queue="emails")
+    JobFactory(running=True, worker="web-2:9:c", queue="emails")
+    page = admin_client.get(REPORT).content.decode()
+    link = f"{reverse('admin:pgjobs_job_changelist')}?worker=web-1%3A7%3Aa%26b"
+    assert f'href="{link}"' in page
+    assert admin_client.get(link).context["cl"].result_count == 1
