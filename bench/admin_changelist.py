@@ -34,6 +34,8 @@ SHOP = "example_project.shop.tasks."
 TASKS = [f"{SHOP}send_confirmation", f"{SHOP}charge_card", f"{SHOP}issue_invoice"]
 RARE_TASK, RARE_EVERY = f"{SHOP}notify_warehouse", 10_000
 QUEUES = ["default", "emails", "payments"]
+#: The newest jobs: running (of which STUCK with their lease run out), and a backlog before them.
+RUNNING, STUCK, BACKLOG = 300, 40, 20_000
 TRACEBACK = 'Traceback (most recent call last):\n  File "shop/tasks.py", line 31\n' * 40
 
 
@@ -153,7 +155,9 @@ STATS = """
 
 
 def row(n: int, rows: int, now_ms: int) -> tuple[Any, ...]:
-    """Job n of rows, one millisecond apart, oldest first; ~2% failed, 5% ready, 1% running."""
+    """Job n of rows, one second apart, oldest first, as an operator's table looks: 5% dead
+    letters (30 error types), 1% cancelled, the rest succeeded; but the newest 300 running
+    (40 of them with their lease run out) and the 20,000 before them ready, a backlog."""
     ms = now_ms - (rows - n) * 1000
     job_id = uuid.UUID(int=(ms << 80) | (0x7 << 76) | (0x2 << 62) | (n & ((1 << 62) - 1)))
     at = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(ms / 1000))
@@ -161,26 +165,23 @@ def row(n: int, rows: int, now_ms: int) -> tuple[Any, ...]:
     if n % RARE_EVERY == 5:
         task = RARE_TASK
     payload = json.dumps({"order_id": n, "email": f"user{n}@example.com", "note": "x" * 300})
-    kind = n % 100
+    newest, kind = rows - n, n % 100
     status, attempts, lease, worker, error, errors, finished = (
-        "succeeded",
-        1,
-        None,
-        None,
-        "",
-        "[]",
-        at,
-    )
-    if kind < 2:
-        status, attempts, error = "failed", 5, "ConnectionError: upstream timed out after 30s"
-        entry = {"attempt": 5, "at": at, "worker": "web-1:77:1", "type": "ConnectionError",
+        "succeeded", 1, None, None, "", "[]", at,
+    )  # fmt: skip
+    if newest <= RUNNING:
+        later = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(now_ms / 1000 + 300))
+        lease = at if newest > RUNNING - STUCK else later
+        status, worker, finished = "running", "web-2:91:3", None
+    elif newest <= RUNNING + BACKLOG:
+        status, attempts, finished = "ready", 0, None
+    elif kind < 5:
+        kind_of = f"Error{n % 30}"
+        status, attempts, error = "failed", 5, f"{kind_of}: upstream timed out after 30s"
+        entry = {"attempt": 5, "at": at, "worker": "web-1:77:1", "type": kind_of,
                  "message": "upstream timed out after 30s", "traceback": TRACEBACK}  # fmt: skip
         errors = json.dumps([entry] * 5)
-    elif kind < 7:
-        status, attempts, finished = "ready", 0, None
-    elif kind < 8:
-        status, lease, worker, finished = "running", at, "web-2:91:3", None
-    elif kind < 10:
+    elif kind < 6:
         status, attempts = "cancelled", 0
     return (
         job_id, queue, task, payload, status, 0, at, attempts, 5, lease, worker, error, errors,
@@ -249,6 +250,47 @@ def report(repeat: int) -> None:
     label = "exact COUNT(*) (reference)"
     print(f"{label:<26}{statistics.median(times):>10.1f}{max(times):>9.1f}")
     time_large_replay(client, repeat)
+    time_report_writes()
+
+
+def time_report_writes(pairs: int = 200, queues: int = 50) -> None:
+    """What the rollup's trigger costs a worker's report of `queues` queues: the report's insert
+    with the trigger and without it, in turns (each pair's order alternating), each statement
+    on its own as workers write them; its rows and their rollup removed afterwards."""
+    import psycopg
+    from django.db import connection
+
+    report = (
+        "INSERT INTO pgjobs_queuestat (at, seconds, worker, queue, claimed, succeeded, retried,"
+        " failed, latency_buckets, yielded, tasks)"
+        " SELECT now(), 10, %s, 'write-' || q, 20, 18, 1, 1,"
+        " '[0, 2, 6, 8, 3, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]', 0,"
+        " jsonb_build_object('write.task', jsonb_build_object('succeeded', 18, 'retried', 1,"
+        " 'failed', 1, 'durations', '[0, 3, 8, 5, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]'::jsonb))"
+        " FROM generate_series(1, %s) AS q"
+    )
+    toggle = "ALTER TABLE pgjobs_queuestat {} TRIGGER pgjobs_queuestat_roll_up"
+    settings = connection.settings_dict
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with psycopg.connect(
+        host=settings["HOST"] or None, port=settings["PORT"] or None, user=settings["USER"],
+        dbname=settings["NAME"], autocommit=True,
+    ) as raw:  # fmt: skip
+        for n in range(pairs):
+            for rolled in (True, False) if n % 2 else (False, True):
+                raw.execute(toggle.format("ENABLE" if rolled else "DISABLE"))
+                started = time.perf_counter()
+                raw.execute(report, [f"bench-write-{n % 100}", queues])
+                times[rolled].append((time.perf_counter() - started) * 1000)
+        raw.execute(toggle.format("ENABLE"))
+        raw.execute("DELETE FROM pgjobs_queuestat WHERE worker LIKE 'bench-write-%%'")
+        raw.execute("DELETE FROM pgjobs_rollup WHERE name LIKE 'write-%%'")
+        raw.execute("DELETE FROM pgjobs_worker WHERE name LIKE 'bench-write-%%'")
+    with_, without = statistics.median(times[True]), statistics.median(times[False])
+    print(
+        f"a report of {queues} queues: {with_:.1f} ms with the rollup, {without:.1f} ms without"
+        f" ({pairs} pairs)"
+    )
 
 
 def time_large_replay(client: Any, repeat: int, dead: int = 200_000) -> None:

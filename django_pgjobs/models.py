@@ -351,6 +351,9 @@ class Worker(models.Model):
     seconds = models.FloatField()  # the interval its last report covered
     queues = ArrayField(models.CharField(max_length=100), default=list)
     stopped = models.BooleanField(default=False)
+    #: Per queue of its last report: its seconds, those it yielded, the rate it was allowed
+    #: (jobs/s), the jobs it claimed, and the application's open transaction time and baseline.
+    yielding = models.JSONField(null=True, blank=True)
 
     class Meta:
         verbose_name = _("worker")

@@ -52,9 +52,13 @@ ROLL_UP_ROWS = """
         latency = pgjobs_add_buckets(r.latency, EXCLUDED.latency),
         durations = pgjobs_add_buckets(r.durations, EXCLUDED.durations);
 
-    INSERT INTO pgjobs_worker AS w (name, seen_at, seconds, queues, stopped)
+    INSERT INTO pgjobs_worker AS w (name, seen_at, seconds, queues, stopped, yielding)
     SELECT worker, max(at), max(seconds), array_agg(DISTINCT queue ORDER BY queue),
-           bool_or(seconds = 0)
+           bool_or(seconds = 0),
+           jsonb_object_agg(queue, jsonb_build_object(
+               'seconds', seconds, 'yielded', yielded, 'allowed', allowed, 'claimed', claimed,
+               'open_ms', open_ms, 'baseline_ms', baseline_ms
+           )) FILTER (WHERE seconds > 0)
     FROM {rows} AS added WHERE seconds >= 0 AND seconds < 'Infinity'
     GROUP BY worker ORDER BY worker
     ON CONFLICT (name) DO UPDATE SET
@@ -62,7 +66,11 @@ ROLL_UP_ROWS = """
         seconds = CASE WHEN EXCLUDED.seen_at >= w.seen_at AND EXCLUDED.seconds > 0
                        THEN EXCLUDED.seconds ELSE w.seconds END,
         queues = ARRAY(SELECT DISTINCT unnest(w.queues || EXCLUDED.queues) ORDER BY 1),
-        stopped = w.stopped OR EXCLUDED.stopped;
+        stopped = w.stopped OR EXCLUDED.stopped,
+        yielding = CASE WHEN EXCLUDED.seen_at >= w.seen_at
+                        THEN COALESCE(w.yielding || EXCLUDED.yielding, w.yielding, EXCLUDED.yielding)
+                        ELSE COALESCE(EXCLUDED.yielding || w.yielding, w.yielding, EXCLUDED.yielding)
+                   END;
 """
 ROLL_UP = """
 -- Every report updates the rows of its minute and hour: room on their pages keeps the updates
@@ -141,6 +149,7 @@ class Migration(migrations.Migration):
                 ('seconds', models.FloatField()),
                 ('queues', django.contrib.postgres.fields.ArrayField(base_field=models.CharField(max_length=100), default=list, size=None)),
                 ('stopped', models.BooleanField(default=False)),
+                ('yielding', models.JSONField(blank=True, null=True)),
             ],
             options={
                 'verbose_name': 'worker',

@@ -383,20 +383,18 @@ def worker_stats(db: str | None = None) -> list[WorkerStats]:
         ]
 
 
-# Each live worker's last report per queue, in the last minute (rows of seconds = 0 say it
-# stopped); the queue's figures are their sums (jobs/s) and averages (the signal: one database).
+# Each live worker's last report per queue (pgjobs_worker's yielding), if within the last
+# minute; the queue's figures are their sums (jobs/s) and averages (the signal: one database).
 YIELD_SQL = """
-    WITH recent AS (
-        SELECT * FROM pgjobs_queuestat
-        WHERE at > now() - make_interval(secs => %(window)s) AND at <= statement_timestamp()
-    ), latest AS (
-        SELECT DISTINCT ON (worker, queue) * FROM recent
-        WHERE seconds > 0 AND worker NOT IN (SELECT worker FROM recent WHERE seconds = 0)
-        ORDER BY worker, queue, at DESC
-    )
-    SELECT queue, count(*), count(allowed), sum(yielded) / sum(seconds), sum(allowed),
-           sum(claimed / seconds), avg(open_ms), avg(baseline_ms)
-    FROM latest GROUP BY queue ORDER BY queue
+    SELECT q.key, count(*), count(r.allowed), sum(r.yielded) / sum(r.seconds), sum(r.allowed),
+           sum(r.claimed / r.seconds), avg(r.open_ms), avg(r.baseline_ms)
+    FROM pgjobs_worker AS w
+    CROSS JOIN jsonb_each(w.yielding) AS q
+    CROSS JOIN jsonb_to_record(q.value) AS r(seconds float, yielded float, allowed float,
+                                             claimed float, open_ms float, baseline_ms float)
+    WHERE w.seen_at > now() - make_interval(secs => %(window)s)
+      AND w.seen_at <= statement_timestamp() AND NOT w.stopped AND r.seconds > 0
+    GROUP BY q.key ORDER BY q.key
 """
 
 

@@ -499,7 +499,7 @@ def test_the_detail_page_shows_the_kept_result_and_when_the_attempt_started(admi
         ("pgjobs_job", DEAD),
         ("pgjobs_job", REPLAY_MATCHING),
         ("pgjobs_queue", reverse("admin:pgjobs_queue_changelist")),
-        ("pgjobs_queuestat", reverse("admin:pgjobs_queue_report")),
+        ("pgjobs_rollup", reverse("admin:pgjobs_queue_report")),
         ("pgjobs_schedule", reverse("admin:pgjobs_schedule_changelist")),
     ],
 )
