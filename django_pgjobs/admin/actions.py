@@ -78,7 +78,9 @@ class Action:
         def action(
             model_admin: admin.ModelAdmin[Any], request: HttpRequest, queryset: QuerySet[Any]
         ) -> HttpResponse | None:
-            return perform(model_admin, request, queryset, self)
+            # "Select all" asks for every job the list matches: a large action runs as a job.
+            whole = request.POST.get("select_across") == "1"
+            return perform(model_admin, request, queryset, self, whole=whole)
 
         action.__name__ = self.name
         return admin.action(description=self.description, permissions=[self.permission])(action)
@@ -168,17 +170,22 @@ def perform(
     action: Action,
     *,
     cancel_url: str | None = None,
+    whole: bool = False,
 ) -> HttpResponse | None:
     """Ask for confirmation (and the action's options), then apply and report. None sends the
-    user back to the list, as Django's actions do; `cancel_url`: where "No" goes instead."""
+    user back to the list, as Django's actions do; `cancel_url`: where "No" goes instead.
+    `whole`: the queryset is every job the list matches for this request's filters, which past
+    operations.LARGE jobs is changed by a job (operations.py)."""
     confirmed = "post" in request.POST
     form = action.form(request.POST if confirmed else None) if action.form else None
     if not confirmed or (form is not None and not form.is_valid()):
-        return confirm(model_admin, request, queryset, action, form, cancel_url=cancel_url)
+        return confirm(
+            model_admin, request, queryset, action, form, cancel_url=cancel_url, whole=whole
+        )
     options = form.options() if isinstance(form, ActionForm) else {}
     if action.by_user:
         options["by"] = request.user.get_username()
-    if operations.whole(request) and (count := queryset.count()) > operations.LARGE:
+    if whole and (count := queryset.count()) > operations.LARGE:
         return operations.start(
             model_admin, request, str(action.title), action.transition.__name__,
             action.permission, count, options,
@@ -310,6 +317,7 @@ def confirm(
     form: forms.Form | None = None,
     *,
     cancel_url: str | None = None,
+    whole: bool = False,
 ) -> TemplateResponse:
     """The intermediate page of a bulk action: what it does, to how many jobs."""
     count = queryset.count()
@@ -325,7 +333,7 @@ def confirm(
         "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
         "select_across": request.POST.get("select_across") == "1",
         "cancel_url": cancel_url or changelist_url(model_admin, request),
-        "as_a_job": operations.whole(request) and count > operations.LARGE,
+        "as_a_job": whole and count > operations.LARGE,
     }
     return TemplateResponse(request, "admin/pgjobs/confirm_action.html", context)
 

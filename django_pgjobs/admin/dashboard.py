@@ -26,14 +26,13 @@ from django_pgjobs.observability import stats, tasks
 from django_pgjobs.observability.figures import limited
 from django_pgjobs.status import Status
 
-#: The states shown (QueueDepth's fields), with the Jobs list's status filter that lists them:
-#: due, scheduled and retrying jobs are all ready ones.
+#: The states shown (QueueDepth's fields), with the Jobs list's status filter that lists them.
 STATES = (
-    ("due", gettext_lazy("due"), Status.READY),
-    ("scheduled", gettext_lazy("scheduled"), Status.READY),
+    ("due", gettext_lazy("due"), "due"),
+    ("scheduled", gettext_lazy("scheduled"), "scheduled"),
     ("running", gettext_lazy("running"), Status.RUNNING),
     ("expired", gettext_lazy("stuck"), "stuck"),
-    ("retrying", gettext_lazy("retrying"), Status.READY),
+    ("retrying", gettext_lazy("retrying"), "retrying"),
     ("failed", gettext_lazy("dead"), Status.FAILED),
 )
 #: Seconds between two loads of the page while live refresh is on.

@@ -307,7 +307,7 @@ class BaseJobAdmin(MigrateFirst, JobPermissions, JobColumns, WaitColumns, ModelA
             return HttpResponseRedirect(
                 f"{changelist_url(self, request).split('?')[0]}?{ERROR_FLAG}=1"
             )
-        response = perform(self, request, cl.get_queryset(request), REPLAY)
+        response = perform(self, request, cl.get_queryset(request), REPLAY, whole=True)
         return response or HttpResponseRedirect(changelist_url(self, request))
 
     def changelist_view(

@@ -15,7 +15,7 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
 from django.db.models import CharField, F, Func, Q, QuerySet, Subquery, Value
-from django.db.models.functions import Left
+from django.db.models.functions import Left, Now
 from django.http import HttpRequest
 from django.utils.formats import number_format
 from django.utils.translation import gettext_lazy
@@ -138,18 +138,27 @@ class ErrorTypeFilter(admin.SimpleListFilter):
 
 
 class StatusFilter(admin.SimpleListFilter):
-    """Each status, and stuck: running jobs whose lease ran out by the database's clock, read
-    from pgjobs_job_running_idx (running jobs only). Its parameter is the one Django's status
-    filter has, so that links such as ?status__exact=failed still work."""
+    """Each status; the ready ones also as due, scheduled (for later) and retrying (after a
+    failed attempt), as the dashboard counts them; and stuck: running jobs whose lease ran out.
+    Times by the database's clock. Its parameter is the one Django's status filter has, so that
+    links such as ?status__exact=failed still work."""
 
     title = gettext_lazy("status")
     parameter_name = "status__exact"
     STUCK = "stuck"
+    #: The ready jobs' parts: each a choice of its own, listed after "ready".
+    READY_PARTS = {
+        "due": (gettext_lazy("ready, due"), Q(run_at__lte=Now())),
+        "scheduled": (gettext_lazy("ready, scheduled for later"), Q(run_at__gt=Now())),
+        "retrying": (gettext_lazy("ready, retrying"), Q(attempts__gt=0)),
+    }
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
         choices: list[tuple[str, Any]] = []
         for value, label in Status.choices:
             choices.append((value, label))
+            if value == Status.READY:
+                choices += [(part, label) for part, (label, _) in self.READY_PARTS.items()]
             if value == Status.RUNNING:
                 choices.append((self.STUCK, gettext_lazy("stuck (lease ran out)")))
         return choices
@@ -158,6 +167,8 @@ class StatusFilter(admin.SimpleListFilter):
         value = self.value()
         if value is None:
             return queryset
+        if value in self.READY_PARTS:
+            return queryset.filter(self.READY_PARTS[value][1], status=Status.READY)
         if value == self.STUCK:
             assert isinstance(queryset, JobQuerySet)
             return queryset.expired()

@@ -18,7 +18,8 @@ from django.contrib import admin, messages
 from django.contrib.admin.models import ADDITION, LogEntry
 from django.contrib.admin.views.main import PAGE_VAR
 from django.contrib.auth import get_user_model
-from django.core.exceptions import ObjectDoesNotExist
+from django.contrib.messages.storage.cookie import CookieStorage
+from django.core.exceptions import FieldError, ObjectDoesNotExist
 from django.db import connections, router, transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
@@ -27,20 +28,17 @@ from django.utils.dateparse import parse_datetime
 from django.utils.translation import gettext as _
 
 from django_pgjobs import registry
+from django_pgjobs.errors import JobCancelled
 from django_pgjobs.models import Job
 from django_pgjobs.observability import stats
-from django_pgjobs.runtime.execute import progress
+from django_pgjobs.runtime.execute import cancel_requested, progress
 
 #: Past this many jobs, an action over every job a list matches runs as a job.
 LARGE = 5000
 #: Jobs changed per transaction by the operation.
 OPERATION_BATCH = 1000
-
-
-def whole(request: HttpRequest) -> bool:
-    """Whether an action's request is over a whole list ("Select all", "Replay all matching"),
-    not over rows ticked one by one: past LARGE jobs, such an action runs as a job."""
-    return request.POST.get("select_across") == "1" or not request.POST.getlist("_selected_action")
+#: How long the operation waits for a row another session holds, before it is retried later.
+OPERATION_LOCK_WAIT = "5s"
 
 
 def start(
@@ -92,10 +90,10 @@ def start(
     return HttpResponseRedirect(reverse("admin:pgjobs_job_change", args=[job.pk]))
 
 
-# Its user gone or no longer allowed: no retry changes that.
+# Its user gone or no longer allowed, or a filter the list no longer has: no retry changes that.
 @registry.task(
     name="django_pgjobs.operate", max_attempts=25,
-    permanent_errors=(PermissionError, ObjectDoesNotExist),
+    permanent_errors=(PermissionError, ObjectDoesNotExist, FieldError),
 )  # fmt: skip
 def operate(
     *, transition: str, permission: str, model: str, query: str, user: Any, before: str,
@@ -116,8 +114,13 @@ def operate(
     last = None
     ids = jobs.order_by("pk").values_list("pk", flat=True)
     rows = Job.objects.all()
+    db = router.db_for_write(Job)
     while batch := list((ids if last is None else ids.filter(pk__gt=last))[:OPERATION_BATCH]):
-        with transaction.atomic(using=router.db_for_write(Job)):
+        if cancel_requested():  # the operator cancelled this job: stop between two batches
+            raise JobCancelled(f"cancelled after {done:,} of {total:,} jobs")
+        with transaction.atomic(using=db):
+            with connections[db].cursor() as cursor:  # a row held: given up, tried again later
+                cursor.execute("SET LOCAL lock_timeout = %s", [OPERATION_LOCK_WAIT])
             changed += len(getattr(rows.filter(pk__in=batch), transition)(**options))
         done, last = done + len(batch), batch[-1]
         progress(min(done, total), total)
@@ -130,6 +133,8 @@ def matching(model: str, query: str, user: Any, permission: str) -> QuerySet[Job
     request = HttpRequest()
     request.method = "GET"
     request.GET = QueryDict(query)
+    # What the list says of its filters (a NUL in a search) is not shown to anyone.
+    request._messages = CookieStorage(request)  # type: ignore[attr-defined]
     request.user = get_user_model()._default_manager.get(pk=user)
     allowed = getattr(model_admin, f"has_{permission}_permission")
     if not (model_admin.has_view_permission(request) and allowed(request)):
