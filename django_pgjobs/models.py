@@ -128,9 +128,11 @@ class Job(models.Model):
             models.Index(
                 fields=["id"], name="pgjobs_job_waiting_idx", condition=Q(status=Status.WAITING)
             ),
-            # Dead letters, newest first, without scanning the finished history.
+            # Dead letters, newest first, without scanning the finished history; counted by queue
+            # and task from the index alone (the report, the dashboard).
             models.Index(
                 fields=["-id"],
+                include=["queue", "task"],
                 name="pgjobs_job_dead_idx",
                 condition=Q(status=Status.FAILED),
             ),

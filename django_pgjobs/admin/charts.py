@@ -23,7 +23,6 @@ from django.utils.safestring import mark_safe
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from django_pgjobs.admin import times
 from django_pgjobs.observability.figures import limited
 from django_pgjobs.observability.stats import job_database, latency_quantile
 
@@ -129,7 +128,7 @@ class Chart:
                 if s["values"][index] is not None
             ]
             if shown:
-                when = times.full(datetime.fromtimestamp(self.slots[index] * self.step, UTC))
+                when = self.label(index)  # the zone is in the caption
                 points.append({
                     "x": f"{self.x(index) - width / 2:.1f}", "width": f"{width:.1f}",
                     "title": f"{when} · {'; '.join(shown)}",

@@ -180,6 +180,7 @@ class QueueAdmin(MigrateFirst, ModelAdmin):
             "charts": self._charts(request),
             "activity": reports.activity_rows(report),
             "alive": report.alive,
+            "jobs_url": reverse("admin:pgjobs_job_changelist"),
             "silent": report.silent,
             "stopped": report.stopped,
             "load": report.load,
