@@ -187,9 +187,8 @@ def perform(
         options["by"] = request.user.get_username()
     if whole and (count := queryset.count()) > operations.LARGE:
         return operations.start(
-            model_admin, request, str(action.title), action.transition.__name__,
-            action.permission, count, options,
-        )  # fmt: skip
+            model_admin, request, str(action.title), action.transition.__name__, count, options
+        )
     logged: str | Callable[[Any], str]
     if action.logged_for is not None:
         logged_for = action.logged_for

@@ -33,6 +33,9 @@ from django_pgjobs.models import Job
 from django_pgjobs.observability import stats
 from django_pgjobs.runtime.execute import cancel_requested, progress
 
+#: The JobQuerySet transitions an operation may carry out, and the permission each needs: its
+#: payload names one (a payload can be edited, so it names nothing else).
+TRANSITIONS = {"replay": "replay", "run_now": "run_now", "cancel": "cancel", "discard": "delete"}
 #: Past this many jobs, an action over every job a list matches runs as a job.
 LARGE = 5000
 #: Jobs changed per transaction by the operation.
@@ -43,7 +46,7 @@ OPERATION_LOCK_WAIT = "5s"
 
 def start(
     model_admin: admin.ModelAdmin[Any], request: HttpRequest, title: str, transition: str,
-    permission: str, count: int, options: dict[str, Any],
+    count: int, options: dict[str, Any],
 ) -> HttpResponse:  # fmt: skip
     """Enqueue the operation (`title`: the action's) for the list as this request filters it,
     log it once, and send the user to its job's page, where its progress shows."""
@@ -58,7 +61,6 @@ def start(
             (before,) = cursor.fetchone()
         job = operate.enqueue(
             transition=transition,
-            permission=permission,
             model=model_admin.opts.label_lower,
             query=query.urlencode(),
             user=user_id,
@@ -96,13 +98,15 @@ def start(
     permanent_errors=(PermissionError, ObjectDoesNotExist, FieldError),
 )  # fmt: skip
 def operate(
-    *, transition: str, permission: str, model: str, query: str, user: Any, before: str,
+    *, transition: str, model: str, query: str, user: Any, before: str,
     options: dict[str, Any], count: int,
 ) -> dict[str, int]:  # fmt: skip
-    """Carry out `transition` (a JobQuerySet method) over the jobs the admin's list of `model`
-    shows for `query` to `user`, who must still have `permission`, that were there, and
-    finished, `before`."""
-    jobs = matching(model, query, user, permission)
+    """Carry out `transition` (one of TRANSITIONS) over the jobs the admin's list of `model`
+    shows for `query` to `user`, who must still be allowed to, that were there, and finished,
+    `before`."""
+    if transition not in TRANSITIONS:
+        raise PermissionError(f"{transition!r} is not an operation: one of {sorted(TRANSITIONS)}")
+    jobs = matching(model, query, user, TRANSITIONS[transition])
     since = parse_datetime(before)
     assert since is not None
     jobs = jobs.filter(created_at__lte=since)
@@ -120,7 +124,7 @@ def operate(
             raise JobCancelled(f"cancelled after {done:,} of {total:,} jobs")
         with transaction.atomic(using=db):
             with connections[db].cursor() as cursor:  # a row held: given up, tried again later
-                cursor.execute("SET LOCAL lock_timeout = %s", [OPERATION_LOCK_WAIT])
+                cursor.execute("SELECT set_config('lock_timeout', %s, true)", [OPERATION_LOCK_WAIT])
             changed += len(getattr(rows.filter(pk__in=batch), transition)(**options))
         done, last = done + len(batch), batch[-1]
         progress(min(done, total), total)

@@ -137,3 +137,14 @@ def test_the_operation_refuses_a_user_no_longer_allowed(admin_client):
     operation.refresh_from_db()
     assert operation.status == Status.FAILED and "may no longer replay" in operation.last_error
     assert replays_of() == [0] * 30
+
+
+def test_an_edited_payload_cannot_name_another_queryset_method(admin_client):
+    # A payload can be edited (with its own permission) before a replay: the operation carries
+    # out only the admin's four transitions, each with its own permission checked.
+    dead_letters(30)
+    admin_client.post(REPLAY_MATCHING, {"post": "yes"})
+    (operation,) = Job.objects.filter(task="django_pgjobs.operate")
+    with pytest.raises(PermissionError, match="'delete' is not an operation"):
+        operations.operate.func(**{**operation.payload, "transition": "delete"})
+    assert replays_of() == [0] * 30
