@@ -79,14 +79,11 @@ def view(model_admin: admin.ModelAdmin[Any], request: HttpRequest) -> HttpRespon
                 "throughput": recent.throughput if recent else None,
                 "p50": recent.latency(0.5) if recent else None,
                 "p95": recent.latency(0.95) if recent else None,
-                "dead_url": f"{reverse('admin:pgjobs_deadletter_changelist')}?"
-                + urlencode({"queue": depth.queue}),
             })  # fmt: skip
     context = {
         **model_admin.admin_site.each_context(request),
         "opts": model_admin.opts,
         "title": _("Jobs dashboard"),
-        "report": report,
         "data": reports.as_dict(report) if report is not None else None,
         "totals": [
             {"key": key, "label": label, "count": totals[key], "url": link(key)}
