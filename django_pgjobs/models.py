@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from django.contrib.postgres.fields import ArrayField
 from django.core.checks import CheckMessage
 from django.db import connections, models
 from django.db.models import Q
@@ -302,6 +301,21 @@ class QueueStat(models.Model):
         return f"{self.queue} by {self.worker} at {self.at}"
 
 
+class Counts(models.Field):  # type: ignore[type-arg]
+    """A bigint[] column (a histogram's counts), which psycopg reads and writes as a list: not
+    django.contrib.postgres's ArrayField, which would need that app installed."""
+
+    def db_type(self, connection: Any) -> str:
+        return "bigint[]"
+
+
+class Names(models.Field):  # type: ignore[type-arg]
+    """A varchar(100)[] column (queue names), as Counts."""
+
+    def db_type(self, connection: Any) -> str:
+        return "varchar(100)[]"
+
+
 #: Upper bounds (seconds) of a task's run durations (Rollup.durations); the last bucket the rest.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
@@ -328,8 +342,8 @@ class Rollup(models.Model):
     yielded = models.FloatField(default=0.0)
     allowed = models.FloatField(null=True, blank=True)
     #: Claims per LATENCY_BUCKETS (queues), and runs per DURATION_BUCKETS (tasks).
-    latency = ArrayField(models.BigIntegerField(), default=list)
-    durations = ArrayField(models.BigIntegerField(), default=list)
+    latency = Counts(default=list)
+    durations = Counts(default=list)
 
     class Meta:
         verbose_name = _("rollup")
@@ -351,7 +365,7 @@ class Worker(models.Model):
     name = models.CharField(max_length=200, primary_key=True)
     seen_at = models.DateTimeField()
     seconds = models.FloatField()  # the interval its last report covered
-    queues = ArrayField(models.CharField(max_length=100), default=list)
+    queues = Names(default=list)
     stopped = models.BooleanField(default=False)
     #: Per queue of its last report: its seconds, those it yielded, the rate it was allowed
     #: (jobs/s), the jobs it claimed, and the application's open transaction time and baseline.

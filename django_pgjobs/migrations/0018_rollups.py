@@ -4,8 +4,9 @@ row every worker wrote. The statistics already kept are rolled up here; workers'
 that (seconds at a few hundred thousand rows), then go on.
 """
 
-import django.contrib.postgres.fields
 from django.db import migrations, models
+
+import django_pgjobs.models
 
 from django_pgjobs.migrating import BoundedLockWait
 
@@ -132,8 +133,8 @@ class Migration(migrations.Migration):
                 ('seconds', models.FloatField(default=0.0)),
                 ('yielded', models.FloatField(default=0.0)),
                 ('allowed', models.FloatField(blank=True, null=True)),
-                ('latency', django.contrib.postgres.fields.ArrayField(base_field=models.BigIntegerField(), default=list, size=None)),
-                ('durations', django.contrib.postgres.fields.ArrayField(base_field=models.BigIntegerField(), default=list, size=None)),
+                ('latency', django_pgjobs.models.Counts(default=list)),
+                ('durations', django_pgjobs.models.Counts(default=list)),
             ],
             options={
                 'verbose_name': 'rollup',
@@ -147,7 +148,7 @@ class Migration(migrations.Migration):
                 ('name', models.CharField(max_length=200, primary_key=True, serialize=False)),
                 ('seen_at', models.DateTimeField()),
                 ('seconds', models.FloatField()),
-                ('queues', django.contrib.postgres.fields.ArrayField(base_field=models.CharField(max_length=100), default=list, size=None)),
+                ('queues', django_pgjobs.models.Names(default=list)),
                 ('stopped', models.BooleanField(default=False)),
                 ('yielding', models.JSONField(blank=True, null=True)),
             ],

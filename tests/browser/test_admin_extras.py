@@ -63,11 +63,13 @@ def test_the_health_report_draws_its_charts_with_their_numbers_in_both_themes(
     yielding.screenshot(path=shots_dir(tmp_path) / "admin-health-yielding.png")
     throughput = hour.locator("figure").first
     expect()(throughput.locator("polyline")).to_have_count(2)  # a line per queue
-    expect()(throughput.locator("circle title").first).to_contain_text("jobs/min")
-    assert "emails · " in throughput.locator("circle title").first.text_content()
-    point = throughput.locator("circle").nth(25)
+    # A column per point: under the pointer, every line's number there.
+    expect()(throughput.locator("rect.point title").first).to_contain_text("jobs/min")
+    assert "emails " in throughput.locator("rect.point title").nth(25).text_content()
+    assert "reports " in throughput.locator("rect.point title").nth(25).text_content()
+    point = throughput.locator("rect.point").nth(25)
     point.hover()
-    expect()(point).to_have_css("fill-opacity", "1")  # shown under the pointer
+    expect()(point).to_have_css("fill-opacity", "0.15")  # shown under the pointer
 
     def axis_colour() -> str:
         return str(throughput.locator("text.axis").first.evaluate("e => getComputedStyle(e).fill"))
