@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 from django.db import connection, connections
+from django.db.models.functions import Now
 
 from django_pgjobs.data import sql
 from django_pgjobs.data.records import Claim, FailedAttempt, Failure
-from django_pgjobs.models import Job
+from django_pgjobs.models import Job, QueueStat, Rollup, Worker
 from django_pgjobs.outcomes import Verdict
 from django_pgjobs.runtime import execute
 from django_pgjobs.runtime.chores import Pruner, own_backoffs
@@ -605,6 +606,19 @@ def test_a_worker_prunes_again_within_a_quarter_of_the_shortest_retention(settin
     settings.PGJOBS = {**settings.PGJOBS, "PRUNE_BATCH": 2}
     JobFactory.create_batch(3, succeeded=True, enqueued_ago=3 * 3600)
     assert pruner.run() == 0.0  # a full batch: again at the next turn
+
+
+def test_a_worker_prunes_its_own_statistics_rows_sooner_than_their_rollup():
+    # Rolled up as they arrive, the workers' rows are kept a quarter of an hour; the rollup and
+    # the workers' last reports for STATS_RETENTION (a day).
+    for minutes in (10, 20, 60 * 30):
+        QueueStat.objects.create(
+            at=Now() - timedelta(minutes=minutes), seconds=10, worker=f"w{minutes}", queue="q"
+        )
+    Pruner(Job.objects, 60.0).run()
+    assert list(QueueStat.objects.values_list("worker", flat=True)) == ["w10"]
+    assert sorted(Worker.objects.values_list("name", flat=True)) == ["w10", "w20"]
+    assert Rollup.objects.filter(step=60).count() == 2
 
 
 #: Text that a turn's arrays carry exactly, whatever their encoding must quote or escape.
