@@ -23,7 +23,7 @@ from django_pgjobs.models import QueueStat, Rollup, Worker
 pytestmark = pytest.mark.django_db
 
 SETTINGS = hypothesis.settings(
-    max_examples=60,
+    max_examples=30,
     derandomize=not os.environ.get("PGJOBS_HYPOTHESIS_RANDOM"),
     database=None,
     deadline=None,

@@ -17,6 +17,7 @@ from django.urls import reverse
 from django_pgjobs.models import Job
 from django_pgjobs.status import Status
 from tests.conftest import wait_until
+from tests.crash.conftest import start_worker  # noqa: F401  (a fixture)
 from tests.integration.test_admin_operations import dead_letters
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,7 +37,7 @@ def replays() -> dict[int, int]:
 
 
 def test_a_replay_of_every_dead_letter_survives_its_worker_killed_midway(
-    start_worker: Any,
+    start_worker: Any,  # noqa: F811
 ) -> None:
     dead_letters(DEAD_LETTERS)
     client = Client()
