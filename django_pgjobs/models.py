@@ -337,9 +337,7 @@ class Rollup(models.Model):
     succeeded = models.BigIntegerField(default=0)
     retried = models.BigIntegerField(default=0)
     failed = models.BigIntegerField(default=0)
-    # A queue's yielding: the workers' seconds, those spent yielding, and the jobs allowed.
-    seconds = models.FloatField(default=0.0)
-    yielded = models.FloatField(default=0.0)
+    #: The jobs a queue's yielding workers were allowed (their rate times the seconds it held).
     allowed = models.FloatField(null=True, blank=True)
     #: Claims per LATENCY_BUCKETS (queues), and runs per DURATION_BUCKETS (tasks).
     latency = Counts(default=list)

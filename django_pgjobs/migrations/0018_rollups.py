@@ -20,21 +20,21 @@ POSITIONS = 16
 SUMS = ", ".join(f"COALESCE(sum((counts->>{n})::bigint), 0)" for n in range(POSITIONS))
 ROLL_UP_ROWS = """
     INSERT INTO pgjobs_rollup AS r (
-        kind, step, at, name, since, claimed, succeeded, retried, failed, seconds, yielded,
-        allowed, latency, durations
+        kind, step, at, name, since, claimed, succeeded, retried, failed, allowed, latency,
+        durations
     )
     SELECT kind, step, to_timestamp(floor(extract(epoch FROM at) / step) * step) AS slot, name,
            min(at - make_interval(secs => seconds)), sum(claimed), sum(succeeded), sum(retried),
-           sum(failed), sum(seconds), sum(yielded), sum(allowed * seconds),
+           sum(failed), sum(allowed * seconds),
            CASE WHEN kind = 'queue' THEN ARRAY[{sums}] ELSE '{}' END,
            CASE WHEN kind = 'task' THEN ARRAY[{sums}] ELSE '{}' END
     FROM (  -- each row under its queue, and under each task it ran
         SELECT 'queue' AS kind, queue AS name, at, seconds, claimed, succeeded, retried, failed,
-               yielded, allowed, latency_buckets AS counts
+               allowed, latency_buckets AS counts
         FROM {rows} AS added WHERE seconds > 0 AND seconds < 'Infinity'
         UNION ALL
         SELECT 'task', t.key, at, seconds, 0, (t.value->>'succeeded')::bigint,
-               (t.value->>'retried')::bigint, (t.value->>'failed')::bigint, 0, NULL,
+               (t.value->>'retried')::bigint, (t.value->>'failed')::bigint, NULL,
                t.value->'durations'
         FROM {rows} AS added CROSS JOIN jsonb_each(added.tasks) AS t
         WHERE seconds > 0 AND seconds < 'Infinity'
@@ -47,8 +47,6 @@ ROLL_UP_ROWS = """
         succeeded = r.succeeded + EXCLUDED.succeeded,
         retried = r.retried + EXCLUDED.retried,
         failed = r.failed + EXCLUDED.failed,
-        seconds = r.seconds + EXCLUDED.seconds,
-        yielded = r.yielded + EXCLUDED.yielded,
         allowed = COALESCE(r.allowed + EXCLUDED.allowed, r.allowed, EXCLUDED.allowed),
         latency = pgjobs_add_buckets(r.latency, EXCLUDED.latency),
         durations = pgjobs_add_buckets(r.durations, EXCLUDED.durations);
@@ -130,8 +128,6 @@ class Migration(migrations.Migration):
                 ('succeeded', models.BigIntegerField(default=0)),
                 ('retried', models.BigIntegerField(default=0)),
                 ('failed', models.BigIntegerField(default=0)),
-                ('seconds', models.FloatField(default=0.0)),
-                ('yielded', models.FloatField(default=0.0)),
                 ('allowed', models.FloatField(blank=True, null=True)),
                 ('latency', django_pgjobs.models.Counts(default=list)),
                 ('durations', django_pgjobs.models.Counts(default=list)),
