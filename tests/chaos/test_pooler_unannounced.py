@@ -26,6 +26,9 @@ def test_workers_behind_an_unannounced_transaction_pooler_stop_preparing_and_los
         start_worker("--concurrency", "4", "--no-listen", "--poll-interval", "0.05", env=env)
         for _ in range(3)
     ]
+    # Started before the jobs come (on a loaded machine one may take seconds): a worker still
+    # starting when the others have done all the jobs would die of the SIGTERM below.
+    assert wait_until(lambda: all(worker.started() for worker in workers), 60)
     Job.objects.bulk_enqueue("tests.tasks.noop", [None] * 3000)
     # Trickled in too, so that every worker runs many small turns on many server connections.
     for _ in range(200):
